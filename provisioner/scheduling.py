@@ -1,0 +1,612 @@
+"""The pure allocation core: placement, quota admission, queue order, expiry, idle reclaim.
+
+Everything here is a plain function over plain data (``model.PoolState``, ``Quota``,
+``Request``, ...) with ``now`` passed in: no ``await``, no SQL, no HTTP, no
+traitlets. The broker's service calls these, persists the decisions they return and
+only then applies them to its state; the trace simulator (``benchmarks/``) calls the
+very same functions on a simulated clock.
+
+Decisions never mutate the state they are given; ``apply_*`` helpers do, and the
+caller decides when (after the store committed).
+
+Key rules (see DESIGN.md "Semantics"):
+
+* Capacity: on each GPU, the sum of active lease fractions (ppm) is at most
+  ``Policy.capacity_ppm`` (1,000,000 minus the admin's reserve).
+* Memory: a lease of ``f`` on a GPU of ``M`` MiB reserves ``floor(f·M)``; the
+  framework cap is that minus ``context_overhead_mb``; a cap <= 0 can never work.
+* Placement: best-fit (the fullest GPU that fits) by default; ``spread`` picks the
+  emptiest; ``first-fit`` is kept as a baseline for the simulator.
+* Queue order: requests waiting longer than ``starvation_after`` first (by arrival),
+  then group priority, then fair share (users holding less first), then arrival.
+* Backfill with a reservation: the first request in queue order that does not fit
+  reserves one GPU (the emptiest it could use); later requests may not be placed on
+  it, so it drains and the large request cannot be overtaken forever.
+* Idle reclaim (optional): only while some request waits and does not fit, leases of
+  kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
+  revocations make room are revoked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from .errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
+from .model import (
+    GPU,
+    PPM,
+    Lease,
+    PoolState,
+    Quota,
+    QuotaBook,
+    Request,
+    memory_cap_mb,
+    min_ppm_for,
+    ppm_to_fraction,
+)
+
+PLACEMENTS = ("best-fit", "spread", "first-fit")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs of the core. The broker fills these from its traitlets config."""
+
+    ttl: float = 90.0
+    context_overhead_mb: int = 512
+    reserve_ppm: int = 0
+    placement: str = "best-fit"
+    backfill: bool = True
+    starvation_after: float = 600.0
+    idle_reclaim_after: float | None = None
+    queue_poll_grace: float = 30.0
+    max_queued_per_user: int = 10
+
+    @property
+    def capacity_ppm(self) -> int:
+        return PPM - self.reserve_ppm
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A validated acquire, with the identity the broker verified."""
+
+    user: str
+    kernel_id: str
+    fraction_ppm: int
+    groups: frozenset[str] = frozenset()
+    admin: bool = False
+    node: str | None = None
+    gpu_uuids: tuple[str, ...] | None = None
+    group: str | None = None
+
+
+# -- decisions -----------------------------------------------------------------
+
+
+@dataclass
+class Grant:
+    """Create ``lease``; if it came from the queue, ``request`` is the entry it consumes."""
+
+    lease: Lease
+    request: Request | None = None
+
+
+@dataclass
+class Existing:
+    """The kernel already holds this lease: an idempotent repeat."""
+
+    lease: Lease
+
+
+@dataclass
+class Queued:
+    """The ask waits in the queue at ``position`` (1 = next). ``new`` if just enqueued."""
+
+    request: Request
+    position: int
+    new: bool
+    reason: str = ""
+
+
+@dataclass
+class AcquireDecision:
+    """What ``decide_acquire`` concluded: the caller's own outcome plus every grant to persist."""
+
+    outcome: Grant | Existing | Queued
+    grants: list[Grant] = field(default_factory=list)
+
+
+# -- memory and eligibility ------------------------------------------------------
+
+
+def usable_gpus(
+    state: PoolState,
+    ppm: int,
+    policy: Policy,
+    node: str | None = None,
+    gpu_uuids: Iterable[str] | None = None,
+) -> list[GPU]:
+    """GPUs that could ever host ``ppm``: on the node / in the uuid list, cap > 0, within capacity."""
+    gpus = candidate_gpus(state, node, gpu_uuids)
+    if ppm > policy.capacity_ppm:
+        return []
+    return [g for g in gpus if memory_cap_mb(ppm, g.memory_mb, policy.context_overhead_mb) > 0]
+
+
+def candidate_gpus(
+    state: PoolState, node: str | None = None, gpu_uuids: Iterable[str] | None = None
+) -> list[GPU]:
+    """The GPUs a requester may use, before any size check, in a stable order."""
+    if node is None and gpu_uuids is None:
+        return state.ordered_gpus()
+    gpus: Iterable[GPU] = state.gpus.values()
+    if gpu_uuids is not None:
+        wanted = set(gpu_uuids)
+        gpus = [g for g in gpus if g.uuid in wanted]
+    if node is not None:
+        gpus = [g for g in gpus if g.node == node]
+    return sorted(gpus, key=lambda g: (g.node, g.index, g.uuid))
+
+
+def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
+    """Raise a clear 400/422 if ``ask`` can never be placed; return the GPUs it may use."""
+    if ask.gpu_uuids is not None:
+        unknown = sorted(set(ask.gpu_uuids) - set(state.gpus))
+        if unknown:
+            raise InvalidRequest(
+                f"Unknown GPU UUID(s): {', '.join(unknown)}. "
+                "List the broker's GPUs with GET /api/v1/gpus (or `gpu-lease top`)."
+            )
+    if ask.node is not None and not any(g.node == ask.node for g in state.gpus.values()):
+        raise CannotFit(
+            f"No GPU of the pool is on node {ask.node!r}; "
+            "ask your administrator to declare that node's GPUs to the broker.",
+            node=ask.node,
+        )
+    cands = candidate_gpus(state, ask.node, ask.gpu_uuids)
+    if not cands:
+        raise CannotFit("None of the GPUs this server may use belongs to the broker's pool.")
+    fraction = ppm_to_fraction(ask.fraction_ppm)
+    if ask.fraction_ppm > policy.capacity_ppm:
+        most = ppm_to_fraction(policy.capacity_ppm)
+        raise CannotFit(
+            f"A GPU fraction of {fraction:g} can never be granted: at most {most:g} of one GPU "
+            "is available to leases. Pick a kernel with a smaller GPU fraction.",
+            max_fraction=most,
+        )
+    ok = usable_gpus(state, ask.fraction_ppm, policy, ask.node, ask.gpu_uuids)
+    if not ok:
+        overhead = policy.context_overhead_mb
+        biggest = max(cands, key=lambda g: g.memory_mb)
+        smallest = min_ppm_for(biggest.memory_mb, overhead)
+        raise CannotFit(
+            f"A GPU fraction of {fraction:g} gives at most "
+            f"{ask.fraction_ppm * biggest.memory_mb // PPM} MiB on a {biggest.name} "
+            f"({biggest.memory_mb} MiB), not more than the {overhead} MiB every CUDA process "
+            f"needs for its context. The smallest fraction that works is "
+            f"{ppm_to_fraction(smallest):g}.",
+            min_fraction=ppm_to_fraction(smallest),
+        )
+    return ok
+
+
+# -- placement ----------------------------------------------------------------
+
+
+def place(
+    gpus: Iterable[GPU],
+    allocated: dict[str, int],
+    ppm: int,
+    policy: Policy,
+    exclude: frozenset[str] | set[str] = frozenset(),
+) -> GPU | None:
+    """Choose a GPU for ``ppm`` among ``gpus`` by the policy's placement, or None."""
+    cap = policy.capacity_ppm
+    best: GPU | None = None
+    best_alloc = -1
+    mode = policy.placement
+    for g in gpus:
+        if g.uuid in exclude:
+            continue
+        a = allocated.get(g.uuid, 0)
+        if a + ppm > cap:
+            continue
+        if mode == "first-fit":
+            return g
+        if best is None or (a > best_alloc if mode == "best-fit" else a < best_alloc):
+            best, best_alloc = g, a
+    return best
+
+
+# -- quotas -------------------------------------------------------------------
+
+
+def effective_quota(book: QuotaBook, user: str, groups: Iterable[str]) -> Quota:
+    """default -> group -> user: a user's own value wins, else the most generous group's, else default."""
+    mine = book.users.get(user)
+    group_quotas = [book.groups[g] for g in sorted(groups) if g in book.groups]
+    values = {}
+    for name in Quota.FIELDS:
+        value = getattr(mine, name) if mine is not None else None
+        if value is None:
+            set_by_groups = [getattr(q, name) for q in group_quotas if getattr(q, name) is not None]
+            if set_by_groups:
+                value = max(set_by_groups)
+        if value is None:
+            value = getattr(book.default, name)
+        values[name] = value
+    return Quota(**values)
+
+
+def check_course(ask: Ask) -> None:
+    """Course kernelspecs carry ``group``: only its members (and admins) may use them."""
+    if ask.group is not None and not ask.admin and ask.group not in ask.groups:
+        raise Forbidden(
+            f"This kernel is reserved for course {ask.group!r}, and you are not a member of it. "
+            "Ask your instructor to add you to the course, or choose another kernel.",
+            group=ask.group,
+        )
+
+
+def admit(
+    state: PoolState,
+    ask: Ask,
+    quota: Quota,
+    used_fraction_hours: float = 0.0,
+    policy: Policy | None = None,
+) -> None:
+    """Raise ``QuotaExceeded`` (403) with the reason if the ask would exceed ``quota``.
+
+    Waiting requests of the user count as held, so one user cannot fill the queue.
+    """
+    fraction = ppm_to_fraction(ask.fraction_ppm)
+    waiting = [r for r in state.queue.values() if r.user == ask.user]
+    held = state.held_by_user.get(ask.user, 0) + sum(r.fraction_ppm for r in waiting)
+    count = state.leases_by_user.get(ask.user, 0) + len(waiting)
+    if quota.max_lease_fraction_ppm is not None and ask.fraction_ppm > quota.max_lease_fraction_ppm:
+        limit = ppm_to_fraction(quota.max_lease_fraction_ppm)
+        raise QuotaExceeded(
+            f"A GPU fraction of {fraction:g} is above your per-kernel limit of {limit:g}. "
+            "Choose a kernel with a smaller GPU fraction.",
+            quota="max_lease_fraction",
+            limit=limit,
+        )
+    if quota.max_leases is not None and count + 1 > quota.max_leases:
+        raise QuotaExceeded(
+            f"You already hold or wait for {count} GPU kernel(s), the most your quota allows "
+            f"({quota.max_leases}). Shut down a GPU kernel you no longer use and try again.",
+            quota="max_leases",
+            limit=quota.max_leases,
+        )
+    if quota.max_fraction_ppm is not None and held + ask.fraction_ppm > quota.max_fraction_ppm:
+        limit = ppm_to_fraction(quota.max_fraction_ppm)
+        raise QuotaExceeded(
+            f"This kernel would bring your GPU share to {ppm_to_fraction(held + ask.fraction_ppm):g}, "
+            f"above your limit of {limit:g} at once. Shut down a GPU kernel and try again.",
+            quota="max_fraction",
+            limit=limit,
+        )
+    if quota.budget_fraction_hours is not None and used_fraction_hours >= quota.budget_fraction_hours:
+        window_h = (quota.budget_window_s or 0) / 3600
+        raise QuotaExceeded(
+            f"You have used {used_fraction_hours:.2f} of your {quota.budget_fraction_hours:g} "
+            f"GPU fraction-hours for the last {window_h:g} hours. Try again later or ask "
+            "your instructor for a larger budget.",
+            quota="budget_fraction_hours",
+            limit=quota.budget_fraction_hours,
+            used=round(used_fraction_hours, 6),
+        )
+    if policy is not None and len(waiting) >= policy.max_queued_per_user:
+        raise QuotaExceeded(
+            f"You already have {len(waiting)} GPU kernels waiting in the queue, the most allowed. "
+            "Wait for them to start, or shut them down.",
+            quota="max_queued",
+            limit=policy.max_queued_per_user,
+        )
+
+
+# -- queue ------------------------------------------------------------------
+
+
+def queue_order(
+    state: PoolState, now: float, policy: Policy, extra: Request | None = None
+) -> list[Request]:
+    """Waiting requests (plus ``extra``, a not yet enqueued one) in service order."""
+    held = state.held_by_user
+
+    def key(r: Request) -> tuple:
+        if now - r.arrived_at >= policy.starvation_after:
+            return (0, 0, 0, r.arrived_at, r.id)
+        return (1, -r.priority, held.get(r.user, 0), r.arrived_at, r.id)
+
+    waiting = list(state.queue.values())
+    if extra is not None:
+        waiting.append(extra)
+    return sorted(waiting, key=key)
+
+
+def position_of(
+    state: PoolState,
+    key: tuple[str, str],
+    now: float,
+    policy: Policy,
+    extra: Request | None = None,
+) -> int:
+    """1-based place of ``key`` in the queue order (0 if it is not waiting)."""
+    for i, r in enumerate(queue_order(state, now, policy, extra), start=1):
+        if r.key == key:
+            return i
+    return 0
+
+
+def drain(
+    state: PoolState,
+    now: float,
+    policy: Policy,
+    new_id: Callable[[], str],
+    extra: Request | None = None,
+) -> list[Grant]:
+    """Grants for waiting requests that fit now, in queue order, with a reservation for the head.
+
+    ``extra`` is a new request considered as if it were waiting. Does not mutate
+    ``state``; apply the result with ``apply_grants``.
+    """
+    if not state.queue and extra is None:
+        return []
+    alloc = dict(state.allocated)
+    reserved: set[str] = set()
+    grants: list[Grant] = []
+    for req in queue_order(state, now, policy, extra):
+        ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+        gpu = place(ok, alloc, req.fraction_ppm, policy, exclude=reserved)
+        if gpu is not None:
+            alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
+            grants.append(Grant(new_lease(req, gpu, now, policy, new_id()), req))
+        elif policy.backfill and not reserved and ok:
+            # the head reserves the emptiest GPU it could use; nothing else lands there
+            target = min(ok, key=lambda g: (alloc.get(g.uuid, 0), g.node, g.index, g.uuid))
+            reserved.add(target.uuid)
+    return grants
+
+
+def new_lease(req: Request | Ask, gpu: GPU, now: float, policy: Policy, lease_id: str) -> Lease:
+    return Lease(
+        id=lease_id,
+        user=req.user,
+        kernel_id=req.kernel_id,
+        gpu_uuid=gpu.uuid,
+        fraction_ppm=req.fraction_ppm,
+        memory_limit_mb=memory_cap_mb(req.fraction_ppm, gpu.memory_mb, policy.context_overhead_mb),
+        state="active",
+        created_at=now,
+        renewed_at=now,
+        expires_at=now + policy.ttl,
+        group=req.group,
+        last_activity=now,
+    )
+
+
+def decide_acquire(
+    state: PoolState,
+    ask: Ask,
+    quota: Quota,
+    now: float,
+    policy: Policy,
+    new_id: Callable[[], str],
+    used_fraction_hours: float = 0.0,
+) -> AcquireDecision:
+    """Decide one acquire: repeat -> same lease or queue place; else check, admit, place or enqueue.
+
+    Raises ``InvalidRequest``/``CannotFit``/``Forbidden``/``QuotaExceeded``/``Conflict``
+    with nothing decided. A new ask joins the queue's order; if anything is waiting,
+    a new ask is granted at once only if the drain (with its head reservation) grants it.
+    """
+    existing = state.lease_for_kernel(ask.user, ask.kernel_id)
+    if existing is not None:
+        if existing.fraction_ppm != ask.fraction_ppm:
+            raise Conflict(
+                f"Kernel {ask.kernel_id} already holds a GPU lease of "
+                f"{ppm_to_fraction(existing.fraction_ppm):g}; release it before asking for "
+                f"{ppm_to_fraction(ask.fraction_ppm):g}.",
+                lease_id=existing.id,
+            )
+        return AcquireDecision(Existing(existing))
+    waiting = state.queue.get((ask.user, ask.kernel_id))
+    if waiting is not None:
+        touched = replace(waiting, last_polled_at=now)
+        return AcquireDecision(
+            Queued(touched, position_of(state, waiting.key, now, policy), new=False)
+        )
+
+    check_course(ask)
+    ok = check_can_ever_fit(state, ask, policy)
+    admit(state, ask, quota, used_fraction_hours, policy)
+
+    if not state.queue:
+        gpu = place(ok, state.allocated, ask.fraction_ppm, policy)
+        if gpu is not None:
+            grant = Grant(new_lease(ask, gpu, now, policy, new_id()))
+            return AcquireDecision(grant, [grant])
+    req = Request(
+        id=new_id(),
+        user=ask.user,
+        kernel_id=ask.kernel_id,
+        fraction_ppm=ask.fraction_ppm,
+        arrived_at=now,
+        last_polled_at=now,
+        groups=ask.groups,
+        group=ask.group,
+        node=ask.node,
+        gpu_uuids=ask.gpu_uuids,
+        priority=quota.priority or 0,
+    )
+    grants = drain(state, now, policy, new_id, extra=req)
+    mine = next((g for g in grants if g.request is req), None)
+    if mine is not None:
+        mine.request = None  # it never waited: nothing to take out of the queue
+        return AcquireDecision(mine, grants)
+    position = position_of(state, req.key, now, policy, extra=req)
+    return AcquireDecision(Queued(req, position, new=True, reason=why_waiting(state, ok)), grants)
+
+
+def why_waiting(state: PoolState, ok: list[GPU]) -> str:
+    """A sentence for a student whose request waits: how full the GPUs are."""
+    if not ok:
+        return "No GPU can take this request right now."
+    parts = []
+    for g in ok[:4]:
+        used = ppm_to_fraction(state.allocated.get(g.uuid, 0))
+        parts.append(f"{g.name} {g.uuid[-8:]} is {used:.0%} allocated")
+    more = f" (and {len(ok) - 4} more GPUs)" if len(ok) > 4 else ""
+    waiting = len(state.queue)
+    return (
+        f"All GPUs you may use are full: {'; '.join(parts)}{more}. "
+        f"{waiting} other request(s) are waiting."
+    )
+
+
+# -- applying decisions -------------------------------------------------------------
+
+
+def apply_grants(state: PoolState, grants: Iterable[Grant]) -> None:
+    for g in grants:
+        if g.request is not None:
+            state.queue.pop(g.request.key, None)
+        state.add_lease(g.lease)
+
+
+def apply_ends(state: PoolState, lease_ids: Iterable[str]) -> list[Lease]:
+    return [state.remove_lease(i) for i in lease_ids if i in state.leases]
+
+
+# -- liveness -----------------------------------------------------------------------
+
+
+def renewed(
+    lease: Lease,
+    now: float,
+    policy: Policy,
+    pid: int | None = None,
+    execution_state: str | None = None,
+    last_activity: float | None = None,
+) -> Lease:
+    """The lease after a heartbeat: a new TTL and the kernel's reported activity."""
+    return replace(
+        lease,
+        renewed_at=now,
+        expires_at=now + policy.ttl,
+        pid=pid if pid is not None else lease.pid,
+        execution_state=execution_state if execution_state is not None else lease.execution_state,
+        last_activity=last_activity if last_activity is not None else lease.last_activity,
+    )
+
+
+def expired(state: PoolState, now: float) -> list[Lease]:
+    """Active leases whose TTL has run out (``expires_at <= now``)."""
+    return [lease for lease in state.leases.values() if lease.expires_at <= now]
+
+
+def stale_requests(
+    state: PoolState, now: float, policy: Policy, polling: set[tuple[str, str]] = frozenset()  # type: ignore[assignment]
+) -> list[Request]:
+    """Waiting requests whose client stopped polling (not in a long-poll, silent past the grace)."""
+    return [
+        r
+        for r in state.queue.values()
+        if r.key not in polling and now - r.last_polled_at > policy.queue_poll_grace
+    ]
+
+
+def idle_for(lease: Lease, now: float) -> float:
+    """Seconds since the kernel last did something (its provisioner reports activity)."""
+    if lease.execution_state == "busy":
+        return 0.0
+    since = lease.last_activity if lease.last_activity is not None else lease.created_at
+    return max(0.0, now - since)
+
+
+def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
+    """Leases to revoke so that waiting requests fit; empty unless someone waits.
+
+    For each waiting request in queue order that does not fit, pick the usable GPU
+    where revoking the fewest idle-too-long leases (most idle first) makes room;
+    revoke only if that suffices. Later requests see the capacity already promised.
+    """
+    limit = policy.idle_reclaim_after
+    if limit is None or not state.queue:
+        return []
+    alloc = dict(state.allocated)
+    victims: list[Lease] = []
+    taken: set[str] = set()
+    idle_by_gpu: dict[str, list[Lease]] = {}
+    for lease in state.leases.values():
+        if idle_for(lease, now) > limit:
+            idle_by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
+    if not idle_by_gpu:
+        return []
+    for leases in idle_by_gpu.values():
+        leases.sort(key=lambda x: -idle_for(x, now))
+    cap = policy.capacity_ppm
+    for req in queue_order(state, now, policy):
+        ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+        if place(ok, alloc, req.fraction_ppm, policy) is not None:
+            gpu = place(ok, alloc, req.fraction_ppm, policy)
+            assert gpu is not None
+            alloc[gpu.uuid] += req.fraction_ppm
+            continue
+        best: tuple[int, GPU, list[Lease]] | None = None
+        for g in ok:
+            need = alloc.get(g.uuid, 0) + req.fraction_ppm - cap
+            chosen: list[Lease] = []
+            for lease in idle_by_gpu.get(g.uuid, []):
+                if need <= 0:
+                    break
+                if lease.id in taken:
+                    continue
+                chosen.append(lease)
+                need -= lease.fraction_ppm
+            if need <= 0 and (best is None or len(chosen) < best[0]):
+                best = (len(chosen), g, chosen)
+        if best is None:
+            continue
+        _, g, chosen = best
+        for lease in chosen:
+            taken.add(lease.id)
+            victims.append(lease)
+            alloc[g.uuid] -= lease.fraction_ppm
+        alloc[g.uuid] += req.fraction_ppm
+    return victims
+
+
+# -- accounting -------------------------------------------------------------------
+
+
+def fraction_hours(
+    intervals: Iterable[tuple[int, float, float | None]], since: float, until: float
+) -> float:
+    """Sum of fraction x hours over ``(ppm, start, end-or-None)`` clipped to ``[since, until]``."""
+    total = 0.0
+    for ppm, start, end in intervals:
+        lo = max(start, since)
+        hi = min(end if end is not None else until, until)
+        if hi > lo:
+            total += ppm * (hi - lo)
+    return total / PPM / 3600.0
+
+
+def check_invariants(state: PoolState, policy: Policy) -> None:
+    """Assert the capacity and bookkeeping invariants (used by tests and the simulator)."""
+    totals: dict[str, int] = {u: 0 for u in state.gpus}
+    seen: set[tuple[str, str]] = set()
+    for lease in state.leases.values():
+        assert lease.active, lease
+        totals[lease.gpu_uuid] = totals.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        key = (lease.user, lease.kernel_id)
+        assert key not in seen, f"two active leases for {key}"
+        seen.add(key)
+        assert key not in state.queue, f"{key} both holds a lease and waits"
+    for uuid, total in totals.items():
+        assert total <= policy.capacity_ppm, f"GPU {uuid} over-allocated: {total} ppm"
+        assert state.allocated.get(uuid, 0) == total, f"allocated map drifted on {uuid}"

@@ -1,0 +1,323 @@
+"""Table tests of the pure allocation core (no I/O, ``now`` passed in)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from provisioner import scheduling as core
+from provisioner.errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
+from provisioner.model import (
+    GPU,
+    PPM,
+    PoolState,
+    Quota,
+    QuotaBook,
+    fraction_to_ppm,
+    memory_cap_mb,
+    min_ppm_for,
+)
+from provisioner.scheduling import Ask, Existing, Grant, Policy, Queued
+
+V100 = GPU("GPU-v100", "local", "V100", 32768, 0)
+A100s = [GPU(f"GPU-a{i}", "local", "A100", 81920, i) for i in range(3)]
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"id{next(counter)}"
+
+
+_IDS = ids()
+
+
+def pool(*gpus: GPU) -> PoolState:
+    return PoolState.build(list(gpus))
+
+
+def acquire(state, ask, policy=Policy(), now=0.0, quota=Quota(), new_id=None, used=0.0):
+    """Decide and apply, as the service does (without the store)."""
+    d = core.decide_acquire(state, ask, quota, now, policy, new_id or _IDS, used)
+    core.apply_grants(state, d.grants)
+    if isinstance(d.outcome, Queued):
+        state.queue[d.outcome.request.key] = d.outcome.request
+    return d.outcome
+
+
+@pytest.mark.parametrize(
+    "fraction, ppm", [(0.02, 20_000), (1.0, PPM), (0.000001, 1), (0.1, 100_000), (1 / 3, 333_333)]
+)
+def test_fraction_to_ppm(fraction, ppm):
+    assert fraction_to_ppm(fraction) == ppm
+
+
+@pytest.mark.parametrize(
+    "ppm, memory, overhead, cap",
+    [(20_000, 32768, 512, 143), (20_000, 81920, 512, 1126), (PPM, 16384, 512, 15872), (15_000, 32768, 512, -21)],
+)
+def test_memory_cap(ppm, memory, overhead, cap):
+    assert memory_cap_mb(ppm, memory, overhead) == cap
+
+
+def test_min_ppm_is_the_smallest_that_works():
+    for memory in (16384, 32768, 81920, 143771):
+        p = min_ppm_for(memory, 512)
+        assert memory_cap_mb(p, memory, 512) >= 1
+        assert memory_cap_mb(p - 1, memory, 512) <= 0
+
+
+def test_fifty_students_fill_one_v100_exactly_and_the_51st_queues():
+    st = pool(V100)
+    for i in range(50):
+        out = acquire(st, Ask(f"s{i}", "k", 20_000))
+        assert isinstance(out, Grant)
+    assert st.allocated[V100.uuid] == PPM
+    out = acquire(st, Ask("s50", "k", 20_000))
+    assert isinstance(out, Queued) and out.position == 1
+    assert "100%" in out.reason
+    core.check_invariants(st, Policy())
+
+
+@pytest.mark.parametrize(
+    "placement, expect",
+    [("best-fit", "GPU-a1"), ("spread", "GPU-a2"), ("first-fit", "GPU-a0")],
+)
+def test_placement(placement, expect):
+    st = pool(*A100s)
+    st.allocated.update({"GPU-a0": 100_000, "GPU-a1": 900_000, "GPU-a2": 0})
+    gpu = core.place(st.ordered_gpus(), st.allocated, 100_000, Policy(placement=placement))
+    assert gpu is not None and gpu.uuid == expect
+
+
+def test_placement_respects_reserve_and_exclusion():
+    st = pool(V100)
+    policy = Policy(reserve_ppm=100_000)
+    st.allocated[V100.uuid] = 880_000
+    assert core.place([V100], st.allocated, 20_000, policy) is V100
+    assert core.place([V100], st.allocated, 30_000, policy) is None
+    assert core.place([V100], st.allocated, 20_000, policy, exclude={V100.uuid}) is None
+
+
+def test_idempotent_acquire_and_conflict():
+    st = pool(V100)
+    first = acquire(st, Ask("alice", "k1", 20_000))
+    again = acquire(st, Ask("alice", "k1", 20_000))
+    assert isinstance(first, Grant) and isinstance(again, Existing)
+    assert again.lease.id == first.lease.id
+    assert len(st.leases) == 1
+    with pytest.raises(Conflict, match="already holds"):
+        acquire(st, Ask("alice", "k1", 50_000))
+    # another user with the same kernel id is another request
+    assert isinstance(acquire(st, Ask("bob", "k1", 20_000)), Grant)
+
+
+def test_repeated_queued_acquire_keeps_its_place():
+    st = pool(V100)
+    acquire(st, Ask("big", "k", PPM))
+    q1 = acquire(st, Ask("a", "k", 20_000), now=1)
+    q2 = acquire(st, Ask("b", "k", 20_000), now=2)
+    again = acquire(st, Ask("a", "k", 20_000), now=3)
+    assert isinstance(again, Queued) and not again.new
+    assert again.request.id == q1.request.id and again.position == 1
+    assert q2.position == 2
+    assert len(st.queue) == 2
+
+
+@pytest.mark.parametrize(
+    "ask, error, match",
+    [
+        (Ask("u", "k", 10_000), CannotFit, "smallest fraction that works is 0.015656"),
+        (Ask("u", "k", PPM, gpu_uuids=("GPU-nope",)), InvalidRequest, "Unknown GPU UUID"),
+        (Ask("u", "k", 20_000, node="elsewhere"), CannotFit, "node 'elsewhere'"),
+        (Ask("u", "k", 20_000, group="ml101"), Forbidden, "course 'ml101'"),
+    ],
+)
+def test_refusals_leave_state_unchanged(ask, error, match):
+    st = pool(V100)
+    acquire(st, Ask("x", "k0", 20_000))
+    before = (dict(st.allocated), set(st.leases), dict(st.queue))
+    with pytest.raises(error, match=match):
+        acquire(st, ask)
+    assert (dict(st.allocated), set(st.leases), dict(st.queue)) == before
+
+
+def test_above_capacity_after_reserve_is_422():
+    st = pool(V100)
+    with pytest.raises(CannotFit, match="at most 0.9"):
+        acquire(st, Ask("u", "k", PPM), policy=Policy(reserve_ppm=100_000))
+
+
+def test_course_member_and_admin_may_use_course_kernel():
+    st = pool(V100)
+    assert isinstance(acquire(st, Ask("m", "k", 20_000, groups=frozenset({"ml101"}), group="ml101")), Grant)
+    assert isinstance(acquire(st, Ask("root", "k", 20_000, admin=True, group="ml101")), Grant)
+
+
+BOOK = QuotaBook(
+    default=Quota(max_leases=1, max_fraction_ppm=100_000),
+    groups={
+        "ml101": Quota(max_leases=2, max_lease_fraction_ppm=50_000),
+        "research": Quota(max_leases=4, max_fraction_ppm=PPM, priority=5),
+    },
+    users={"vip": Quota(max_leases=10), "capped": Quota(max_leases=0)},
+)
+
+
+@pytest.mark.parametrize(
+    "user, groups, expect",
+    [
+        ("nobody", [], Quota(max_leases=1, max_fraction_ppm=100_000)),
+        ("s", ["ml101"], Quota(max_leases=2, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000)),
+        (
+            "s",
+            ["ml101", "research"],
+            Quota(max_leases=4, max_fraction_ppm=PPM, max_lease_fraction_ppm=50_000, priority=5),
+        ),
+        ("vip", ["ml101"], Quota(max_leases=10, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000)),
+        ("capped", ["research"], Quota(max_leases=0, max_fraction_ppm=PPM, priority=5)),
+    ],
+)
+def test_effective_quota(user, groups, expect):
+    assert core.effective_quota(BOOK, user, groups) == expect
+
+
+@pytest.mark.parametrize(
+    "quota, held, ask_ppm, used, match",
+    [
+        (Quota(max_leases=1), 1, 20_000, 0, "most your quota allows"),
+        (Quota(max_fraction_ppm=50_000), 2, 20_000, 0, "above your limit of 0.05"),
+        (Quota(max_lease_fraction_ppm=50_000), 0, 100_000, 0, "per-kernel limit of 0.05"),
+        (Quota(budget_fraction_hours=1.0, budget_window_s=86400), 0, 20_000, 1.0, "fraction-hours"),
+    ],
+)
+def test_admission_refusals(quota, held, ask_ppm, used, match):
+    st = pool(V100)
+    for i in range(held):
+        acquire(st, Ask("u", f"k{i}", 20_000))
+    with pytest.raises(QuotaExceeded, match=match):
+        acquire(st, Ask("u", "new", ask_ppm), quota=quota, used=used)
+    assert len(st.leases) == held
+
+
+def test_queued_requests_count_against_quota():
+    st = pool(V100)
+    acquire(st, Ask("hog", "k", PPM))
+    acquire(st, Ask("u", "k1", 20_000), quota=Quota(max_leases=1))
+    with pytest.raises(QuotaExceeded):
+        acquire(st, Ask("u", "k2", 20_000), quota=Quota(max_leases=1))
+
+
+def test_queue_order_priority_fair_share_arrival_and_aging():
+    st = pool(V100)
+    acquire(st, Ask("rich", "held", 500_000))
+    acquire(st, Ask("filler", "f", 500_000))
+    policy = Policy(starvation_after=100)
+    acquire(st, Ask("rich", "r", 20_000), now=1, policy=policy)
+    acquire(st, Ask("poor", "p", 20_000), now=2, policy=policy)
+    acquire(st, Ask("poor2", "p", 20_000), now=3, policy=policy)
+    st.queue[("vip", "v")] = st.queue[("poor2", "p")].__class__(
+        id="v", user="vip", kernel_id="v", fraction_ppm=20_000, arrived_at=4, last_polled_at=4, priority=5
+    )
+    order = [r.user for r in core.queue_order(st, 10, policy)]
+    assert order == ["vip", "poor", "poor2", "rich"]
+    # after waiting past starvation_after, arrival order wins
+    order = [r.user for r in core.queue_order(st, 200, policy)]
+    assert order == ["rich", "poor", "poor2", "vip"]
+
+
+def test_head_reservation_prevents_starvation_of_a_large_request():
+    gpus = [GPU("g0", "n", "A100", 81920, 0), GPU("g1", "n", "A100", 81920, 1)]
+    st = pool(*gpus)
+    new_id = ids()
+    policy = Policy()
+    for i in range(16):
+        acquire(st, Ask(f"s{i}", "k", 100_000), new_id=new_id)  # best-fit: g0 full, g1 at 0.6
+    assert st.allocated == {"g0": PPM, "g1": 600_000}
+    big = acquire(st, Ask("researcher", "big", 800_000), now=1, new_id=new_id)
+    assert isinstance(big, Queued)
+    # a stream of small requests arrives while the oldest leases end one by one
+    t = 2.0
+    for i in range(30):
+        victim = min(st.leases.values(), key=lambda x: x.created_at).id
+        core.apply_ends(st, [victim])
+        core.apply_grants(st, core.drain(st, t, policy, new_id))
+        acquire(st, Ask(f"late{i}", "k", 100_000), now=t, new_id=new_id)
+        core.check_invariants(st, policy)
+        t += 1
+        if st.lease_for_kernel("researcher", "big"):
+            break
+    assert st.lease_for_kernel("researcher", "big") is not None
+
+
+def test_without_backfill_reservation_small_requests_overtake_forever():
+    gpus = [GPU("g0", "n", "A100", 81920, 0)]
+    st = pool(*gpus)
+    new_id = ids()
+    policy = Policy(backfill=False, starvation_after=1e9)
+    for i in range(5):
+        acquire(st, Ask(f"s{i}", "k", 200_000), new_id=new_id, policy=policy)
+    acquire(st, Ask("researcher", "big", 800_000), now=1, new_id=new_id, policy=policy)
+    for i in range(10):
+        victim = min(st.leases.values(), key=lambda x: x.created_at).id
+        core.apply_ends(st, [victim])
+        acquire(st, Ask(f"late{i}", "k", 200_000), now=2 + i, new_id=new_id, policy=policy)
+    assert st.lease_for_kernel("researcher", "big") is None
+
+
+def test_expiry_and_renewal():
+    st = pool(V100)
+    policy = Policy(ttl=90)
+    lease = acquire(st, Ask("u", "k", 20_000), now=0, policy=policy).lease
+    assert core.expired(st, 89) == []
+    fresh = core.renewed(lease, 60, policy, pid=42, execution_state="idle", last_activity=55)
+    st.update_lease(fresh)
+    assert fresh.expires_at == 150 and fresh.pid == 42
+    assert core.expired(st, 149) == [] and [x.id for x in core.expired(st, 150)] == [lease.id]
+
+
+def test_stale_requests_dropped_unless_polling():
+    st = pool(V100)
+    acquire(st, Ask("hog", "k", PPM))
+    acquire(st, Ask("a", "k", 20_000), now=0)
+    acquire(st, Ask("b", "k", 20_000), now=0)
+    policy = Policy(queue_poll_grace=30)
+    stale = core.stale_requests(st, 31, policy, polling={("b", "k")})
+    assert [r.user for r in stale] == ["a"]
+
+
+def test_idle_reclaim_only_while_someone_waits():
+    st = pool(V100)
+    policy = Policy(idle_reclaim_after=600)
+    for i in range(50):
+        lease = acquire(st, Ask(f"s{i}", "k", 20_000), policy=policy).lease
+        st.update_lease(core.renewed(lease, 0, policy, execution_state="idle", last_activity=0))
+    assert core.idle_victims(st, 10_000, policy) == []  # nobody waits: nothing revoked
+    acquire(st, Ask("late", "k", 40_000), now=10_000, policy=policy)
+    victims = core.idle_victims(st, 10_000, policy)
+    assert len(victims) == 2  # exactly enough for 0.04
+    # busy kernels are never idle
+    for lease in list(st.leases.values()):
+        st.update_lease(core.renewed(lease, 10_000, policy, execution_state="busy"))
+    assert core.idle_victims(st, 20_000, policy) == []
+
+
+@pytest.mark.parametrize(
+    "intervals, since, until, expect",
+    [
+        ([(PPM, 0, 3600)], 0, 7200, 1.0),
+        ([(500_000, 0, None)], 0, 7200, 1.0),
+        ([(20_000, 0, 3600), (20_000, 1800, 5400)], 3600, 7200, 0.01),
+        ([(PPM, 0, 100)], 200, 300, 0.0),
+    ],
+)
+def test_fraction_hours(intervals, since, until, expect):
+    assert core.fraction_hours(intervals, since, until) == pytest.approx(expect)
+
+
+def test_check_invariants_catches_over_allocation():
+    st = pool(V100)
+    acquire(st, Ask("u", "k", PPM))
+    st.allocated[V100.uuid] += 1
+    with pytest.raises(AssertionError):
+        core.check_invariants(st, Policy())

@@ -1,0 +1,176 @@
+"""Property-based (hypothesis stateful) tests of the core's invariants.
+
+Random interleavings of acquire (new and repeated), release, renew, clock advance,
+expiry, stale-request drops, idle reclaim and queue drains, checking after every
+step: capacity per GPU, bookkeeping, idempotency of acquire, quotas, and that the
+drain leaves no waiting head that could have been placed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from provisioner import scheduling as core
+from provisioner.errors import GPULeaseError
+from provisioner.model import GPU, PoolState, Quota, QuotaBook
+from provisioner.scheduling import Ask, Existing, Grant, Policy, Queued
+
+GPUS = [
+    GPU("g-v100", "a", "V100", 32768, 0),
+    GPU("g-a100", "a", "A100", 81920, 1),
+    GPU("g-t4", "b", "T4", 16384, 0),
+]
+USERS = ["ann", "bob", "cyd", "dee"]
+KERNELS = ["k1", "k2", "k3"]
+FRACTIONS = [20_000, 50_000, 100_000, 250_000, 300_000, 500_000, 1_000_000]
+BOOK = QuotaBook(
+    default=Quota(max_leases=3, max_fraction_ppm=1_500_000),
+    groups={"ml101": Quota(max_lease_fraction_ppm=100_000, max_leases=2)},
+    users={"dee": Quota(max_leases=5, max_fraction_ppm=3_000_000)},
+)
+GROUPS = {"ann": frozenset({"ml101"}), "bob": frozenset({"ml101"}), "cyd": frozenset(), "dee": frozenset()}
+
+
+class Broker(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = Policy(ttl=90, idle_reclaim_after=300, queue_poll_grace=30, starvation_after=600)
+        self.state = PoolState.build(GPUS)
+        self.now = 0.0
+        counter = itertools.count()
+        self.new_id = lambda: f"x{next(counter)}"
+
+    def _apply(self, decision) -> None:
+        core.apply_grants(self.state, decision.grants)
+        if isinstance(decision.outcome, Queued):
+            self.state.queue[decision.outcome.request.key] = decision.outcome.request
+
+    @rule(
+        user=st.sampled_from(USERS),
+        kernel=st.sampled_from(KERNELS),
+        ppm=st.sampled_from(FRACTIONS),
+        node=st.sampled_from([None, None, "a", "b"]),
+    )
+    def acquire(self, user, kernel, ppm, node):
+        ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node)
+        quota = core.effective_quota(BOOK, user, GROUPS[user])
+        before = (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
+        try:
+            d = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+        except GPULeaseError:
+            # a refusal changes nothing
+            assert before == (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
+            return
+        self._apply(d)
+        # idempotency: asking again at once yields the same lease or the same queue place
+        again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+        assert again.grants == []
+        if isinstance(d.outcome, (Grant, Existing)):
+            assert isinstance(again.outcome, Existing) and again.outcome.lease.id == d.outcome.lease.id
+        else:
+            out = again.outcome
+            if isinstance(out, Existing):  # granted by a drain in the same decision
+                assert out.lease.user_kernel == (user, kernel)
+            else:
+                assert isinstance(out, Queued) and out.request.id == d.outcome.request.id
+
+    @precondition(lambda self: self.state.leases)
+    @rule(data=st.data())
+    def release(self, data):
+        lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
+        core.apply_ends(self.state, [lease_id])
+        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy, self.new_id))
+
+    @precondition(lambda self: self.state.leases)
+    @rule(data=st.data(), busy=st.booleans())
+    def renew(self, data, busy):
+        lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
+        lease = self.state.leases[lease_id]
+        state = "busy" if busy else "idle"
+        self.state.update_lease(
+            core.renewed(lease, self.now, self.policy, execution_state=state, last_activity=self.now)
+        )
+
+    @rule(dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]))
+    def advance(self, dt):
+        """The reaper's pass, as the service runs it."""
+        self.now += dt
+        gone = core.expired(self.state, self.now)
+        core.apply_ends(self.state, [x.id for x in gone])
+        for r in core.stale_requests(self.state, self.now, self.policy):
+            del self.state.queue[r.key]
+        victims = core.idle_victims(self.state, self.now, self.policy)
+        if victims:
+            assert self.state.queue, "idle leases revoked while nobody waited"
+        core.apply_ends(self.state, [x.id for x in victims])
+        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy, self.new_id))
+
+    @invariant()
+    def capacity_and_bookkeeping(self):
+        core.check_invariants(self.state, self.policy)
+
+    @invariant()
+    def quotas_hold(self):
+        for user in USERS:
+            quota = core.effective_quota(BOOK, user, GROUPS[user])
+            mine = [x for x in self.state.leases.values() if x.user == user]
+            waiting = [r for r in self.state.queue.values() if r.user == user]
+            assert len(mine) + len(waiting) <= quota.max_leases
+            held = sum(x.fraction_ppm for x in mine) + sum(r.fraction_ppm for r in waiting)
+            assert held <= quota.max_fraction_ppm
+            if quota.max_lease_fraction_ppm is not None:
+                assert all(x.fraction_ppm <= quota.max_lease_fraction_ppm for x in mine)
+
+    @invariant()
+    def drain_is_complete(self):
+        """After every step, the head of the queue cannot be placed (else it would have been)."""
+        order = core.queue_order(self.state, self.now, self.policy)
+        if order:
+            head = order[0]
+            ok = core.usable_gpus(self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids)
+            assert core.place(ok, self.state.allocated, head.fraction_ppm, self.policy) is None
+
+    @invariant()
+    def leases_match_gpu_memory(self):
+        for lease in self.state.leases.values():
+            gpu = self.state.gpus[lease.gpu_uuid]
+            assert 0 < lease.memory_limit_mb < gpu.memory_mb
+
+
+Broker.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestBrokerInvariants = Broker.TestCase
+
+
+def test_no_starvation_every_waiting_request_is_served_as_leases_end():
+    """Whole-GPU requests queue behind a pool full of small leases; as leases end, all are served."""
+    m = Broker()
+    for i in range(30):  # small leases from many kernels fill every GPU partly
+        user = USERS[i % 2]  # ann, bob: ml101 members, up to 0.1 each
+        m.acquire(user, f"k{i % 2}", 100_000, None)
+    asks = [("cyd", f"k{i}") for i in range(1, 4)] + [("dee", f"k{i}") for i in range(1, 4)]
+    for user, kernel in asks:
+        m.acquire(user, kernel, 1_000_000, None)
+    waiting = [key for key in asks if key in m.state.queue]
+    assert waiting, "the scenario should have made someone wait"
+    served: set[tuple[str, str]] = set()
+    for _ in range(200):
+        m.now += 1
+        for r in m.state.queue.values():
+            r.last_polled_at = m.now
+        served |= {key for key in waiting if m.state.lease_for_kernel(*key)}
+        if served == set(waiting):
+            break
+        oldest = min(m.state.leases.values(), key=lambda x: x.created_at)
+        core.apply_ends(m.state, [oldest.id])
+        core.apply_grants(m.state, core.drain(m.state, m.now, m.policy, m.new_id))
+        core.check_invariants(m.state, m.policy)
+    assert served == set(waiting)
