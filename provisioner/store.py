@@ -1,0 +1,861 @@
+"""Persistence: the only module that speaks SQL (SQLAlchemy Core, no ORM).
+
+The broker keeps its working state in memory (:class:`provisioner.model.PoolState`)
+and writes every change here, one transaction per change, so leases, the queue and
+quotas survive a restart. SQLite is the embedded default (WAL journal,
+``synchronous=NORMAL``, a busy timeout, and ``BEGIN IMMEDIATE`` for every write);
+PostgreSQL is supported through psycopg2.
+
+The capacity invariant is enforced by the database itself, not only by the broker's
+memory: :meth:`Store.insert_leases` locks the GPU rows it grants on (``SELECT … FOR
+UPDATE`` on PostgreSQL, the database write lock on SQLite), re-checks that the active
+fractions on each GPU plus the new ones fit, and that the kernel holds no other
+active lease, all in the transaction that inserts. Two broker processes writing at
+once therefore cannot over-allocate a GPU.
+
+Tables (schema version 1)::
+
+    schema_version  version PK, description, applied_at
+    gpus            uuid PK, node, name, memory_mb, idx, capacity_ppm
+    leases          id PK, user, kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb,
+                    state, grp, created_at, renewed_at, expires_at, ended_at, reason,
+                    pid, execution_state, last_activity
+                    indexes: (state), (user), (gpu_uuid) WHERE state='active',
+                    UNIQUE (user, kernel_id) WHERE state='active'
+    requests        id PK, user, kernel_id, fraction_ppm, groups (JSON), grp, node,
+                    gpu_uuids (JSON or NULL), priority, arrived_at, last_polled_at
+                    UNIQUE (user, kernel_id)
+    quotas          level ('default'|'group'|'user'), name, max_fraction_ppm,
+                    max_leases, max_lease_fraction_ppm, budget_fraction_hours,
+                    budget_window_s, priority; PK (level, name)
+
+Times are float POSIX seconds; fractions are integer parts per million.
+
+Errors: every SQLAlchemy or driver error is translated here into
+:class:`~provisioner.errors.StoreError`; a grant the database refuses raises
+:class:`CapacityConflict` (or its subclass :class:`DuplicateLease`; both are
+:class:`~provisioner.errors.Conflict`), and nothing was changed. An unusable URL or
+setting given to the constructor raises ``StoreError`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from .errors import Conflict, LeaseExpired, LeaseGone, LeaseNotFound, LeaseRevoked, StoreError
+from .model import GPU, LEASE_STATES, PPM, Lease, Quota, QuotaBook, Request
+
+__all__ = [
+    "MIGRATIONS",
+    "CapacityConflict",
+    "DuplicateLease",
+    "DuplicateRequest",
+    "Migration",
+    "Store",
+    "upgrade_schema",
+]
+
+
+class CapacityConflict(Conflict):
+    """The database refused a grant: it would put more than the GPU's capacity on it.
+
+    Also the base of :class:`DuplicateLease`, so that ``except CapacityConflict``
+    catches every grant the database refuses (the caller's view of the pool is stale).
+    Nothing was written.
+    """
+
+    code = "capacity_conflict"
+
+
+class DuplicateLease(CapacityConflict):
+    """The database refused a grant: the kernel already holds an active lease."""
+
+    code = "duplicate_lease"
+
+
+class DuplicateRequest(Conflict):
+    """The kernel already waits in the queue; nothing was written."""
+
+    code = "duplicate_request"
+
+
+# --------------------------------------------------------------------------- schema
+
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("description", sa.String(255), nullable=False),
+    sa.Column("applied_at", sa.Double, nullable=False),
+)
+
+gpus = sa.Table(
+    "gpus",
+    metadata,
+    sa.Column("uuid", sa.String(128), primary_key=True),
+    sa.Column("node", sa.String(255), nullable=False),
+    sa.Column("name", sa.String(255), nullable=False),
+    sa.Column("memory_mb", sa.BigInteger, nullable=False),
+    sa.Column("idx", sa.Integer, nullable=False),
+    sa.Column("capacity_ppm", sa.BigInteger, nullable=False),
+)
+
+_gpu_table = gpus  # for methods whose parameter is named ``gpus``
+
+_STATE_IN = "state IN ('active', 'revoked', 'released', 'expired')"
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("user", sa.String(255), nullable=False),
+    sa.Column("kernel_id", sa.String(255), nullable=False),
+    sa.Column("gpu_uuid", sa.String(128), nullable=False),
+    sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
+    sa.Column("memory_limit_mb", sa.BigInteger, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("grp", sa.String(255), nullable=True),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("renewed_at", sa.Double, nullable=False),
+    sa.Column("expires_at", sa.Double, nullable=False),
+    sa.Column("ended_at", sa.Double, nullable=True),
+    sa.Column("reason", sa.Text, nullable=True),
+    sa.Column("pid", sa.BigInteger, nullable=True),
+    sa.Column("execution_state", sa.String(32), nullable=True),
+    sa.Column("last_activity", sa.Double, nullable=True),
+    sa.CheckConstraint(_STATE_IN, name="ck_leases_state"),
+    sa.CheckConstraint("fraction_ppm > 0", name="ck_leases_fraction"),
+    sa.CheckConstraint("state = 'active' OR ended_at IS NOT NULL", name="ck_leases_ended"),
+)
+_ACTIVE = sa.text("state = 'active'")
+sa.Index("ix_leases_state", leases.c.state)
+sa.Index("ix_leases_user", leases.c.user)
+sa.Index("ix_leases_active_gpu", leases.c.gpu_uuid, sqlite_where=_ACTIVE, postgresql_where=_ACTIVE)
+sa.Index(
+    "uq_leases_active_kernel",
+    leases.c.user,
+    leases.c.kernel_id,
+    unique=True,
+    sqlite_where=_ACTIVE,
+    postgresql_where=_ACTIVE,
+)
+
+requests = sa.Table(
+    "requests",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("user", sa.String(255), nullable=False),
+    sa.Column("kernel_id", sa.String(255), nullable=False),
+    sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
+    sa.Column("groups", sa.Text, nullable=False),
+    sa.Column("grp", sa.String(255), nullable=True),
+    sa.Column("node", sa.String(255), nullable=True),
+    sa.Column("gpu_uuids", sa.Text, nullable=True),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("arrived_at", sa.Double, nullable=False),
+    sa.Column("last_polled_at", sa.Double, nullable=False),
+    sa.UniqueConstraint("user", "kernel_id", name="uq_requests_kernel"),
+)
+
+QUOTA_LEVELS = ("default", "group", "user")
+
+quotas = sa.Table(
+    "quotas",
+    metadata,
+    sa.Column("level", sa.String(16), primary_key=True),
+    sa.Column("name", sa.String(255), primary_key=True),
+    sa.Column("max_fraction_ppm", sa.BigInteger, nullable=True),
+    sa.Column("max_leases", sa.Integer, nullable=True),
+    sa.Column("max_lease_fraction_ppm", sa.BigInteger, nullable=True),
+    sa.Column("budget_fraction_hours", sa.Double, nullable=True),
+    sa.Column("budget_window_s", sa.BigInteger, nullable=True),
+    sa.Column("priority", sa.Integer, nullable=True),
+    sa.CheckConstraint("level IN ('default', 'group', 'user')", name="ck_quotas_level"),
+)
+
+# --------------------------------------------------------------------------- migrations
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One schema step: ``apply(conn)`` runs inside the upgrade transaction."""
+
+    version: int
+    description: str
+    apply: Callable[[Connection], None]
+
+
+def _v1_initial(conn: Connection) -> None:
+    # Version 1 is the full schema as defined above. When a later version changes a
+    # table, freeze the version-1 definitions in this function first, so that an old
+    # database is always built the way version 1 built it and then upgraded.
+    metadata.create_all(conn, tables=[gpus, leases, requests, quotas], checkfirst=True)
+
+
+#: Ordered schema steps; append ``Migration(2, ...)`` to change the schema.
+MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial schema", _v1_initial),)
+
+_PG_UPGRADE_LOCK = 0x67_6C_5F_73_74_6F_72  # pg_advisory_xact_lock key ("gl_stor")
+
+
+def upgrade_schema(
+    conn: Connection, migrations: Sequence[Migration] = MIGRATIONS, *, now: float | None = None
+) -> int:
+    """Apply the migrations the database lacks, inside the caller's transaction.
+
+    Called from :meth:`Store.upgrade` on every start; safe to repeat and safe when two
+    processes start at once (SQLite: the write lock; PostgreSQL: an advisory lock).
+    Returns the schema version the database has afterwards.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_PG_UPGRADE_LOCK)))
+    schema_version.create(conn, checkfirst=True)
+    current = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar() or 0
+    known = max((m.version for m in migrations), default=0)
+    if current > known:
+        raise StoreError(
+            f"The lease database has schema version {current}, newer than the {known} this "
+            "version of jupyter-gpu-lease understands; upgrade jupyter-gpu-lease on this host."
+        )
+    stamp = time.time() if now is None else now
+    for migration in sorted(migrations, key=lambda m: m.version):
+        if migration.version <= current:
+            continue
+        migration.apply(conn)
+        conn.execute(
+            schema_version.insert().values(
+                version=migration.version, description=migration.description, applied_at=stamp
+            )
+        )
+        current = migration.version
+    return current
+
+
+# --------------------------------------------------------------------------- statements
+# Built once; SQLAlchemy caches their compiled form per dialect.
+
+_LEASE_COLS = (
+    # in the order of Lease's fields, so that ``Lease(*row)`` builds one
+    leases.c.id,
+    leases.c.user,
+    leases.c.kernel_id,
+    leases.c.gpu_uuid,
+    leases.c.fraction_ppm,
+    leases.c.memory_limit_mb,
+    leases.c.state,
+    leases.c.created_at,
+    leases.c.renewed_at,
+    leases.c.expires_at,
+    leases.c.grp,
+    leases.c.ended_at,
+    leases.c.reason,
+    leases.c.pid,
+    leases.c.execution_state,
+    leases.c.last_activity,
+)
+_SELECT_LEASES = sa.select(*_LEASE_COLS)
+_SELECT_ACTIVE = _SELECT_LEASES.where(leases.c.state == "active").order_by(
+    leases.c.created_at, leases.c.id
+)
+_GET_LEASE = _SELECT_LEASES.where(leases.c.id == sa.bindparam("lid"))
+_LOCK_GPUS = (
+    sa.select(gpus.c.uuid, gpus.c.capacity_ppm)
+    .where(gpus.c.uuid.in_(sa.bindparam("uuids", expanding=True)))
+    .order_by(gpus.c.uuid)
+    .with_for_update()
+)
+_HELD_ON_GPUS = (
+    sa.select(leases.c.gpu_uuid, sa.func.sum(leases.c.fraction_ppm))
+    .where(leases.c.state == "active", leases.c.gpu_uuid.in_(sa.bindparam("uuids", expanding=True)))
+    .group_by(leases.c.gpu_uuid)
+)
+_ACTIVE_FOR_KERNEL = sa.select(leases.c.id).where(
+    leases.c.state == "active",
+    leases.c.user == sa.bindparam("b_user"),
+    leases.c.kernel_id == sa.bindparam("b_kernel"),
+)
+_INSERT_LEASE = leases.insert()
+_DELETE_REQUEST = requests.delete().where(requests.c.id == sa.bindparam("b_id"))
+_RENEW = (
+    leases.update()
+    .where(leases.c.id == sa.bindparam("b_id"), leases.c.state == "active")
+    .values(
+        renewed_at=sa.bindparam("b_renewed_at"),
+        expires_at=sa.bindparam("b_expires_at"),
+        pid=sa.bindparam("b_pid"),
+        execution_state=sa.bindparam("b_execution_state"),
+        last_activity=sa.bindparam("b_last_activity"),
+    )
+)
+_END = (
+    leases.update()
+    .where(leases.c.id == sa.bindparam("b_id"), leases.c.state == "active")
+    .values(
+        state=sa.bindparam("b_state"),
+        ended_at=sa.bindparam("b_ended_at"),
+        reason=sa.bindparam("b_reason"),
+    )
+)
+_LEASE_STATE = sa.select(leases.c.state, leases.c.reason).where(leases.c.id == sa.bindparam("lid"))
+_EXTEND = (
+    leases.update()
+    .where(leases.c.state == "active", leases.c.expires_at < sa.bindparam("b_min"))
+    .values(expires_at=sa.bindparam("b_min"))
+)
+_REQUEST_COLS = (
+    requests.c.id,
+    requests.c.user,
+    requests.c.kernel_id,
+    requests.c.fraction_ppm,
+    requests.c.arrived_at,
+    requests.c.last_polled_at,
+    requests.c.groups,
+    requests.c.grp,
+    requests.c.node,
+    requests.c.gpu_uuids,
+    requests.c.priority,
+)
+_SELECT_REQUESTS = sa.select(*_REQUEST_COLS).order_by(requests.c.arrived_at, requests.c.id)
+_TOUCH_REQUEST = (
+    requests.update()
+    .where(requests.c.id == sa.bindparam("b_id"))
+    .values(last_polled_at=sa.bindparam("b_last_polled_at"))
+)
+_GPU_ACTIVE_COUNT = (
+    sa.select(sa.func.count())
+    .select_from(leases)
+    .where(leases.c.state == "active", leases.c.gpu_uuid == sa.bindparam("b_uuid"))
+)
+_UPDATE_GPU = (
+    gpus.update()
+    .where(gpus.c.uuid == sa.bindparam("b_uuid"))
+    .values(
+        node=sa.bindparam("node"),
+        name=sa.bindparam("name"),
+        memory_mb=sa.bindparam("memory_mb"),
+        idx=sa.bindparam("idx"),
+        capacity_ppm=sa.bindparam("capacity_ppm"),
+    )
+)
+_QUOTA_COLS = tuple(quotas.c[f] for f in Quota.FIELDS)
+_UPDATE_QUOTA = (
+    quotas.update()
+    .where(quotas.c.level == sa.bindparam("b_level"), quotas.c.name == sa.bindparam("b_name"))
+    .values({f: sa.bindparam(f) for f in Quota.FIELDS})
+)
+_COUNTS = sa.select(leases.c.state, sa.func.count()).group_by(leases.c.state)
+
+# usage: fraction x overlap of [created_at, end) with [since, until), end = until while active
+_SINCE: sa.BindParameter[float] = sa.bindparam("since", type_=sa.Double())
+_UNTIL: sa.BindParameter[float] = sa.bindparam("until", type_=sa.Double())
+_END_AT = sa.case(
+    (leases.c.state == "active", _UNTIL), else_=sa.func.coalesce(leases.c.ended_at, _UNTIL)
+)
+_OVERLAP = sa.case((_END_AT < _UNTIL, _END_AT), else_=_UNTIL) - sa.case(
+    (leases.c.created_at > _SINCE, leases.c.created_at), else_=_SINCE
+)
+_PPM_SECONDS = sa.func.sum(leases.c.fraction_ppm * _OVERLAP)
+_IN_WINDOW = (leases.c.created_at < _UNTIL, _END_AT > _SINCE)
+_USAGE_BY = {
+    "user": sa.select(leases.c.user, _PPM_SECONDS).where(*_IN_WINDOW).group_by(leases.c.user),
+    "group": sa.select(leases.c.grp, _PPM_SECONDS).where(*_IN_WINDOW).group_by(leases.c.grp),
+}
+_USER_USAGE = sa.select(_PPM_SECONDS).where(*_IN_WINDOW, leases.c.user == sa.bindparam("b_user"))
+_PPM_HOURS = PPM * 3600.0
+
+_SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def _lease_row(lease: Lease) -> dict[str, Any]:
+    return {
+        "id": lease.id,
+        "user": lease.user,
+        "kernel_id": lease.kernel_id,
+        "gpu_uuid": lease.gpu_uuid,
+        "fraction_ppm": lease.fraction_ppm,
+        "memory_limit_mb": lease.memory_limit_mb,
+        "state": lease.state,
+        "grp": lease.group,
+        "created_at": lease.created_at,
+        "renewed_at": lease.renewed_at,
+        "expires_at": lease.expires_at,
+        "ended_at": lease.ended_at,
+        "reason": lease.reason,
+        "pid": lease.pid,
+        "execution_state": lease.execution_state,
+        "last_activity": lease.last_activity,
+    }
+
+
+def _request_from_row(row: Sequence[Any]) -> Request:
+    (rid, user, kernel_id, ppm, arrived, polled, groups, grp, node, uuids, prio) = row
+    return Request(
+        id=rid,
+        user=user,
+        kernel_id=kernel_id,
+        fraction_ppm=ppm,
+        arrived_at=arrived,
+        last_polled_at=polled,
+        groups=frozenset(json.loads(groups)),
+        group=grp,
+        node=node,
+        gpu_uuids=None if uuids is None else tuple(json.loads(uuids)),
+        priority=prio,
+    )
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class Store:
+    """The lease database. Created by the broker at start; every method is one transaction.
+
+    ``url`` is a SQLAlchemy URL (``sqlite:///gpu-lease.sqlite``,
+    ``postgresql://user@host/db``). The engine is built here but nothing connects
+    until :meth:`open`. Methods are synchronous and thread-safe (a connection pool).
+    """
+
+    def __init__(self, url: str, *, sqlite_synchronous: str = "NORMAL", echo: bool = False) -> None:
+        sync = sqlite_synchronous.upper()
+        if sync not in _SQLITE_SYNCHRONOUS:
+            raise StoreError(
+                f"sqlite_synchronous must be one of {', '.join(_SQLITE_SYNCHRONOUS)}, "
+                f"not {sqlite_synchronous!r}; fix the broker's configuration."
+            )
+        try:
+            self._url = sa.make_url(url)
+        except SQLAlchemyError as exc:
+            # not echoed: an unparseable URL may still hold a password
+            raise StoreError(
+                "The database URL cannot be parsed; give --db-url as sqlite:///FILE or "
+                "postgresql://USER@HOST/DB."
+            ) from exc
+        try:
+            if self._url.drivername == "postgresql":
+                # SQLAlchemy 2.1 defaults to psycopg 3; the project depends on psycopg2
+                self._url = self._url.set(drivername="postgresql+psycopg2")
+            self._is_sqlite = self._url.get_backend_name() == "sqlite"
+            kwargs: dict[str, Any] = {"echo": echo}
+            if self._is_sqlite:
+                kwargs["connect_args"] = {"check_same_thread": False}
+                if self._url.database in (None, "", ":memory:"):
+                    kwargs["poolclass"] = StaticPool  # one shared in-memory database
+            else:
+                kwargs["pool_pre_ping"] = True
+            self._engine: Engine = sa.create_engine(self._url, **kwargs)
+        except (SQLAlchemyError, ImportError) as exc:
+            raise StoreError(
+                f"Cannot use the database URL {self.url_for_logs!r}: {exc}. "
+                "Give --db-url as sqlite:///FILE or postgresql://USER@HOST/DB."
+            ) from exc
+        self._dbapi_error: type[Exception] = getattr(
+            self._engine.dialect.loaded_dbapi, "Error", SQLAlchemyError
+        )
+        self._opened = False
+        if self._is_sqlite:
+            self._install_sqlite_hooks(sync)
+
+    def _install_sqlite_hooks(self, synchronous: str) -> None:
+        # pysqlite's own transaction control neither emits BEGIN for reads nor lets us
+        # choose BEGIN IMMEDIATE; take it over as SQLAlchemy's SQLite docs describe.
+        @event.listens_for(self._engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("PRAGMA busy_timeout = 30000")
+                cur.execute("PRAGMA journal_mode = WAL")
+                cur.execute(f"PRAGMA synchronous = {synchronous}")
+            finally:
+                cur.close()
+
+        @event.listens_for(self._engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            # writes take the database write lock up front, so that the checks they
+            # make before writing still hold when they write
+            write = conn.get_execution_options().get("gpu_lease_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    # -- plumbing ---------------------------------------------------------------
+    @property
+    def url_for_logs(self) -> str:
+        """The database URL with any password masked."""
+        return self._url.render_as_string(hide_password=True)
+
+    @contextmanager
+    def _tx(self, what: str, *, write: bool = True) -> Iterator[Connection]:
+        """One transaction; foreign errors become :class:`StoreError` naming ``what``."""
+        try:
+            with self._engine.connect() as conn:
+                if write:
+                    conn.execution_options(gpu_lease_write=True)
+                with conn.begin():
+                    yield conn
+        except (SQLAlchemyError, self._dbapi_error) as exc:
+            raise StoreError(
+                f"The lease database at {self.url_for_logs} failed while trying to {what} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "nothing was changed. Check that the database is reachable and writable, then retry."
+            ) from exc
+
+    def open(self) -> None:
+        """Connect and bring the schema up to date. Called once at broker start; idempotent."""
+        if self._opened:
+            return
+        self.upgrade()
+        self._opened = True
+
+    def close(self) -> None:
+        """Close every pooled connection. Called at broker shutdown."""
+        try:
+            self._engine.dispose()
+        except (SQLAlchemyError, self._dbapi_error) as exc:
+            raise StoreError(f"Closing the lease database failed: {exc}") from exc
+        self._opened = False
+
+    def upgrade(self, migrations: Sequence[Migration] | None = None) -> int:
+        """Apply missing schema migrations in one transaction; returns the version now."""
+        with self._tx("open it and bring its schema up to date") as conn:
+            return upgrade_schema(conn, MIGRATIONS if migrations is None else migrations)
+
+    # -- inventory ----------------------------------------------------------------
+    def sync_gpus(self, gpus: list[GPU], capacity_ppm: int) -> None:
+        """Record the broker's GPUs (declared or discovered) with their capacity.
+
+        Called at broker start. GPUs no longer present are removed unless they still
+        carry active leases (those rows stay until the leases end).
+        """
+        rows = [
+            {
+                "b_uuid": g.uuid,
+                "node": g.node,
+                "name": g.name,
+                "memory_mb": g.memory_mb,
+                "idx": g.index,
+                "capacity_ppm": capacity_ppm,
+            }
+            for g in gpus
+        ]
+        keep = [g.uuid for g in gpus]
+        with self._tx("record the GPU inventory") as conn:
+            existing = set(conn.execute(sa.select(_gpu_table.c.uuid)).scalars())
+            updates = [r for r in rows if r["b_uuid"] in existing]
+            inserts = [
+                {("uuid" if k == "b_uuid" else k): v for k, v in r.items()}
+                for r in rows
+                if r["b_uuid"] not in existing
+            ]
+            if updates:
+                conn.execute(_UPDATE_GPU, updates)
+            if inserts:
+                conn.execute(_gpu_table.insert(), inserts)
+            gone = existing.difference(keep)
+            if gone:
+                busy = sa.select(leases.c.gpu_uuid).where(leases.c.state == "active")
+                t = _gpu_table
+                conn.execute(t.delete().where(t.c.uuid.in_(gone), t.c.uuid.not_in(busy)))
+
+    def list_gpus(self) -> list[tuple[GPU, int]]:
+        """The recorded GPUs with their capacity (ppm), ordered by node and index."""
+        stmt = sa.select(
+            gpus.c.uuid, gpus.c.node, gpus.c.name, gpus.c.memory_mb, gpus.c.idx, gpus.c.capacity_ppm
+        ).order_by(gpus.c.node, gpus.c.idx, gpus.c.uuid)
+        with self._tx("list the GPUs", write=False) as conn:
+            return [(GPU(u, n, nm, m, i), cap) for (u, n, nm, m, i, cap) in conn.execute(stmt)]
+
+    # -- state at start -------------------------------------------------------------
+    def load_active(self) -> tuple[list[Lease], list[Request]]:
+        """Active leases and queued requests (in arrival order), read at broker start."""
+        with self._tx("load the active leases and the queue", write=False) as conn:
+            active = [Lease(*row) for row in conn.execute(_SELECT_ACTIVE)]
+            queued = [_request_from_row(row) for row in conn.execute(_SELECT_REQUESTS)]
+        return active, queued
+
+    def extend_active(self, expires_at_min: float) -> int:
+        """Grace after a restart: raise every active lease's expiry to at least ``expires_at_min``.
+
+        Returns how many leases were extended (those already expiring later are left alone).
+        """
+        with self._tx("extend the active leases after a restart") as conn:
+            return conn.execute(_EXTEND, {"b_min": expires_at_min}).rowcount
+
+    # -- leases ---------------------------------------------------------------------
+    def insert_lease(
+        self, lease: Lease, capacity_ppm: int, *, drop_request_id: str | None = None
+    ) -> None:
+        """Persist one grant, re-checking capacity and uniqueness in the same transaction.
+
+        ``drop_request_id`` (a queued request this grant serves) is deleted in that
+        transaction too. Raises :class:`CapacityConflict` or :class:`DuplicateLease`
+        when the database refuses; nothing is written then.
+        """
+        self.insert_leases([lease], capacity_ppm, [drop_request_id] if drop_request_id else [])
+
+    def insert_leases(
+        self, new: list[Lease], capacity_ppm: int, drop_request_ids: list[str]
+    ) -> None:
+        """Persist several grants (a queue drain) in one transaction, all or nothing.
+
+        On each GPU, active fractions plus the new ones must stay within
+        ``min(capacity_ppm, the GPU row's capacity_ppm)``; no kernel may hold two
+        active leases.
+        """
+        if not new and not drop_request_ids:
+            return
+        what = "record a new lease" if len(new) == 1 else f"record {len(new)} new leases"
+        with self._tx(what) as conn:
+            if new:
+                self._check_grants(conn, new, capacity_ppm)
+                try:
+                    conn.execute(_INSERT_LEASE, [_lease_row(lease) for lease in new])
+                except IntegrityError as exc:
+                    # the partial unique index caught a concurrent grant for the same kernel
+                    raise DuplicateLease(
+                        "This kernel already holds an active GPU lease (granted concurrently); "
+                        "release it before asking for another.",
+                    ) from exc
+            if drop_request_ids:
+                conn.execute(_DELETE_REQUEST, [{"b_id": rid} for rid in drop_request_ids])
+
+    @staticmethod
+    def _check_grants(conn: Connection, new: list[Lease], capacity_ppm: int) -> None:
+        adding: dict[str, int] = {}
+        for lease in new:
+            if lease.state != "active":
+                raise ValueError(f"insert_leases records new active leases, not {lease.state!r}")
+            adding[lease.gpu_uuid] = adding.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        uuids = sorted(adding)  # lock in a fixed order: no deadlock between two brokers
+        caps: dict[str, int] = {u: c for u, c in conn.execute(_LOCK_GPUS, {"uuids": uuids})}
+        held: dict[str, Any] = {u: n for u, n in conn.execute(_HELD_ON_GPUS, {"uuids": uuids})}
+        for uuid in uuids:
+            if uuid not in caps:
+                raise CapacityConflict(
+                    f"GPU {uuid} is not in the broker's inventory; restart the broker so it "
+                    "records its GPUs, or ask for another GPU.",
+                    gpu_uuid=uuid,
+                )
+            limit = min(capacity_ppm, caps[uuid])
+            total = int(held.get(uuid) or 0) + adding[uuid]
+            if total > limit:
+                raise CapacityConflict(
+                    f"GPU {uuid} cannot take {adding[uuid] / PPM:g} more of its capacity: "
+                    f"{int(held.get(uuid) or 0) / PPM:g} of {limit / PPM:g} is already leased "
+                    "(another broker process granted it first); wait in the queue or retry.",
+                    gpu_uuid=uuid,
+                )
+        seen: set[tuple[str, str]] = set()
+        for lease in new:
+            key = (lease.user, lease.kernel_id)
+            other = conn.execute(
+                _ACTIVE_FOR_KERNEL, {"b_user": lease.user, "b_kernel": lease.kernel_id}
+            ).scalar()
+            if key in seen or other is not None:
+                raise DuplicateLease(
+                    f"Kernel {lease.kernel_id} of {lease.user} already holds an active GPU "
+                    "lease; release it before asking for another.",
+                    lease_id=other,
+                )
+            seen.add(key)
+
+    def renew_lease(
+        self,
+        lease_id: str,
+        renewed_at: float,
+        expires_at: float,
+        pid: int | None,
+        execution_state: str | None,
+        last_activity: float | None,
+    ) -> None:
+        """Record a heartbeat on an active lease.
+
+        Raises :class:`LeaseNotFound` for an unknown id and a
+        :class:`LeaseGone` subclass when the lease is no longer active in the database.
+        """
+        params = {
+            "b_id": lease_id,
+            "b_renewed_at": renewed_at,
+            "b_expires_at": expires_at,
+            "b_pid": pid,
+            "b_execution_state": execution_state,
+            "b_last_activity": last_activity,
+        }
+        with self._tx("renew a lease") as conn:
+            if conn.execute(_RENEW, params).rowcount:
+                return
+            found = conn.execute(_LEASE_STATE, {"lid": lease_id}).first()
+        if found is None:
+            raise LeaseNotFound(f"There is no GPU lease {lease_id}; acquire a new one.")
+        state, reason = found
+        gone: type[LeaseGone] = {"revoked": LeaseRevoked, "expired": LeaseExpired}.get(
+            state, LeaseGone
+        )
+        raise gone(
+            f"GPU lease {lease_id} is {state}"
+            + (f" ({reason})" if reason else "")
+            + "; restart the kernel to acquire a new one.",
+            state=state,
+            reason=reason,
+        )
+
+    def end_leases(self, ends: list[tuple[str, str, float, str | None]]) -> None:
+        """End leases ``[(lease_id, new_state, ended_at, reason)]`` in one transaction.
+
+        Only rows still active change, so repeating a release is harmless.
+        """
+        if not ends:
+            return
+        params = []
+        for lease_id, state, ended_at, reason in ends:
+            if state == "active" or state not in LEASE_STATES:
+                raise ValueError(f"a lease ends as released, expired or revoked, not {state!r}")
+            params.append(
+                {"b_id": lease_id, "b_state": state, "b_ended_at": ended_at, "b_reason": reason}
+            )
+        with self._tx("end leases") as conn:
+            conn.execute(_END, params)
+
+    def get_lease(self, lease_id: str) -> Lease | None:
+        """One lease in any state (history included), or ``None``."""
+        with self._tx("read a lease", write=False) as conn:
+            row = conn.execute(_GET_LEASE, {"lid": lease_id}).first()
+        return None if row is None else Lease(*row)
+
+    def list_leases(
+        self,
+        *,
+        user: str | None = None,
+        states: tuple[str, ...] | None = None,
+        limit: int = 1000,
+    ) -> list[Lease]:
+        """Leases, newest first, optionally of one user and/or in some states."""
+        stmt = _SELECT_LEASES
+        if user is not None:
+            stmt = stmt.where(leases.c.user == user)
+        if states is not None:
+            stmt = stmt.where(leases.c.state.in_(states))
+        stmt = stmt.order_by(leases.c.created_at.desc(), leases.c.id).limit(limit)
+        with self._tx("list leases", write=False) as conn:
+            return [Lease(*row) for row in conn.execute(stmt)]
+
+    # -- queue ----------------------------------------------------------------------
+    def insert_request(self, req: Request) -> None:
+        """Record a request that waits; raises :class:`DuplicateRequest` if the kernel already waits."""
+        row = {
+            "id": req.id,
+            "user": req.user,
+            "kernel_id": req.kernel_id,
+            "fraction_ppm": req.fraction_ppm,
+            "groups": json.dumps(sorted(req.groups)),
+            "grp": req.group,
+            "node": req.node,
+            "gpu_uuids": None if req.gpu_uuids is None else json.dumps(list(req.gpu_uuids)),
+            "priority": req.priority,
+            "arrived_at": req.arrived_at,
+            "last_polled_at": req.last_polled_at,
+        }
+        with self._tx("queue a request") as conn:
+            try:
+                conn.execute(requests.insert(), row)
+            except IntegrityError as exc:
+                raise DuplicateRequest(
+                    f"Kernel {req.kernel_id} of {req.user} is already waiting for a GPU; "
+                    "keep polling the same request.",
+                ) from exc
+
+    def touch_request(self, request_id: str, last_polled_at: float) -> None:
+        """Record that the client of a queued request is still polling."""
+        with self._tx("refresh a queued request") as conn:
+            conn.execute(_TOUCH_REQUEST, {"b_id": request_id, "b_last_polled_at": last_polled_at})
+
+    def delete_requests(self, request_ids: list[str]) -> None:
+        """Drop queued requests (granted elsewhere, abandoned or cancelled)."""
+        if not request_ids:
+            return
+        with self._tx("drop queued requests") as conn:
+            conn.execute(_DELETE_REQUEST, [{"b_id": rid} for rid in request_ids])
+
+    # -- quotas ---------------------------------------------------------------------
+    def load_quotas(self) -> QuotaBook:
+        """Every quota: the default, per group and per user."""
+        book = QuotaBook()
+        stmt = sa.select(quotas.c.level, quotas.c.name, *_QUOTA_COLS)
+        with self._tx("load the quotas", write=False) as conn:
+            rows = conn.execute(stmt).all()
+        for level, name, *values in rows:
+            quota = Quota(*values)
+            if level == "default":
+                book.default = quota
+            elif level == "group":
+                book.groups[name] = quota
+            else:
+                book.users[name] = quota
+        return book
+
+    @staticmethod
+    def _check_level(level: str, name: str) -> None:
+        if level not in QUOTA_LEVELS:
+            raise ValueError(f"quota level must be one of {', '.join(QUOTA_LEVELS)}, not {level!r}")
+        if (level == "default") != (name == ""):
+            raise ValueError("the default quota has the name '', group and user quotas a name")
+
+    def put_quota(self, level: str, name: str, quota: Quota) -> None:
+        """Set (replace) the quota of the default (name ``''``), a group or a user."""
+        self._check_level(level, name)
+        values = {f: getattr(quota, f) for f in Quota.FIELDS}
+        with self._tx("save a quota") as conn:
+            if not conn.execute(
+                _UPDATE_QUOTA, {"b_level": level, "b_name": name, **values}
+            ).rowcount:
+                conn.execute(quotas.insert(), {"level": level, "name": name, **values})
+
+    def delete_quota(self, level: str, name: str) -> bool:
+        """Remove a quota; returns whether there was one."""
+        self._check_level(level, name)
+        stmt = quotas.delete().where(quotas.c.level == level, quotas.c.name == name)
+        with self._tx("remove a quota") as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    # -- accounting -----------------------------------------------------------------
+    def usage(self, since: float, until: float, by: str = "user") -> dict[str, float]:
+        """Fraction-hours used in ``[since, until)`` per user or per group (``grp``; none -> ``""``).
+
+        Active leases count up to ``until``.
+        """
+        if by not in _USAGE_BY:
+            raise ValueError(f"usage is by 'user' or 'group', not {by!r}")
+        with self._tx("compute usage", write=False) as conn:
+            rows = conn.execute(_USAGE_BY[by], {"since": since, "until": until}).all()
+        out: dict[str, float] = {}
+        for key, ppm_s in rows:
+            k = key or ""
+            out[k] = out.get(k, 0.0) + float(ppm_s or 0) / _PPM_HOURS
+        return out
+
+    def user_usage(self, user: str, since: float, until: float) -> float:
+        """Fraction-hours one user used in ``[since, until)`` (for the budget quota)."""
+        with self._tx("compute a user's usage", write=False) as conn:
+            ppm_s = conn.execute(
+                _USER_USAGE, {"since": since, "until": until, "b_user": user}
+            ).scalar()
+        return float(ppm_s or 0) / _PPM_HOURS
+
+    def counts(self) -> dict[str, int]:
+        """Number of leases in each state (every state present, zero included)."""
+        out = dict.fromkeys(LEASE_STATES, 0)
+        with self._tx("count leases", write=False) as conn:
+            for state, n in conn.execute(_COUNTS):
+                out[state] = int(n)
+        return out

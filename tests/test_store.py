@@ -1,0 +1,774 @@
+"""Tests of provisioner.store against real databases: an SQLite file and PostgreSQL.
+
+Every test that takes ``store`` (or ``db_url``) runs twice: on a fresh SQLite file and
+on a fresh, uniquely named PostgreSQL schema of the ``test`` database (skipped, with
+the reason, when the server cannot be reached). Nothing is mocked: concurrency is
+real processes racing on one database, and the crash test kills a writer with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import provisioner
+from provisioner.errors import (
+    Conflict,
+    LeaseExpired,
+    LeaseGone,
+    LeaseNotFound,
+    LeaseRevoked,
+    StoreError,
+)
+from provisioner.model import GPU, PPM, Lease, Quota, QuotaBook, Request
+from provisioner.store import (
+    MIGRATIONS,
+    CapacityConflict,
+    DuplicateLease,
+    DuplicateRequest,
+    Migration,
+    Store,
+    upgrade_schema,
+)
+
+PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REPO_ROOT = Path(provisioner.__file__).resolve().parent.parent
+GPU0 = GPU("GPU-0", "node-a", "V100", 32768, 0)
+GPU1 = GPU("GPU-1", "node-a", "V100", 32768, 1)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _raw_engine(url: str) -> sa.Engine:
+    """A plain engine on the same database, to look behind the store's back."""
+    u = sa.make_url(url)
+    if u.drivername == "postgresql":
+        u = u.set(drivername="postgresql+psycopg2")
+    return sa.create_engine(u)
+
+
+def _lease(
+    lid: str,
+    *,
+    user: str = "alice",
+    kernel: str | None = None,
+    gpu: str = "GPU-0",
+    ppm: int = 20_000,
+    created: float = 1000.0,
+    group: str | None = None,
+    state: str = "active",
+) -> Lease:
+    return Lease(
+        id=lid,
+        user=user,
+        kernel_id=kernel or f"k-{lid}",
+        gpu_uuid=gpu,
+        fraction_ppm=ppm,
+        memory_limit_mb=ppm * 32768 // PPM - 512,
+        state=state,
+        created_at=created,
+        renewed_at=created,
+        expires_at=created + 90.0,
+        group=group,
+    )
+
+
+def _request(rid: str, *, user: str = "bob", kernel: str | None = None, **kw: Any) -> Request:
+    base: dict[str, Any] = {
+        "fraction_ppm": 500_000,
+        "arrived_at": 1000.0,
+        "last_polled_at": 1000.0,
+    }
+    base.update(kw)
+    return Request(id=rid, user=user, kernel_id=kernel or f"k-{rid}", **base)
+
+
+def _active_sum(store: Store, gpu: str = "GPU-0") -> int:
+    return sum(
+        lease.fraction_ppm
+        for lease in store.list_leases(states=("active",), limit=100_000)
+        if lease.gpu_uuid == gpu
+    )
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _pg_admin() -> sa.Engine:
+    url = sa.make_url(PG_URL).set(drivername="postgresql+psycopg2")
+    return sa.create_engine(url, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 5})
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: an SQLite file, or a new PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'gpu-lease.sqlite'}"
+        return
+    admin = _pg_admin()
+    schema = f"gl_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        reason = f"PostgreSQL at {PG_URL} is unreachable: {str(exc).splitlines()[0]}"
+        print(reason)
+        pytest.skip(reason)
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    """An opened store with two GPUs of capacity 1.0."""
+    s = Store(db_url)
+    s.open()
+    s.sync_gpus([GPU0, GPU1], PPM)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def test_open_is_idempotent_and_records_the_version(db_url: str) -> None:
+    s = Store(db_url)
+    try:
+        s.open()
+        s.open()
+        assert s.upgrade() == MIGRATIONS[-1].version
+        assert Store(db_url).upgrade() == MIGRATIONS[-1].version  # a second process, same DB
+    finally:
+        s.close()
+    eng = _raw_engine(db_url)
+    with eng.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT version, description FROM schema_version").all()
+    eng.dispose()
+    assert [tuple(r) for r in rows] == [(1, "initial schema")]
+
+
+@pytest.mark.parametrize(
+    ("url", "shown", "hidden"),
+    [
+        ("postgresql://gl:s3cret@db.example:5432/gl", "gl:***@db.example", "s3cret"),
+        ("sqlite:///gpu-lease.sqlite", "sqlite:///gpu-lease.sqlite", None),
+    ],
+)
+def test_url_for_logs_masks_the_password(url: str, shown: str, hidden: str | None) -> None:
+    s = Store(url)  # nothing connects before open()
+    assert shown in s.url_for_logs
+    if hidden:
+        assert hidden not in s.url_for_logs
+    s.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "kwargs", "error"),
+    [
+        ("sqlite:///x.sqlite", {"sqlite_synchronous": "SOMETIMES"}, StoreError),
+        ("nosuchdb://host/db", {}, StoreError),
+        ("not a url", {}, StoreError),
+    ],
+)
+def test_bad_configuration_is_refused(url: str, kwargs: dict[str, Any], error: type) -> None:
+    with pytest.raises(error):
+        Store(url, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:////nonexistent-dir/gpu-lease.sqlite",
+        pytest.param("postgresql://postgres@127.0.0.1:1/test", marks=pytest.mark.postgres),
+    ],
+)
+def test_unreachable_database_raises_store_error(url: str) -> None:
+    s = Store(url)
+    with pytest.raises(StoreError, match="nothing was changed") as info:
+        s.open()
+    assert isinstance(info.value.__cause__, sa.exc.SQLAlchemyError)
+    assert info.value.status == 503
+    s.close()
+
+
+@pytest.mark.parametrize(("synchronous", "code"), [("NORMAL", 1), ("FULL", 2), ("off", 0)])
+def test_sqlite_pragmas(tmp_path: Path, synchronous: str, code: int) -> None:
+    s = Store(f"sqlite:///{tmp_path / 'p.sqlite'}", sqlite_synchronous=synchronous)
+    s.open()
+    with s._engine.connect() as conn:  # the store's own pooled connection
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == code
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    s.close()
+
+
+def test_in_memory_sqlite_works(tmp_path: Path) -> None:
+    s = Store("sqlite://")
+    s.open()
+    s.sync_gpus([GPU0], PPM)
+    s.insert_lease(_lease("a"), PPM)
+    assert s.get_lease("a") == _lease("a")
+    s.close()
+
+
+def test_sql_errors_become_store_errors(store: Store, db_url: str) -> None:
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE leases")
+    eng.dispose()
+    with pytest.raises(StoreError, match="list leases") as info:
+        store.list_leases()
+    assert isinstance(info.value.__cause__, sa.exc.SQLAlchemyError)
+
+
+# --------------------------------------------------------------------------- inventory
+
+
+def test_sync_gpus_upserts_and_keeps_busy_gpus(store: Store) -> None:
+    assert store.list_gpus() == [(GPU0, PPM), (GPU1, PPM)]
+    store.insert_lease(_lease("a", gpu="GPU-1"), PPM)
+    renamed = GPU("GPU-0", "node-a", "V100-SXM2", 32768, 0)
+    gpu2 = GPU("GPU-2", "node-b", "T4", 16384, 0)
+    store.sync_gpus([renamed, gpu2], 900_000)
+    # GPU-1 has an active lease: it stays (with its old capacity) until the lease ends
+    assert store.list_gpus() == [(renamed, 900_000), (GPU1, PPM), (gpu2, 900_000)]
+    store.end_leases([("a", "released", 1001.0, None)])
+    store.sync_gpus([renamed, gpu2], 900_000)
+    assert store.list_gpus() == [(renamed, 900_000), (gpu2, 900_000)]
+    assert store.get_lease("a") is not None  # history stays
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_lease_round_trip(store: Store) -> None:
+    lease = _lease("a", group="ml101")
+    store.insert_lease(lease, PPM)
+    assert store.get_lease("a") == lease
+    assert store.get_lease("missing") is None
+
+
+def test_insert_lease_drops_the_request_it_serves(store: Store) -> None:
+    store.insert_request(_request("r1", user="alice", kernel="k-a"))
+    store.insert_lease(_lease("a", kernel="k-a"), PPM, drop_request_id="r1")
+    leases, queue = store.load_active()
+    assert [lease.id for lease in leases] == ["a"]
+    assert queue == []
+
+
+@pytest.mark.parametrize(
+    ("held", "new", "capacity", "fits"),
+    [
+        ([500_000, 500_000], 20_000, PPM, False),
+        ([500_000, 480_000], 20_000, PPM, True),  # exactly full
+        ([20_000] * 49, 20_000, PPM, True),  # 50 x 0.02 fill a GPU exactly
+        ([20_000] * 50, 20_000, PPM, False),
+        ([], PPM, PPM, True),
+        ([], PPM, 900_000, False),  # the broker's capacity (reserve) is stricter
+        ([800_000], 100_000, 900_000, True),
+    ],
+)
+def test_capacity_is_checked_in_the_database(
+    store: Store, held: list[int], new: int, capacity: int, fits: bool
+) -> None:
+    store.insert_leases([_lease(f"h{i}", ppm=p) for i, p in enumerate(held)], PPM, [])
+    store.insert_request(_request("r1", user="alice", kernel="k-new"))
+    before = store.counts()
+    attempt = _lease("new", kernel="k-new", ppm=new)
+    if fits:
+        store.insert_lease(attempt, capacity, drop_request_id="r1")
+        assert store.get_lease("new") == attempt
+    else:
+        with pytest.raises(CapacityConflict, match="GPU-0") as info:
+            store.insert_lease(attempt, capacity, drop_request_id="r1")
+        assert isinstance(info.value, Conflict) and info.value.status == 409
+        assert store.get_lease("new") is None
+        assert store.counts() == before
+        assert [r.id for r in store.load_active()[1]] == ["r1"]  # rolled back too
+    assert _active_sum(store) <= capacity
+
+
+def test_the_gpu_row_capacity_also_limits(store: Store) -> None:
+    store.sync_gpus([GPU0, GPU1], 500_000)
+    with pytest.raises(CapacityConflict):
+        store.insert_lease(_lease("a", ppm=600_000), PPM)
+
+
+def test_unknown_gpu_is_refused(store: Store) -> None:
+    with pytest.raises(CapacityConflict, match="GPU-X"):
+        store.insert_lease(_lease("a", gpu="GPU-X"), PPM)
+
+
+def test_second_active_lease_for_a_kernel_is_refused(store: Store) -> None:
+    store.insert_lease(_lease("a", kernel="k1"), PPM)
+    with pytest.raises(DuplicateLease, match="k1") as info:
+        store.insert_lease(_lease("b", kernel="k1", gpu="GPU-1"), PPM)
+    assert isinstance(info.value, CapacityConflict)  # the broker catches both as one
+    assert store.get_lease("b") is None
+    assert store.counts()["active"] == 1
+    # another user's kernel of the same id is another kernel
+    store.insert_lease(_lease("c", user="bob", kernel="k1"), PPM)
+    # once released, the kernel may lease again
+    store.end_leases([("a", "released", 1001.0, None)])
+    store.insert_lease(_lease("d", kernel="k1"), PPM)
+    assert {lease.id for lease in store.load_active()[0]} == {"c", "d"}
+
+
+def test_partial_unique_index_refuses_behind_the_stores_back(store: Store, db_url: str) -> None:
+    store.insert_lease(_lease("a", kernel="k1"), PPM)
+    store.end_leases([("a", "released", 1001.0, None)])
+    store.insert_lease(_lease("b", kernel="k1"), PPM)  # ended leases do not count
+    eng = _raw_engine(db_url)
+    row = {
+        "id": "c",
+        "user": "alice",
+        "kernel_id": "k1",
+        "gpu_uuid": "GPU-1",
+        "fraction_ppm": 1,
+        "memory_limit_mb": 1,
+        "state": "active",
+        "created_at": 1.0,
+        "renewed_at": 1.0,
+        "expires_at": 2.0,
+    }
+    cols = ", ".join(f'"{k}"' for k in row)
+    sql = sa.text(f"INSERT INTO leases ({cols}) VALUES ({', '.join(':' + k for k in row)})")
+    with pytest.raises(sa.exc.IntegrityError), eng.begin() as conn:
+        conn.execute(sql, row)
+    eng.dispose()
+    assert store.counts()["active"] == 1
+
+
+@pytest.mark.parametrize(
+    ("batch", "error"),
+    [
+        ([("a", "GPU-0", 600_000, "k1"), ("b", "GPU-1", 600_000, "k2")], None),
+        ([("a", "GPU-0", 600_000, "k1"), ("b", "GPU-0", 600_000, "k2")], CapacityConflict),
+        ([("a", "GPU-0", 100_000, "k1"), ("b", "GPU-1", 100_000, "k1")], DuplicateLease),
+        ([("a", "GPU-0", 100_000, "k1"), ("b", "GPU-1", 100_000, "held")], DuplicateLease),
+    ],
+)
+def test_insert_leases_is_all_or_nothing(
+    store: Store, batch: list[tuple[str, str, int, str]], error: type | None
+) -> None:
+    store.insert_lease(_lease("h", gpu="GPU-1", kernel="held", ppm=100_000), PPM)
+    store.insert_request(_request("r1"))
+    store.insert_request(_request("r2"))
+    new = [_lease(lid, gpu=g, ppm=p, kernel=k) for lid, g, p, k in batch]
+    if error is None:
+        store.insert_leases(new, PPM, ["r1", "r2"])
+        assert {lease.id for lease in store.load_active()[0]} == {"h", "a", "b"}
+        assert store.load_active()[1] == []
+    else:
+        with pytest.raises(error):
+            store.insert_leases(new, PPM, ["r1", "r2"])
+        assert [lease.id for lease in store.load_active()[0]] == ["h"]
+        assert [r.id for r in store.load_active()[1]] == ["r1", "r2"]
+
+
+def test_renew_lease(store: Store) -> None:
+    store.insert_lease(_lease("a"), PPM)
+    store.renew_lease("a", 1030.0, 1120.0, 4242, "busy", 1029.5)
+    got = store.get_lease("a")
+    assert got is not None
+    assert (got.renewed_at, got.expires_at, got.pid, got.execution_state, got.last_activity) == (
+        1030.0,
+        1120.0,
+        4242,
+        "busy",
+        1029.5,
+    )
+    assert got.created_at == 1000.0 and got.state == "active"
+
+
+@pytest.mark.parametrize(
+    ("state", "error"),
+    [("released", LeaseGone), ("revoked", LeaseRevoked), ("expired", LeaseExpired)],
+)
+def test_renewing_an_ended_lease_says_how_it_ended(
+    store: Store, state: str, error: type[LeaseGone]
+) -> None:
+    store.insert_lease(_lease("a"), PPM)
+    store.end_leases([("a", state, 1010.0, "idle for 2 h")])
+    with pytest.raises(error, match=state) as info:
+        store.renew_lease("a", 1030.0, 1120.0, None, None, None)
+    assert info.value.details["state"] == state
+    got = store.get_lease("a")
+    assert got is not None and got.renewed_at == 1000.0  # unchanged
+
+
+def test_renewing_an_unknown_lease(store: Store) -> None:
+    with pytest.raises(LeaseNotFound):
+        store.renew_lease("nope", 1.0, 2.0, None, None, None)
+
+
+def test_end_leases_changes_only_active_rows(store: Store) -> None:
+    store.insert_leases([_lease("a"), _lease("b"), _lease("c")], PPM, [])
+    store.end_leases([("a", "revoked", 1010.0, "admin"), ("b", "expired", 1011.0, None)])
+    store.end_leases([("a", "released", 1020.0, None), ("missing", "released", 1.0, None)])
+    a, b, c = (store.get_lease(x) for x in "abc")
+    assert a is not None and (a.state, a.ended_at, a.reason) == ("revoked", 1010.0, "admin")
+    assert b is not None and (b.state, b.ended_at, b.reason) == ("expired", 1011.0, None)
+    assert c is not None and (c.state, c.ended_at) == ("active", None)
+    store.end_leases([])
+    with pytest.raises(ValueError):
+        store.end_leases([("c", "active", 1.0, None)])
+
+
+def test_extend_active(store: Store) -> None:
+    store.insert_leases(
+        [_lease("a", created=1000.0), _lease("b", created=2000.0), _lease("c")], PPM, []
+    )
+    store.end_leases([("c", "released", 1010.0, None)])
+    assert store.extend_active(1500.0) == 1  # a: 1090 -> 1500; b: 2090 stays
+    expiries = {lid: store.get_lease(lid).expires_at for lid in "abc"}  # type: ignore[union-attr]
+    assert expiries == {"a": 1500.0, "b": 2090.0, "c": 1090.0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, ["e", "d", "c", "b", "a"]),
+        ({"user": "bob"}, ["d", "b"]),
+        ({"states": ("active",)}, ["e", "c", "b"]),
+        ({"states": ("released", "revoked")}, ["d", "a"]),
+        ({"user": "alice", "states": ("active",)}, ["e", "c"]),
+        ({"limit": 2}, ["e", "d"]),
+        ({"user": "nobody"}, []),
+    ],
+)
+def test_list_leases(store: Store, kwargs: dict[str, Any], expected: list[str]) -> None:
+    users = {"a": "alice", "b": "bob", "c": "alice", "d": "bob", "e": "alice"}
+    store.insert_leases(
+        [_lease(lid, user=u, created=1000.0 + i) for i, (lid, u) in enumerate(users.items())],
+        PPM,
+        [],
+    )
+    store.end_leases([("a", "released", 1100.0, None), ("d", "revoked", 1100.0, "admin")])
+    assert [lease.id for lease in store.list_leases(**kwargs)] == expected
+
+
+def test_load_active(store: Store) -> None:
+    store.insert_leases([_lease("a"), _lease("b", created=999.0)], PPM, [])
+    store.end_leases([("a", "expired", 1090.0, None)])
+    r1 = _request(
+        "r1",
+        groups=frozenset({"ml101", "cs50"}),
+        group="ml101",
+        node="node-a",
+        gpu_uuids=("GPU-0", "GPU-1"),
+        priority=5,
+        arrived_at=5.0,
+    )
+    r2 = _request("r2", arrived_at=4.0)
+    store.insert_request(r1)
+    store.insert_request(r2)
+    active, queue = store.load_active()
+    assert active == [_lease("b", created=999.0)]
+    assert queue == [r2, r1]  # arrival order, every field intact
+
+
+# --------------------------------------------------------------------------- queue
+
+
+def test_requests(store: Store) -> None:
+    store.insert_request(_request("r1", kernel="k1"))
+    with pytest.raises(DuplicateRequest):
+        store.insert_request(_request("r2", kernel="k1"))
+    store.touch_request("r1", 1234.5)
+    store.touch_request("missing", 1.0)
+    assert [(r.id, r.last_polled_at) for r in store.load_active()[1]] == [("r1", 1234.5)]
+    store.delete_requests(["r1", "missing"])
+    store.delete_requests([])
+    assert store.load_active()[1] == []
+    store.insert_request(_request("r2", kernel="k1"))  # the place is free again
+
+
+# --------------------------------------------------------------------------- quotas
+
+
+def test_quotas(store: Store) -> None:
+    assert store.load_quotas() == QuotaBook()
+    default = Quota(max_fraction_ppm=500_000, max_leases=2)
+    course = Quota(
+        max_fraction_ppm=PPM,
+        max_leases=4,
+        max_lease_fraction_ppm=250_000,
+        budget_fraction_hours=12.5,
+        budget_window_s=7 * 86400,
+        priority=10,
+    )
+    store.put_quota("default", "", default)
+    store.put_quota("group", "ml101", course)
+    store.put_quota("user", "alice", Quota(max_leases=1))
+    store.put_quota("user", "alice", Quota(max_leases=3))  # replaces
+    assert store.load_quotas() == QuotaBook(
+        default=default, groups={"ml101": course}, users={"alice": Quota(max_leases=3)}
+    )
+    assert store.delete_quota("user", "alice") is True
+    assert store.delete_quota("user", "alice") is False
+    assert store.load_quotas().users == {}
+
+
+@pytest.mark.parametrize(
+    ("level", "name"), [("course", "ml101"), ("default", "x"), ("user", ""), ("group", "")]
+)
+def test_quota_levels_are_checked(store: Store, level: str, name: str) -> None:
+    with pytest.raises(ValueError):
+        store.put_quota(level, name, Quota())
+    with pytest.raises(ValueError):
+        store.delete_quota(level, name)
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+@pytest.fixture
+def history(store: Store) -> Store:
+    """alice: 0.5 for 1 h (ended, ml101) and 0.25 active since t=3600 (no group); bob: 1.0 for 2 h."""
+    store.insert_leases(
+        [
+            _lease("a1", user="alice", ppm=500_000, created=0.0, group="ml101"),
+            _lease("a2", user="alice", ppm=250_000, created=3600.0, gpu="GPU-1"),
+        ],
+        PPM,
+        [],
+    )
+    store.end_leases([("a1", "released", 3600.0, None)])
+    store.insert_lease(_lease("b1", user="bob", ppm=PPM, created=3600.0, group="ml101"), PPM)
+    store.end_leases([("b1", "expired", 3 * 3600.0, None)])
+    return store
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "by", "expected"),
+    [
+        (0, 4 * 3600, "user", {"alice": 0.5 + 0.75, "bob": 2.0}),
+        (0, 4 * 3600, "group", {"ml101": 2.5, "": 0.75}),
+        (0, 1800, "user", {"alice": 0.25}),  # window cuts the first lease
+        (1800, 7200, "user", {"alice": 0.25 + 0.25, "bob": 1.0}),  # active counts to until
+        (5 * 3600, 6 * 3600, "user", {"alice": 0.25}),  # only the active lease
+        (-3600, 0, "user", {}),
+    ],
+)
+def test_usage(
+    history: Store, since: float, until: float, by: str, expected: dict[str, float]
+) -> None:
+    got = history.usage(since, until, by=by)
+    assert got == pytest.approx(expected)
+    assert set(got) == set(expected)
+
+
+def test_user_usage_and_counts(history: Store) -> None:
+    assert history.user_usage("alice", 0, 4 * 3600) == pytest.approx(1.25)
+    assert history.user_usage("nobody", 0, 4 * 3600) == 0.0
+    with pytest.raises(ValueError):
+        history.usage(0, 1, by="kernel")
+    assert history.counts() == {"active": 1, "revoked": 0, "released": 1, "expired": 1}
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+def _add_note_column(conn: sa.Connection) -> None:
+    conn.exec_driver_sql("ALTER TABLE leases ADD COLUMN note VARCHAR(64)")
+    conn.exec_driver_sql("UPDATE leases SET note = 'migrated'")
+
+
+def _broken_migration(conn: sa.Connection) -> None:
+    conn.exec_driver_sql("ALTER TABLE leases ADD COLUMN note VARCHAR(64)")
+    conn.exec_driver_sql("SELECT no_such_column FROM leases")
+
+
+def _columns(db_url: str) -> set[str]:
+    eng = _raw_engine(db_url)
+    cols = {c["name"] for c in sa.inspect(eng).get_columns("leases")}
+    eng.dispose()
+    return cols
+
+
+def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str) -> None:
+    store.insert_leases([_lease("a"), _lease("b", user="bob")], PPM, [])
+    store.end_leases([("b", "released", 1010.0, None)])
+    store.put_quota("group", "ml101", Quota(max_leases=4))
+    store.insert_request(_request("r1"))
+    before = (store.list_leases(), store.load_quotas(), store.load_active())
+    v2 = (*MIGRATIONS, Migration(2, "lease notes", _add_note_column))
+    assert store.upgrade(v2) == 2
+    assert store.upgrade(v2) == 2  # safe to repeat
+    assert "note" in _columns(db_url)
+    assert (store.list_leases(), store.load_quotas(), store.load_active()) == before
+    eng = _raw_engine(db_url)
+    with eng.connect() as conn:
+        assert conn.exec_driver_sql("SELECT DISTINCT note FROM leases").scalars().all() == [
+            "migrated"
+        ]
+    with eng.begin() as conn:  # the module-level function works in a caller's transaction
+        assert upgrade_schema(conn, v2) == 2
+    eng.dispose()
+    # code that knows only version 1 refuses a newer database rather than damage it
+    with pytest.raises(StoreError, match="newer"):
+        store.upgrade()
+
+
+def test_failed_migration_changes_nothing(store: Store, db_url: str) -> None:
+    store.insert_lease(_lease("a"), PPM)
+    with pytest.raises(StoreError, match="schema up to date"):
+        store.upgrade((*MIGRATIONS, Migration(2, "broken", _broken_migration)))
+    assert store.upgrade() == 1
+    assert "note" not in _columns(db_url)  # DDL rolled back with the transaction
+    assert store.get_lease("a") == _lease("a")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _race_worker(url: str, wid: int, barrier: Any, churn: int, out: Any) -> None:
+    """Child process: churn (acquire+release), then grab and keep as many 0.3 as fit."""
+    try:
+        store = Store(url)
+        store.open()
+        granted = refused = 0
+        barrier.wait(timeout=60)
+        for i in range(churn):
+            lease = _lease(f"w{wid}-c{i}", user=f"u{wid}", kernel=f"c{i}", ppm=300_000)
+            try:
+                store.insert_lease(lease, PPM)
+            except CapacityConflict:
+                continue
+            store.end_leases([(lease.id, "released", time.time(), None)])
+        barrier.wait(timeout=60)
+        for i in range(3):
+            try:
+                store.insert_lease(_lease(f"w{wid}-k{i}", user=f"u{wid}", ppm=300_000), PPM)
+                granted += 1
+            except CapacityConflict:
+                refused += 1
+        store.close()
+        out.put((wid, granted, refused))
+    except BaseException as exc:  # tell the parent, and free the others from the barrier
+        barrier.abort()
+        out.put((wid, -1, repr(exc)))
+        raise
+
+
+@pytest.mark.slow
+def test_processes_racing_never_overallocate(store: Store, db_url: str) -> None:
+    ctx = mp.get_context("spawn")
+    n = 4
+    barrier = ctx.Barrier(n)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_race_worker, args=(db_url, w, barrier, 25, out)) for w in range(n)]
+    for p in procs:
+        p.start()
+    peak = 0
+    deadline = time.monotonic() + 90
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        peak = max(peak, _active_sum(store))
+        time.sleep(0.005)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results: list[tuple[int, int, Any]] = []
+    while not out.empty() or len(results) < n:
+        try:
+            results.append(out.get(timeout=5))
+        except Exception:
+            break
+    out.close()
+    out.join_thread()
+    peak = max(peak, _active_sum(store))
+    assert [r for r in results if r[1] < 0] == [], "a worker failed"
+    assert [p.exitcode for p in procs] == [0] * n
+    assert peak <= PPM, f"{peak / PPM} of a GPU was leased at once"
+    assert len(store.list_leases(states=("active",))) == 3
+    assert sum(g for _, g, _ in results) == 3 and sum(r for _, _, r in results) == 9
+    assert _active_sum(store) == 900_000
+
+
+_CRASH_CHILD = """
+import sys, time
+from provisioner.model import Lease
+from provisioner.store import Store
+store = Store(sys.argv[1])
+store.open()
+i = 0
+while True:
+    t = time.time()
+    store.insert_lease(Lease(f"c{i}", "u", f"k{i}", "GPU-0", 250000, 100, "active", t, t, t + 90), 1000000)
+    if i >= 3:
+        store.end_leases([(f"c{i - 3}", "released", t, None)])
+    print(i, flush=True)
+    i += 1
+"""
+
+
+@pytest.mark.slow
+def test_killed_writer_leaves_a_consistent_database(store: Store, db_url: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASH_CHILD, db_url], stdout=subprocess.PIPE, text=True, env=env
+    )
+    assert proc.stdout is not None
+    last = -1
+    with contextlib.closing(proc.stdout):
+        while last < 150:
+            line = proc.stdout.readline()
+            assert line, f"the writer died on its own (exit {proc.poll()})"
+            last = int(line)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    store.close()
+
+    if db_url.startswith("sqlite"):
+        path = sa.make_url(db_url).database
+        assert path is not None
+        with contextlib.closing(sqlite3.connect(path)) as raw:
+            assert raw.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    reopened = Store(db_url)
+    reopened.open()
+    try:
+        every = reopened.list_leases(limit=1_000_000)
+        by_id = {lease.id: lease for lease in every}
+        # every acknowledged write is there, and nothing half-written is
+        top = max(int(lid[1:]) for lid in by_id)
+        assert top >= last
+        assert set(by_id) == {f"c{i}" for i in range(top + 1)}
+        for i in range(top + 1):
+            state = by_id[f"c{i}"].state
+            assert state == ("released" if i < top - 3 else "active") or i == top - 3
+        for lease in every:
+            assert lease.user == "u" and lease.fraction_ppm == 250_000
+            assert lease.created_at <= lease.expires_at
+            assert (lease.state == "active") == (lease.ended_at is None)
+        assert 1 <= reopened.counts()["active"] <= 4
+        assert _active_sum(reopened) <= PPM
+        # and the database still takes writes
+        reopened.end_leases([(lid, "expired", time.time(), None) for lid in by_id])
+        reopened.insert_lease(_lease("after", ppm=PPM), PPM)
+    finally:
+        reopened.close()
