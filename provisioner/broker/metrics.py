@@ -1,0 +1,216 @@
+"""Prometheus metrics of the broker (``GET /metrics``).
+
+:class:`BrokerMetrics` implements the service's ``Metrics`` protocol (events the
+service reports as they happen: acquire latency, queue waits, refusals, ended
+leases) and adds a collector that reads the pool at scrape time (allocation per
+GPU, queue length, active leases). It owns its ``CollectorRegistry``, never
+prometheus_client's global one, so several brokers (or tests) in one process do
+not collide; nothing is registered at import.
+
+Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, name``):
+
+* ``acquire_seconds{outcome}`` histogram: time to answer ``POST /api/v1/leases``
+  (outcome granted | repeated | queued | other), 0.5 ms to 300 s
+* ``queue_wait_seconds`` histogram: arrival in the queue to lease granted
+* ``refusals_total{reason}`` counter: acquires refused, by error code
+* ``leases_ended_total{state}`` counter: leases ended (released | expired | revoked)
+* ``gpu_allocated_fraction``, ``gpu_capacity_fraction`` (1 minus the reserve),
+  ``gpu_leases``, ``gpu_memory_mb``, ``gpu_allocated_memory_mb`` gauges per GPU
+* ``queue_length``, ``active_leases`` gauges
+* ``user_held_fraction{user}`` gauge (left out with ``per_user=False``)
+* ``info{version}`` gauge, always 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .._version import __version__
+from ..model import PPM, PoolState, ppm_to_fraction, reserved_mb
+from ..scheduling import Policy
+
+#: acquire latency buckets (s): 0.5 ms to 300 s (the longest long-poll)
+ACQUIRE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+#: queue wait buckets (s): 0.1 s to 1 h
+QUEUE_WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+class ServiceView(Protocol):
+    """What the scrape-time collector reads of ``BrokerService``: nothing but these two."""
+
+    @property
+    def state(self) -> PoolState: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+
+class _PoolCollector(Collector):
+    """Reads the pool when Prometheus scrapes; yields nothing but ``info`` before start."""
+
+    def __init__(self, service_getter: Callable[[], ServiceView | None], per_user: bool) -> None:
+        self._get = service_getter
+        self._per_user = per_user
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing: registering must not call ``service_getter`` (the service may not exist)."""
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(
+            "gpu_lease_info", "Version of the GPU lease broker (always 1).", labels=["version"]
+        )
+        info.add_metric([__version__], 1)
+        yield info
+        service = self._get()
+        if service is None:
+            return
+        state = service.state
+        capacity = service.policy.capacity_ppm
+        labels = ["uuid", "node", "name"]
+        allocated = GaugeMetricFamily(
+            "gpu_lease_gpu_allocated_fraction",
+            "Sum of the fractions of the active leases on this GPU (0..1).",
+            labels=labels,
+        )
+        capacity_f = GaugeMetricFamily(
+            "gpu_lease_gpu_capacity_fraction",
+            "Fraction of this GPU that may be leased (1 minus the admin's reserve).",
+            labels=labels,
+        )
+        leases = GaugeMetricFamily(
+            "gpu_lease_gpu_leases", "Active leases on this GPU.", labels=labels
+        )
+        memory = GaugeMetricFamily(
+            "gpu_lease_gpu_memory_mb", "Memory of this GPU in MiB.", labels=labels
+        )
+        allocated_mb = GaugeMetricFamily(
+            "gpu_lease_gpu_allocated_memory_mb",
+            "GPU memory in MiB reserved by the active leases on this GPU.",
+            labels=labels,
+        )
+        for gpu in list(state.ordered_gpus()):
+            key = [gpu.uuid, gpu.node, gpu.name]
+            ppm = state.allocated.get(gpu.uuid, 0)
+            allocated.add_metric(key, ppm_to_fraction(ppm))
+            capacity_f.add_metric(key, ppm_to_fraction(capacity))
+            leases.add_metric(key, state.lease_count.get(gpu.uuid, 0))
+            memory.add_metric(key, gpu.memory_mb)
+            allocated_mb.add_metric(key, reserved_mb(ppm, gpu.memory_mb))
+        yield from (allocated, capacity_f, leases, memory, allocated_mb)
+        yield GaugeMetricFamily(
+            "gpu_lease_queue_length", "Acquire requests waiting in the queue.", len(state.queue)
+        )
+        yield GaugeMetricFamily(
+            "gpu_lease_active_leases", "Active leases on all GPUs.", len(state.leases)
+        )
+        if self._per_user:
+            held = GaugeMetricFamily(
+                "gpu_lease_user_held_fraction",
+                "Sum of the fractions of GPU held by this user's active leases.",
+                labels=["user"],
+            )
+            for user, ppm in sorted(dict(state.held_by_user).items()):
+                held.add_metric([user], ppm / PPM)
+            yield held
+
+
+class BrokerMetrics:
+    """The broker's metrics; pass it to ``BrokerService(metrics=...)``.
+
+    ``service_getter`` returns the running service (or None before it started);
+    it is called at each scrape, so the metrics object can be built before the
+    service. ``per_user=False`` leaves out ``gpu_lease_user_held_fraction`` (one
+    series per user holding a lease) for very large hubs. The handler of
+    ``GET /metrics`` answers with :meth:`render`.
+    """
+
+    def __init__(
+        self,
+        service_getter: Callable[[], ServiceView | None],
+        *,
+        per_user: bool = True,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._acquire = Histogram(
+            "gpu_lease_acquire_seconds",
+            "Time the broker took to answer an acquire (POST /api/v1/leases), by outcome.",
+            ["outcome"],
+            buckets=ACQUIRE_BUCKETS,
+            registry=self.registry,
+        )
+        self._queue_wait = Histogram(
+            "gpu_lease_queue_wait_seconds",
+            "Time a queued request waited until it was granted a lease.",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._refusals = Counter(
+            "gpu_lease_refusals",
+            "Acquire requests refused, by error code (quota_exceeded, cannot_fit, ...).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._ended = Counter(
+            "gpu_lease_leases_ended",
+            "Leases that ended, by how (released, expired, revoked).",
+            ["state"],
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(service_getter, per_user))
+
+    # -- service.Metrics ------------------------------------------------------------
+    def observe_acquire(self, seconds: float, outcome: str) -> None:
+        """Called by ``BrokerService.acquire`` once per answered acquire."""
+        self._acquire.labels(outcome=outcome).observe(max(0.0, seconds))
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        """Called by the service when a queued request is granted."""
+        self._queue_wait.observe(max(0.0, seconds))
+
+    def refused(self, reason: str) -> None:
+        """Called by the service when an acquire fails; ``reason`` is the error code."""
+        self._refusals.labels(reason=reason).inc()
+
+    def ended(self, state: str, count: int) -> None:
+        """Called by the service after ``count`` leases ended in ``state``."""
+        if count > 0:
+            self._ended.labels(state=state).inc(count)
+
+    # -- exposition -------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition (body, Content-Type) for ``GET /metrics``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = ["ACQUIRE_BUCKETS", "QUEUE_WAIT_BUCKETS", "BrokerMetrics", "ServiceView"]

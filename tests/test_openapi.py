@@ -1,0 +1,206 @@
+"""The OpenAPI document of REST API v1: valid OpenAPI 3.0.3, complete, and in step with ROUTES.
+
+Bodies are checked against the document's own schemas with jsonschema (the OAS 3.0
+dialect from openapi-schema-validator, installed with openapi-spec-validator).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openapi_schema_validator import OAS30Validator
+from openapi_spec_validator import validate
+
+from provisioner._version import __version__
+from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES, build_openapi, documented_routes
+from provisioner.inventory import parse_gpu_spec
+from provisioner.model import Lease, Quota
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict[str, Any]:
+    return build_openapi()
+
+
+def schema_validator(doc: dict[str, Any], name: str) -> OAS30Validator:
+    """A validator for ``#/components/schemas/NAME`` that resolves refs inside the document."""
+    return OAS30Validator({**doc["components"]["schemas"][name], "components": doc["components"]})
+
+
+@pytest.mark.parametrize("base_url", ["/", "/services/gpu-lease/", "https://hub.example.org/x/"])
+def test_valid_openapi_3_0_3(base_url: str) -> None:
+    doc = build_openapi(base_url)
+    validate(doc)
+    assert doc["openapi"] == "3.0.3"
+    assert doc["servers"] == [{"url": base_url}]
+    assert doc["info"]["version"] == __version__
+    # paths are relative to the server URL
+    assert all(path.startswith(("/api/v1/", "/metrics")) for path in doc["paths"])
+    json.dumps(doc)  # serialisable as the handler sends it
+
+
+def test_documented_routes_are_exactly_routes(doc: dict[str, Any]) -> None:
+    assert len(set(ROUTES)) == len(ROUTES)
+    assert documented_routes(doc) == set(ROUTES)
+
+
+def test_every_design_endpoint_is_documented() -> None:
+    design = {
+        ("GET", "/api/v1/health"),
+        ("GET", "/api/v1/openapi.json"),
+        ("GET", "/metrics"),
+        ("GET", "/api/v1/gpus"),
+        ("POST", "/api/v1/leases"),
+        ("GET", "/api/v1/leases"),
+        ("GET", "/api/v1/leases/{lease_id}"),
+        ("POST", "/api/v1/leases/{lease_id}/renew"),
+        ("DELETE", "/api/v1/leases/{lease_id}"),
+        ("GET", "/api/v1/queue"),
+        ("GET", "/api/v1/usage"),
+    } | {
+        (m, p)
+        for m in ("GET", "PUT", "DELETE")
+        for p in (
+            "/api/v1/quotas/default",
+            "/api/v1/quotas/users/{name}",
+            "/api/v1/quotas/groups/{name}",
+        )
+    }
+    assert design <= set(ROUTES)
+
+
+def test_security_everywhere_but_public(doc: dict[str, Any]) -> None:
+    scheme = doc["components"]["securitySchemes"]["token"]
+    assert (scheme["type"], scheme["in"], scheme["name"]) == ("apiKey", "header", "Authorization")
+    assert "token <TOKEN>" in scheme["description"]
+    assert doc["security"] == [{"token": []}]
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if method == "parameters":
+                continue
+            public = (method.upper(), path) in PUBLIC_ROUTES
+            assert (op.get("security") == []) is public, (method, path)
+            if not public:
+                assert "401" in op["responses"], (method, path)
+    assert {("GET", "/api/v1/health"), ("GET", "/metrics")} <= PUBLIC_ROUTES
+
+
+def test_acquire_operation(doc: dict[str, Any]) -> None:
+    op = doc["paths"]["/api/v1/leases"]["post"]
+    assert set(op["responses"]) == {
+        "200", "201", "202", "400", "401", "403", "409", "413", "422", "503"
+    }  # fmt: skip
+    body = doc["components"]["schemas"]["AcquireRequest"]
+    assert body["additionalProperties"] is False
+    assert body["required"] == ["kernel_id", "fraction"]
+    params = {p["name"] for p in doc["paths"]["/api/v1/leases"]["get"]["parameters"]}
+    assert params == {"user", "all", "history"}
+    assert doc["paths"]["/api/v1/leases/{lease_id}"]["delete"]["responses"]["204"]
+    assert "410" in doc["paths"]["/api/v1/leases/{lease_id}/renew"]["post"]["responses"]
+
+
+@pytest.mark.parametrize(
+    "body, ok",
+    [
+        ({"kernel_id": "k", "fraction": 0.02}, True),
+        (
+            {
+                "kernel_id": "k",
+                "fraction": 1,
+                "node": "gpu-a",
+                "gpu_uuids": ["GPU-1"],
+                "group": "ml101",
+                "wait": 300,
+            },
+            True,
+        ),
+        ({"kernel_id": "k", "fraction": 0}, False),
+        ({"kernel_id": "k", "fraction": 1.01}, False),
+        ({"kernel_id": "", "fraction": 0.5}, False),
+        ({"kernel_id": "k" * 257, "fraction": 0.5}, False),
+        ({"kernel_id": "k", "fraction": 0.5, "wait": 301}, False),
+        ({"kernel_id": "k", "fraction": 0.5, "wait": -1}, False),
+        ({"kernel_id": "k", "fraction": 0.5, "gpu_uuids": ["x"] * 65}, False),
+        ({"kernel_id": "k", "fraction": 0.5, "user": "mallory"}, False),
+        ({"fraction": 0.5}, False),
+        ({"kernel_id": "k", "fraction": "0.5"}, False),
+    ],
+)
+def test_acquire_request_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
+    assert schema_validator(doc, "AcquireRequest").is_valid(body) is ok
+
+
+@pytest.mark.parametrize(
+    "body, ok",
+    [
+        ({}, True),
+        ({"pid": 1234, "execution_state": "idle", "last_activity": 1700000000.5}, True),
+        ({"pid": 0}, False),
+        ({"pid": 1.5}, False),
+        ({"fraction": 1}, False),
+    ],
+)
+def test_heartbeat_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
+    assert schema_validator(doc, "Heartbeat").is_valid(body) is ok
+
+
+@pytest.mark.parametrize(
+    "body, ok",
+    [
+        ({}, True),
+        ({"max_fraction": 0.5, "max_leases": 2, "budget_window": "7d"}, True),
+        ({"max_fraction": None, "budget_window": None, "priority": None}, True),
+        ({"budget_window": 604800, "budget_fraction_hours": 10, "priority": -1}, True),
+        ({"max_lease_fraction": 0}, False),
+        ({"budget_window": "soon"}, False),
+        ({"max_leases": -1}, False),
+        ({"max_gpus": 1}, False),
+    ],
+)
+def test_quota_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
+    assert schema_validator(doc, "Quota").is_valid(body) is ok
+
+
+def test_model_json_matches_schemas(doc: dict[str, Any]) -> None:
+    """What model.py serialises is what the document promises."""
+    gpu = parse_gpu_spec("1x32768:V100")[0]
+    lease = Lease(
+        id="abc",
+        user="alice",
+        kernel_id="k1",
+        gpu_uuid=gpu.uuid,
+        fraction_ppm=20_000,
+        memory_limit_mb=143,
+        state="active",
+        created_at=1.0,
+        renewed_at=1.0,
+        expires_at=91.0,
+    )
+    schema_validator(doc, "Lease").validate(lease.to_json(gpu))
+    schema_validator(doc, "Lease").validate(lease.to_json(None))
+    schema_validator(doc, "LeaseList").validate({"leases": [lease.to_json(gpu)]})
+    quota = Quota(max_fraction_ppm=500_000, max_leases=3, budget_window_s=604800)
+    schema_validator(doc, "Quota").validate(quota.to_json())
+    schema_validator(doc, "Quota").validate(Quota().to_json())
+    schema_validator(doc, "QuotaRecord").validate({**quota.to_json(), "effective": quota.to_json()})
+    row = {
+        **gpu.to_json(),
+        "index": 0,
+        "allocated_fraction": 0.06,
+        "allocated_mb": 1966,
+        "capacity_fraction": 1.0,
+        "leases": 3,
+    }
+    schema_validator(doc, "GPUList").validate({"gpus": [row]})
+    schema_validator(doc, "Error").validate({"error": "quota_exceeded", "message": "Ask."})
+    schema_validator(doc, "Queued").validate(
+        {"queued": True, "id": "r1", "position": 2, "kernel_id": "k", "fraction": 0.5}
+    )
+
+
+def test_fresh_document_each_call() -> None:
+    a = build_openapi()
+    a["components"]["schemas"]["Lease"]["properties"].clear()
+    assert build_openapi()["components"]["schemas"]["Lease"]["properties"]
