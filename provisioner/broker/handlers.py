@@ -1,0 +1,568 @@
+"""HTTP handlers of REST API v1: the only place where HTTP status codes live.
+
+Every handler does three things: identify the caller (``Authorization`` header ->
+the app's :class:`~provisioner.broker.auth.Authenticator`), validate the input
+(:mod:`.validation`), and make ONE call into
+:class:`~provisioner.broker.service.BrokerService`; our exceptions become JSON error
+bodies ``{"error": CODE, "message": ...}`` with ``exc.status``. Tornado's own errors
+(unknown route 404, method 405) are JSON too; an unexpected exception is a 500 with
+no traceback in the answer (the traceback goes to the broker's log).
+
+Routes (under ``base_url``, e.g. ``/services/gpu-lease/`` behind JupyterHub):
+
+==========================================  ===================================
+``GET  {p}``                                a JSON index saying where the API is
+``GET  {p}api/v1/health``                   anyone
+``GET  {p}api/v1/openapi.json``             anyone
+``GET  {p}metrics``                         anyone (token if ``metrics_require_auth``)
+``GET  {p}api/v1/gpus``                     user
+``GET|POST {p}api/v1/leases``               user
+``GET|DELETE {p}api/v1/leases/{id}``        owner / admin
+``POST {p}api/v1/leases/{id}/renew``        owner / admin
+``GET  {p}api/v1/queue``                    user (own) / admin (all)
+``GET  {p}api/v1/quotas``                   admin
+``GET  {p}api/v1/quotas/me``                user: effective quota and holdings
+``GET|PUT|DELETE {p}api/v1/quotas/default`` admin (GET: user)
+``... {p}api/v1/quotas/users/{name}``       admin (GET own: user)
+``... {p}api/v1/quotas/groups/{name}``      admin (GET own groups: user)
+``GET  {p}api/v1/usage?since=&by=``         admin (own: user)
+==========================================  ===================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import logging
+import re
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tornado import web
+
+from .. import errors
+from .._version import __version__
+from ..errors import BodyTooLarge, GPULeaseError, NotAuthenticated
+from ..model import Identity, Lease, ppm_to_fraction
+from . import validation
+from .auth import Authenticator, token_from_header
+from .service import AcquireResult, BrokerService
+
+log = logging.getLogger("gpu_lease.broker.http")
+
+JSON_TYPE = "application/json; charset=UTF-8"
+#: bodies larger than this are not even read (the connection is closed after the 413)
+DRAIN_LIMIT = 4 * 1024 * 1024
+#: seconds a queued client is told to wait before it posts again
+RETRY_AFTER_QUEUED = 2
+
+_TORNADO_CODES = {
+    400: "invalid_request",
+    401: "not_authenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+}
+
+
+def normalize_base_url(base_url: str) -> str:
+    """``services/gpu-lease`` -> ``/services/gpu-lease/`` (always a leading and trailing slash)."""
+    base = "/" + (base_url or "").strip().strip("/")
+    return base if base.endswith("/") else base + "/"
+
+
+def _plural_level(plural: str) -> str:
+    return {"users": "user", "groups": "group"}[plural]
+
+
+def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
+    """Wrap a handler method: identify the caller first (unless the handler is public)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: APIHandler, *args: Any) -> None:
+        if self.auth_required:
+            self._ident = await self.identify()
+        result = method(self, *args)
+        if inspect.isawaitable(result):
+            await result
+
+    return wrapper
+
+
+# -- the base ---------------------------------------------------------------------------
+
+
+@web.stream_request_body
+class APIHandler(web.RequestHandler):
+    """JSON in, JSON out; identity from the token; errors as ``{"error", "message"}``.
+
+    The body is streamed in (see :meth:`data_received`) so that a body over
+    ``max_body_bytes`` gets a clean 413 JSON answer instead of tornado's bare 400.
+    """
+
+    #: False for the endpoints anyone may call (health, OpenAPI, index)
+    auth_required = True
+
+    def initialize(self) -> None:
+        self._chunks: list[bytes] = []
+        self._body_bytes = 0
+        self._ident: Identity | None = None
+        self._prepared = False
+
+    # -- settings -----------------------------------------------------------------
+    @property
+    def service(self) -> BrokerService:
+        return self.settings["gpu_lease_service"]
+
+    @property
+    def authenticator(self) -> Authenticator:
+        return self.settings["gpu_lease_authenticator"]
+
+    @property
+    def base_url(self) -> str:
+        return self.settings["gpu_lease_base_url"]
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.settings["gpu_lease_max_body_bytes"]
+
+    @property
+    def ident(self) -> Identity:
+        assert self._ident is not None, "@api identifies the caller before the method runs"
+        return self._ident
+
+    # -- headers, body, identity -----------------------------------------------------
+    def set_default_headers(self) -> None:
+        self.set_header("Content-Type", JSON_TYPE)
+        self.set_header("Cache-Control", "no-store")
+        self.set_header("X-Content-Type-Options", "nosniff")
+
+    def compute_etag(self) -> str | None:
+        return None
+
+    async def prepare(self) -> None:
+        length = self.request.headers.get("Content-Length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = 0
+            if declared > DRAIN_LIMIT:
+                # let tornado read nothing more; the connection closes after the 413
+                self.request.connection.set_max_body_size(declared)  # type: ignore[union-attr]
+                raise BodyTooLarge(
+                    f"The request body has {declared} bytes, more than the broker accepts "
+                    f"({self.max_body_bytes} bytes); send a smaller JSON object.",
+                    max_bytes=self.max_body_bytes,
+                )
+        # read (and drop) bodies up to DRAIN_LIMIT so that the 413 arrives cleanly
+        self.request.connection.set_max_body_size(DRAIN_LIMIT)  # type: ignore[union-attr]
+        # nothing else may fail here: an answer sent from prepare() is sent before the
+        # body is read, and tornado then closes the connection. Identity is checked by
+        # @api at the start of each method, once the body is in.
+        self._prepared = True
+
+    def data_received(self, chunk: bytes) -> None:
+        self._body_bytes += len(chunk)
+        if self._body_bytes <= self.max_body_bytes:
+            self._chunks.append(chunk)
+        else:
+            self._chunks = []
+
+    def json_body(self) -> dict[str, Any]:
+        """The request body as a JSON object (413 / 400 from ``validation``)."""
+        if self._body_bytes > self.max_body_bytes:
+            raise BodyTooLarge(
+                f"The request body has {self._body_bytes} bytes, more than the broker accepts "
+                f"({self.max_body_bytes} bytes); send a smaller JSON object.",
+                max_bytes=self.max_body_bytes,
+            )
+        return validation.parse_json_body(b"".join(self._chunks), self.max_body_bytes)
+
+    async def identify(self) -> Identity:
+        token = token_from_header(self.request.headers.get("Authorization"))
+        if token is None:
+            raise NotAuthenticated(
+                "This endpoint needs a token: send your JupyterHub API token (or the token "
+                "your administrator gave you) as 'Authorization: token <TOKEN>'."
+            )
+        return await self.authenticator.identify(token)
+
+    def query(self, name: str) -> str | None:
+        values = self.request.query_arguments.get(name)
+        if not values:
+            return None
+        try:
+            return values[-1].decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise errors.InvalidRequest(f"The query value {name!r} is not UTF-8 text.") from exc
+
+    # -- answers -----------------------------------------------------------------
+    def write_json(self, body: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.finish(json.dumps(body, allow_nan=False, separators=(",", ":")))
+
+    def lease_json(self, lease: Lease) -> dict[str, Any]:
+        return lease.to_json(self.service.state.gpus.get(lease.gpu_uuid))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        self.clear_header("Location")
+        self.clear_header("Retry-After")
+        if isinstance(exc, GPULeaseError):
+            body = exc.to_json()
+            if exc.status == 401:
+                self.set_header("WWW-Authenticate", 'Bearer realm="gpu-lease"')
+            if exc.status == 503:
+                self.set_header("Retry-After", "5")
+        elif isinstance(exc, web.HTTPError) and status_code < 500:
+            body = {"error": _TORNADO_CODES.get(status_code, "http_error")}
+            if status_code == 404:
+                body["message"] = (
+                    f"There is no such endpoint: {self.request.method} {self.request.path}. "
+                    f"The API is under {self.base_url}api/v1/ "
+                    f"(see {self.base_url}api/v1/openapi.json)."
+                )
+            elif status_code == 405:
+                body["message"] = (
+                    f"{self.request.method} is not allowed on {self.request.path}; "
+                    f"see {self.base_url}api/v1/openapi.json for the methods it takes."
+                )
+            else:
+                body["message"] = f"{self._reason}. Check the request and retry."
+        else:
+            body = {
+                "error": "internal_error",
+                "message": "internal error; the broker's log has details",
+            }
+        if not self._prepared:
+            # refused before the body was read: tornado closes the connection after
+            # this answer, so tell the client not to reuse it
+            self.set_header("Connection", "close")
+        self.set_header("Content-Type", JSON_TYPE)
+        self.finish(json.dumps(body, default=str, separators=(",", ":")))
+
+    def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, GPULeaseError):
+            status_code = exc.status if 400 <= exc.status < 600 else 500
+        super().send_error(status_code, **kwargs)
+
+    def log_exception(self, typ: Any, value: Any, tb: Any) -> None:
+        where = f"{self.request.method} {self.request.path}"
+        if isinstance(value, GPULeaseError):
+            if value.status >= 500:
+                log.warning("%s failed: %s", where, value.message)
+            else:
+                log.debug("%s refused (%s): %s", where, value.code, value.message)
+        elif isinstance(value, web.HTTPError):
+            if value.status_code >= 500:
+                log.warning("%s: HTTP %d %s", where, value.status_code, value.log_message or "")
+        else:
+            log.error(
+                "Unexpected error answering %s:\n%s",
+                where,
+                "".join(traceback.format_exception(typ, value, tb)),
+            )
+
+
+class NotFoundHandler(APIHandler):
+    """Any unknown path: a JSON 404 (never tornado's HTML page), before any auth."""
+
+    auth_required = False
+
+    def _not_found(self, *args: Any) -> None:
+        raise web.HTTPError(404)
+
+    get = post = put = delete = patch = head = options = _not_found
+
+
+# -- public ---------------------------------------------------------------------------
+
+
+class IndexHandler(APIHandler):
+    """``GET {p}``: where the API is (the HTML dashboard comes later)."""
+
+    auth_required = False
+
+    @api
+    def get(self) -> None:
+        p = self.base_url
+        self.write_json(
+            {
+                "name": "jupyter-gpu-lease broker",
+                "version": __version__,
+                "api": f"{p}api/v1/",
+                "health": f"{p}api/v1/health",
+                "openapi": f"{p}api/v1/openapi.json",
+                "metrics": f"{p}metrics",
+                "message": "This is the GPU lease broker's REST API; send requests with "
+                "'Authorization: token <TOKEN>'. The dashboard is not available yet.",
+            }
+        )
+
+
+class HealthHandler(APIHandler):
+    auth_required = False
+
+    @api
+    def get(self) -> None:
+        self.write_json(self.service.health())
+
+
+class OpenAPIHandler(APIHandler):
+    auth_required = False
+
+    @api
+    def get(self) -> None:
+        from .openapi import build_openapi
+
+        self.write_json(build_openapi(self.base_url))
+
+
+class MetricsHandler(APIHandler):
+    """``GET {p}metrics``: Prometheus text; a token is needed if ``metrics_require_auth``."""
+
+    async def prepare(self) -> None:
+        self.auth_required = bool(self.settings.get("gpu_lease_metrics_require_auth"))
+        await super().prepare()
+
+    @api
+    def get(self) -> None:
+        metrics = self.settings.get("gpu_lease_metrics")
+        if metrics is None or not hasattr(metrics, "render"):
+            raise errors.LeaseNotFound("This broker does not export metrics.")
+        body, content_type = metrics.render()
+        self.set_header("Content-Type", content_type)
+        self.finish(body)
+
+
+# -- pool and leases ---------------------------------------------------------------------
+
+
+class GPUsHandler(APIHandler):
+    @api
+    def get(self) -> None:
+        self.write_json({"gpus": self.service.gpus()})
+
+
+class LeasesHandler(APIHandler):
+    """``GET`` lists leases; ``POST`` acquires (201 new, 200 repeat, 202 queued)."""
+
+    _task: asyncio.Task[AcquireResult] | None = None
+    _client_gone = False
+
+    @api
+    def get(self) -> None:
+        leases = self.service.list_leases(
+            self.ident,
+            user=self.query("user") or None,
+            all_users=validation.parse_flag(self.query("all"), "all"),
+            history=validation.parse_flag(self.query("history"), "history"),
+        )
+        self.write_json({"leases": [self.lease_json(x) for x in leases]})
+
+    @api
+    async def post(self) -> None:
+        ask, wait = validation.parse_acquire(self.json_body(), self.ident)
+        self._task = asyncio.ensure_future(self.service.acquire(self.ident, ask, wait))
+        try:
+            result = await self._task
+        except asyncio.CancelledError:
+            if self._client_gone:
+                return  # nobody to answer
+            raise
+        finally:
+            self._task = None
+        if result.status == 202:
+            req = result.request
+            assert req is not None
+            self.set_header("Retry-After", str(RETRY_AFTER_QUEUED))
+            self.write_json(
+                {
+                    "queued": True,
+                    "id": req.id,
+                    "position": result.position,
+                    "kernel_id": req.kernel_id,
+                    "fraction": ppm_to_fraction(req.fraction_ppm),
+                    "queue_length": len(self.service.state.queue),
+                    "message": f"Your request waits at position {result.position} in the "
+                    f"GPU queue. {result.reason}".strip(),
+                },
+                status=202,
+            )
+            return
+        assert result.lease is not None
+        if result.status == 201:
+            self.set_header("Location", f"{self.base_url}api/v1/leases/{result.lease.id}")
+        self.write_json(self.lease_json(result.lease), status=result.status)
+
+    def on_connection_close(self) -> None:
+        # the client gave up its long-poll: stop waiting (its queue place stays
+        # until the poll grace runs out, so a quick re-post keeps it)
+        self._client_gone = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+class LeaseHandler(APIHandler):
+    @api
+    def get(self, lease_id: str) -> None:
+        self.write_json(self.lease_json(self.service.get_lease(self.ident, lease_id)))
+
+    @api
+    def delete(self, lease_id: str) -> None:
+        self.service.release(self.ident, lease_id)
+        self.set_status(204)
+        self.clear_header("Content-Type")
+        self.finish()
+
+
+class RenewHandler(APIHandler):
+    @api
+    def post(self, lease_id: str) -> None:
+        beat = validation.parse_heartbeat(self.json_body())
+        lease = self.service.renew(self.ident, lease_id, **beat)
+        self.write_json(self.lease_json(lease))
+
+
+class QueueHandler(APIHandler):
+    @api
+    def get(self) -> None:
+        self.write_json({"queue": self.service.queue(self.ident)})
+
+
+# -- quotas and usage --------------------------------------------------------------------
+
+
+class QuotasHandler(APIHandler):
+    @api
+    def get(self) -> None:
+        self.write_json(self.service.list_quotas(self.ident))
+
+
+class MyQuotaHandler(APIHandler):
+    @api
+    def get(self) -> None:
+        self.write_json(self.service.my_quota(self.ident))
+
+
+class QuotaHandler(APIHandler):
+    """``/quotas/default`` (no path args) and ``/quotas/(users|groups)/{name}``."""
+
+    def _level(self, plural: str | None, name: str | None) -> tuple[str, str]:
+        if plural is None:
+            return "default", ""
+        return _plural_level(plural), name or ""
+
+    @api
+    def get(self, plural: str | None = None, name: str | None = None) -> None:
+        level, who = self._level(plural, name)
+        self.write_json(self.service.get_quota(self.ident, level, who))
+
+    @api
+    def put(self, plural: str | None = None, name: str | None = None) -> None:
+        level, who = self._level(plural, name)
+        quota = validation.parse_quota(self.json_body())
+        self.write_json(self.service.put_quota(self.ident, level, who, quota))
+
+    @api
+    def delete(self, plural: str | None = None, name: str | None = None) -> None:
+        level, who = self._level(plural, name)
+        self.service.delete_quota(self.ident, level, who)
+        self.set_status(204)
+        self.clear_header("Content-Type")
+        self.finish()
+
+
+class UsageHandler(APIHandler):
+    @api
+    def get(self) -> None:
+        since = validation.parse_since(self.query("since"), self.service.clock())
+        by = self.query("by") or "user"
+        self.write_json(self.service.usage(self.ident, since, by))
+
+
+# -- the application ---------------------------------------------------------------------
+
+
+def routes(base_url: str = "/") -> list[tuple[str, type[web.RequestHandler]]]:
+    """The URL patterns under ``base_url``."""
+    base = normalize_base_url(base_url)
+    p = re.escape(base)
+    api = p + r"api/v1/"
+    index = [(p, IndexHandler)] if base == "/" else [(re.escape(base[:-1]) + "/?", IndexHandler)]
+    return [
+        *index,
+        (api + r"health/?", HealthHandler),
+        (api + r"openapi\.json", OpenAPIHandler),
+        (p + r"metrics/?", MetricsHandler),
+        (api + r"gpus/?", GPUsHandler),
+        (api + r"leases/?", LeasesHandler),
+        (api + r"leases/([^/]+)/renew/?", RenewHandler),
+        (api + r"leases/([^/]+)/?", LeaseHandler),
+        (api + r"queue/?", QueueHandler),
+        (api + r"quotas/?", QuotasHandler),
+        (api + r"quotas/me/?", MyQuotaHandler),
+        (api + r"quotas/default/?", QuotaHandler),
+        (api + r"quotas/(users|groups)/([^/]+)/?", QuotaHandler),
+        (api + r"usage/?", UsageHandler),
+    ]
+
+
+def _log_request(handler: web.RequestHandler) -> None:
+    status = handler.get_status()
+    ms = 1000.0 * handler.request.request_time()
+    level = logging.DEBUG if status < 400 else logging.INFO if status < 500 else logging.WARNING
+    access = logging.getLogger("gpu_lease.broker.access")
+    if access.isEnabledFor(level):
+        access.log(
+            level,
+            "%d %s %s (%s) %.1fms",
+            status,
+            handler.request.method,
+            handler.request.path,  # never the query string
+            handler.request.remote_ip,
+            ms,
+        )
+
+
+def make_app(
+    service: BrokerService,
+    authenticator: Authenticator,
+    metrics: Any = None,
+    base_url: str = "/",
+    *,
+    max_body_bytes: int = 64 * 1024,
+    metrics_require_auth: bool = False,
+    **settings: Any,
+) -> web.Application:
+    """The tornado application of the broker (no server, no listening: ``app.py`` does that).
+
+    Tests and benchmarks build it in-process around their own ``BrokerService``.
+    """
+    base = normalize_base_url(base_url)
+    settings.setdefault("log_function", _log_request)
+    return web.Application(
+        routes(base),
+        default_handler_class=NotFoundHandler,
+        gpu_lease_service=service,
+        gpu_lease_authenticator=authenticator,
+        gpu_lease_metrics=metrics,
+        gpu_lease_base_url=base,
+        gpu_lease_max_body_bytes=max_body_bytes,
+        gpu_lease_metrics_require_auth=metrics_require_auth,
+        **settings,
+    )
+
+
+__all__ = [
+    "APIHandler",
+    "make_app",
+    "normalize_base_url",
+    "routes",
+]

@@ -1,0 +1,437 @@
+"""Request validation: raw HTTP bodies and query values -> plain, checked values.
+
+Pure functions, no I/O: the handlers (``handlers.py``) call them on every request
+that carries a body or a query value, before anything reaches ``BrokerService``.
+Each rejection is an :class:`~provisioner.errors.InvalidRequest` (400) or
+:class:`~provisioner.errors.BodyTooLarge` (413) whose message is a sentence that
+says what to fix. Nothing here looks at the pool: whether a fraction can ever fit
+(422) is the core's decision (``scheduling.check_can_ever_fit``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import BodyTooLarge, InvalidRequest
+from ..model import PPM, Identity, Quota, fraction_to_ppm
+from ..scheduling import Ask
+
+#: the longest long-poll (s) an acquire may ask for
+MAX_WAIT = 300.0
+MAX_ID_CHARS = 256
+MAX_GPU_UUIDS = 64
+MAX_EXECUTION_STATE_CHARS = 32
+#: kernel execution states as jupyter_client reports them (others are accepted too)
+EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", "dead", "unknown")
+#: the default look-back of ``GET /api/v1/usage``
+DEFAULT_USAGE_WINDOW_S = 7 * 86400
+#: the longest budget window (s): ten years
+MAX_WINDOW_S = 10 * 366 * 86400
+
+ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait")
+HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
+QUOTA_FIELDS = (
+    "max_fraction",
+    "max_leases",
+    "max_lease_fraction",
+    "budget_fraction_hours",
+    "budget_window",
+    "priority",
+)
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_STATE_CHARS = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+# -- the body ------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise InvalidRequest(
+        f"The request body contains {name}, which is not valid JSON; send a finite number."
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest(
+            f"The number {text[:40]} in the request body is too large; send a finite number."
+        )
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidRequest(
+                f"The request body names the field {key[:64]!r} twice; send each field once."
+            )
+        out[key] = value
+    return out
+
+
+def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; an empty body is ``{}``.
+
+    Refuses bodies above ``max_bytes`` (413), bytes that are not UTF-8, malformed
+    JSON, ``NaN``/``Infinity`` (which Python's json would accept), numbers too large
+    for a float or an int, duplicate keys, and anything but an object (400).
+    """
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(
+            f"The request body has {len(raw)} bytes, more than the broker accepts "
+            f"({max_bytes} bytes); send a smaller JSON object.",
+            max_bytes=max_bytes,
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("The request body is not UTF-8 text; send a JSON object.") from exc
+    if not text.strip():
+        return {}
+    try:
+        body = json.loads(
+            text,
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys,
+        )
+    except InvalidRequest:
+        raise
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"The request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}); send a JSON object such as "
+            '{"kernel_id": "...", "fraction": 0.02}.'
+        ) from exc
+    except (ValueError, RecursionError) as exc:
+        # ints above sys.get_int_max_str_digits(), or absurd nesting
+        raise InvalidRequest(
+            "The request body contains a number that is too large or nesting that is too "
+            "deep; send a plain JSON object with ordinary numbers."
+        ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(
+            f"The request body must be a JSON object, not a JSON {_json_type(body)}; "
+            'send e.g. {"kernel_id": "...", "fraction": 0.02}.'
+        )
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def check_fields(body: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    """400 naming every field of ``body`` that is not in ``allowed``."""
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        names = ", ".join(repr(k[:64]) for k in unknown[:10])
+        raise InvalidRequest(
+            f"Unknown field(s) in the {what}: {names}. Allowed fields are "
+            f"{', '.join(allowed)}; remove the others.",
+            fields=[k[:64] for k in unknown[:10]],
+        )
+
+
+# -- single values -------------------------------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value: Any, name: str, *, max_chars: int = MAX_ID_CHARS) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(
+            f"{name!r} must be a string, not a JSON {_json_type(value)}; send it in quotes."
+        )
+    if not value:
+        raise InvalidRequest(f"{name!r} must not be empty.")
+    if len(value) > max_chars:
+        raise InvalidRequest(
+            f"{name!r} has {len(value)} characters; send at most {max_chars}.",
+        )
+    if not value.isprintable():
+        raise InvalidRequest(
+            f"{name!r} contains control or other unprintable characters; send printable text only."
+        )
+    return value
+
+
+def _optional_text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    return None if value is None else _text(value, name)
+
+
+def parse_fraction(value: Any, name: str = "fraction", *, upper: float = 1.0) -> int:
+    """A JSON number in ``(0, upper]`` -> ppm (at least 1 ppm)."""
+    if not _is_number(value):
+        hint = " (without quotes)" if isinstance(value, str) else ""
+        raise InvalidRequest(
+            f"{name!r} must be a number such as 0.02{hint}, not a JSON {_json_type(value)}."
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name!r} must be a finite number such as 0.02.")
+    # compare before converting: a huge int would overflow a float
+    if not 0 < value <= upper:
+        raise InvalidRequest(
+            f"{name!r} must be greater than 0 and at most {upper:g} (of one GPU), not {_show(value)}.",
+        )
+    ppm = fraction_to_ppm(float(value))
+    if ppm < 1:
+        raise InvalidRequest(
+            f"{name!r} of {_show(value)} is below the smallest fraction the broker counts "
+            f"(1e-06 of a GPU); ask for a larger fraction."
+        )
+    return ppm
+
+
+def _show(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int above sys.get_int_max_str_digits()
+        return "a number with too many digits"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(value: Any, name: str, *, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, float) and value.is_integer() and low <= value <= high:
+            return int(value)
+        raise InvalidRequest(
+            f"{name!r} must be a whole number, not a JSON {_json_type(value)} ({_show(value)})."
+        )
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be between {low} and {high}, not {_show(value)}.")
+    return value
+
+
+def _number(value: Any, name: str, *, low: float, high: float) -> float:
+    if not _is_number(value):
+        raise InvalidRequest(f"{name!r} must be a number, not a JSON {_json_type(value)}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name!r} must be a finite number.")
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be between {low:g} and {high:g}, not {_show(value)}.")
+    return float(value)
+
+
+# -- acquire ---------------------------------------------------------------------
+
+
+def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
+    """``POST /api/v1/leases`` body -> (the ``Ask`` with the caller's verified identity, wait s).
+
+    Fields: ``kernel_id`` (1..256 printable characters), ``fraction`` (a JSON number,
+    ``0 < f <= 1``), optional ``node``, ``gpu_uuids`` (at most 64 strings),
+    ``group`` and ``wait`` (long-poll seconds, 0..300, default 0).
+    """
+    check_fields(body, ACQUIRE_FIELDS, "acquire request")
+    if "kernel_id" not in body:
+        raise InvalidRequest("The acquire request needs a 'kernel_id' (the kernel's id, a string).")
+    if "fraction" not in body:
+        raise InvalidRequest(
+            "The acquire request needs a 'fraction' (the share of one GPU, e.g. 0.02)."
+        )
+    kernel_id = _text(body["kernel_id"], "kernel_id")
+    ppm = parse_fraction(body["fraction"])
+    node = _optional_text(body, "node")
+    group = _optional_text(body, "group")
+    uuids: tuple[str, ...] | None = None
+    raw_uuids = body.get("gpu_uuids")
+    if raw_uuids is not None:
+        if not isinstance(raw_uuids, list):
+            raise InvalidRequest(
+                f"'gpu_uuids' must be a list of GPU UUID strings, not a JSON {_json_type(raw_uuids)}."
+            )
+        if len(raw_uuids) > MAX_GPU_UUIDS:
+            raise InvalidRequest(
+                f"'gpu_uuids' lists {len(raw_uuids)} GPUs; send at most {MAX_GPU_UUIDS}."
+            )
+        uuids = tuple(dict.fromkeys(_text(u, "gpu_uuids item") for u in raw_uuids))
+    wait = 0.0
+    if body.get("wait") is not None:
+        wait = _number(body["wait"], "wait", low=0.0, high=MAX_WAIT)
+    ask = Ask(
+        user=ident.user,
+        kernel_id=kernel_id,
+        fraction_ppm=ppm,
+        groups=ident.groups,
+        admin=ident.admin,
+        node=node,
+        gpu_uuids=uuids,
+        group=group,
+    )
+    return ask, wait
+
+
+# -- heartbeat -------------------------------------------------------------------
+
+
+def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``BrokerService.renew``.
+
+    ``pid`` (an int > 0), ``execution_state`` (a kernel state such as ``idle`` or
+    ``busy``: letters, digits, ``_`` and ``-``, at most 32) and ``last_activity``
+    (POSIX seconds), each optional.
+    """
+    check_fields(body, HEARTBEAT_FIELDS, "renew request")
+    out: dict[str, Any] = {"pid": None, "execution_state": None, "last_activity": None}
+    if body.get("pid") is not None:
+        out["pid"] = _int(body["pid"], "pid", low=1, high=2**32)
+    state = body.get("execution_state")
+    if state is not None:
+        text = _text(state, "execution_state", max_chars=MAX_EXECUTION_STATE_CHARS)
+        if not _STATE_CHARS.match(text):
+            raise InvalidRequest(
+                f"'execution_state' must be a kernel state such as {', '.join(EXECUTION_STATES)}."
+            )
+        out["execution_state"] = text.lower()
+    if body.get("last_activity") is not None:
+        out["last_activity"] = _number(body["last_activity"], "last_activity", low=0.0, high=1e11)
+    return out
+
+
+# -- quotas ----------------------------------------------------------------------
+
+
+def parse_duration(value: Any, name: str = "budget_window") -> int:
+    """Seconds as a whole number (``604800``) or a string such as ``"7d"``, ``"12h"``, ``"30m"``."""
+    if isinstance(value, str):
+        if value.strip().isdigit():
+            seconds = int(value.strip())
+        else:
+            m = _DURATION.match(value)
+            if m is None:
+                raise InvalidRequest(
+                    f'{name!r} must be seconds or a duration such as "7d", "12h" or '
+                    f'"30m", not {_show(value)}.'
+                )
+            seconds = int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    elif _is_number(value):
+        seconds = _int(value, name, low=1, high=MAX_WINDOW_S)
+    else:
+        raise InvalidRequest(
+            f'{name!r} must be seconds or a duration such as "7d", not a JSON {_json_type(value)}.'
+        )
+    if not 1 <= seconds <= MAX_WINDOW_S:
+        raise InvalidRequest(f"{name!r} must be between 1 second and 10 years.")
+    return seconds
+
+
+def parse_quota(body: dict[str, Any]) -> Quota:
+    """``PUT /api/v1/quotas/...`` body -> ``Quota``; a missing or null field is "not set here".
+
+    ``max_fraction`` (the most a user holds at once, summed over GPUs, >= 0),
+    ``max_lease_fraction`` (one kernel, in (0, 1]), ``max_leases`` (an int >= 0),
+    ``budget_fraction_hours`` (>= 0) per ``budget_window`` (seconds or ``"7d"``),
+    ``priority`` (an int, -1000..1000; groups only).
+    """
+    check_fields(body, QUOTA_FIELDS, "quota")
+    values: dict[str, Any] = {}
+    if body.get("max_fraction") is not None:
+        v = body["max_fraction"]
+        if _is_number(v) and v == 0:
+            values["max_fraction_ppm"] = 0
+        else:
+            values["max_fraction_ppm"] = parse_fraction(v, "max_fraction", upper=1e6)
+    if body.get("max_lease_fraction") is not None:
+        values["max_lease_fraction_ppm"] = parse_fraction(
+            body["max_lease_fraction"], "max_lease_fraction"
+        )
+    if body.get("max_leases") is not None:
+        values["max_leases"] = _int(body["max_leases"], "max_leases", low=0, high=1_000_000)
+    if body.get("budget_fraction_hours") is not None:
+        values["budget_fraction_hours"] = _number(
+            body["budget_fraction_hours"], "budget_fraction_hours", low=0.0, high=1e9
+        )
+    if body.get("budget_window") is not None:
+        values["budget_window_s"] = parse_duration(body["budget_window"])
+    if body.get("priority") is not None:
+        values["priority"] = _int(body["priority"], "priority", low=-1000, high=1000)
+    if "budget_fraction_hours" in values and "budget_window_s" not in values:
+        values["budget_window_s"] = DEFAULT_USAGE_WINDOW_S
+    return Quota(**values)
+
+
+# -- query values ----------------------------------------------------------------
+
+
+def parse_since(value: str | None, now: float) -> float:
+    """``?since=``: ISO 8601 (``2024-09-01``, ``2024-09-01T08:00:00Z``), POSIX seconds, or a
+    relative duration (``7d``, ``24h``, ``30m``: that long before ``now``). Default: 7 days ago.
+
+    A date or time without a zone is UTC.
+    """
+    if value is None or not value.strip():
+        return now - DEFAULT_USAGE_WINDOW_S
+    text = value.strip()
+    m = _DURATION.match(text)
+    if m is not None:
+        return now - float(m.group(1)) * _UNITS[m.group(2).lower()]
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidRequest("'since' must be a finite, non-negative number of POSIX seconds.")
+        return seconds
+    iso = text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text
+    try:
+        when = datetime.fromisoformat(iso)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"'since' must be an ISO 8601 date or time (2024-09-01T08:00:00Z), POSIX seconds, "
+            f"or a duration such as 7d or 24h, not {_show(text)}."
+        ) from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+def parse_flag(value: str | None, name: str) -> bool:
+    """``?all=1`` style flags: 1/true/yes/on or 0/false/no/off (absent: false)."""
+    if value is None:
+        return False
+    text = value.strip().lower()
+    if text in ("", "1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise InvalidRequest(f"{name!r} must be 1 or 0 (true or false), not {_show(value)}.")
+
+
+__all__ = [
+    "MAX_WAIT",
+    "PPM",
+    "check_fields",
+    "parse_acquire",
+    "parse_duration",
+    "parse_flag",
+    "parse_fraction",
+    "parse_heartbeat",
+    "parse_json_body",
+    "parse_quota",
+    "parse_since",
+]

@@ -1,0 +1,226 @@
+"""Shared fixtures: a REAL broker subprocess on a fresh database.
+
+``broker`` starts ``python -m provisioner.broker.app`` on a free port with a static
+tokens file and ``--gpus 1x32768:V100`` (override with
+``@pytest.mark.broker_args("--gpus", "2x32768:V100", ...)``), waits for
+``/api/v1/health`` and yields a :class:`Broker`. It runs once on SQLite and once on
+PostgreSQL (``postgres`` mark; a fresh schema of the ``test`` database per test,
+dropped afterwards; skipped if the server cannot be reached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+#: name -> (groups, admin); each gets the token "tok-<name>-<random>"
+USERS: dict[str, tuple[list[str], bool]] = {
+    "alice": (["ml101"], False),
+    "bob": ([], False),
+    "carol": (["ml101"], False),
+    "admin": ([], True),
+    **{f"u{n:02d}": ([], False) for n in range(40)},
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "broker_args(*args): extra command-line options for the broker fixture"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Broker:
+    """A broker subprocess: ``url``, ``tokens`` (user -> token), ``proc``, ``db_url``."""
+
+    def __init__(self, tmp: Path, db_url: str, extra: tuple[str, ...] = (), env: Any = None):
+        self.tmp = tmp
+        self.db_url = db_url
+        self.port = free_port()
+        self.base_url = "/"
+        for i, arg in enumerate(extra):
+            if arg == "--base-url":
+                self.base_url = "/" + extra[i + 1].strip("/") + "/"
+        self.url = f"http://127.0.0.1:{self.port}{self.base_url.rstrip('/')}"
+        self.tokens = {name: f"tok-{name}-{uuid.uuid4().hex}" for name in USERS}
+        self.tokens_file = tmp / "tokens.json"
+        self.tokens_file.write_text(
+            json.dumps(
+                {
+                    self.tokens[name]: {"user": name, "groups": groups, "admin": admin}
+                    for name, (groups, admin) in USERS.items()
+                }
+            )
+        )
+        self.extra = extra
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    # -- life cycle -------------------------------------------------------------
+    def command(self) -> list[str]:
+        args = [
+            sys.executable,
+            "-m",
+            "provisioner.broker.app",
+            "--port",
+            str(self.port),
+            "--auth",
+            "static",
+            "--tokens-file",
+            str(self.tokens_file),
+            "--db-url",
+            self.db_url,
+        ]
+        if "--gpus" not in self.extra:
+            args += ["--gpus", "1x32768:V100"]
+        return args + list(self.extra)
+
+    @property
+    def log_path(self) -> Path:
+        return self.tmp / f"broker-{self.starts}.log"
+
+    def start(self, timeout: float = 20.0) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        self.starts += 1
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.pop("JUPYTERHUB_API_TOKEN", None)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(f"{self.url}/api/v1/health", timeout=1.0)
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.kill9()
+        raise RuntimeError(
+            f"the broker did not answer /api/v1/health in {timeout} s:\n{self.log()}"
+        )
+
+    def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
+        """SIGTERM; returns (exit code, seconds it took to exit)."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return code, time.monotonic() - t0
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """A clean restart (SIGTERM, then start again on the same port and database)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate()
+            except subprocess.TimeoutExpired:
+                pass
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except OSError:
+            return ""
+
+    def problems(self) -> list[str]:
+        """Lines of every run's log that show a crash inside the broker."""
+        bad = ("Traceback", "Unexpected error", "Task was destroyed", "Exception in callback")
+        out = []
+        for n in range(1, self.starts + 1):
+            path = self.tmp / f"broker-{n}.log"
+            if path.exists():
+                out += [
+                    x
+                    for x in path.read_text(errors="replace").splitlines()
+                    if any(b in x for b in bad)
+                ]
+        return out
+
+    # -- helpers for tests ---------------------------------------------------------
+    def headers(self, user: str | None) -> dict[str, str]:
+        return {} if user is None else {"Authorization": f"token {self.tokens[user]}"}
+
+    def client(self, user: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
+        kwargs.setdefault("timeout", 30.0)
+        return httpx.AsyncClient(
+            base_url=f"{self.url}/api/v1", headers=self.headers(user), **kwargs
+        )
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def broker_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh database: an SQLite file, or a new PostgreSQL schema dropped afterwards."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'b.sqlite'}"
+        return
+    psycopg2 = pytest.importorskip("psycopg2")
+    schema = f"gl_api_{uuid.uuid4().hex[:12]}"
+    try:
+        conn = psycopg2.connect(PG_URL, connect_timeout=5)
+    except psycopg2.OperationalError as exc:
+        pytest.skip(f"PostgreSQL at {PG_URL} is unreachable: {str(exc).splitlines()[0]}")
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE SCHEMA "{schema}"')
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with conn.cursor() as cur:
+            cur.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        conn.close()
+
+
+@pytest.fixture
+def broker(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -> Iterator[Broker]:
+    """A running broker subprocess (see the module docstring)."""
+    marker = request.node.get_closest_marker("broker_args")
+    extra = tuple(marker.args) if marker else ()
+    b = Broker(tmp_path, broker_db_url, extra)
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+        b.kill9()
+    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
