@@ -1,0 +1,8 @@
+"""``python -m provisioner``: the ``gpu-lease`` command."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
