@@ -1,0 +1,587 @@
+"""GPULeaseProvisioner with real processes: a broker subprocess, real ipykernel kernels
+started through jupyter_client's kernel managers, and a real ``jupyter server``.
+
+The kernelspecs live in a temporary ``JUPYTER_PATH``; the "server" environment (this
+test process, or the ``jupyter server`` subprocess) has ``GPU_LEASE_URL`` and
+``GPU_LEASE_TOKEN``. The broker runs with a short TTL so that renewals, outages and
+expiry happen within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from jupyter_client.ioloop import AsyncIOLoopKernelManager
+from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.provisioning import KernelProvisionerFactory
+from traitlets.config import Config
+
+from provisioner.errors import BrokerUnavailable, NoCapacity
+from provisioner.kernel.provisioner import GPULeaseProvisioner
+from provisioner.kernelspecs import build_kernelspec, spec_json
+
+#: every broker here: TTL 6 s, reaper twice a second
+BROKER = ("--ttl", "6", "--GPULeaseBroker.reap_interval=0.5")
+HUB_TOKEN = "hub-token-the-kernel-already-had"
+#: the ``broker`` fixture's object (tests/conftest.py); not imported, so that this module
+#: works whether or not tests/ is a package
+Broker = Any
+
+pytestmark = [pytest.mark.broker_args(*BROKER)]
+
+
+@pytest.fixture
+def broker_db_url(tmp_path: Path) -> str:
+    """SQLite only: the broker's own tests cover PostgreSQL."""
+    return f"sqlite:///{tmp_path / 'b.sqlite'}"
+
+
+class Specs:
+    """GPU kernelspecs in a temporary JUPYTER_PATH."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def add(
+        self, name: str, fraction: float, *, argv: list[str] | None = None, **config: Any
+    ) -> str:
+        spec = build_kernelspec(fraction)
+        spec["metadata"]["kernel_provisioner"]["config"].update(
+            {"renew_interval": 1.0, "long_poll": 1.0, **config}
+        )
+        if argv is not None:
+            spec["argv"] = argv
+        folder = self.root / "kernels" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "kernel.json").write_text(spec_json(spec))
+        return name
+
+
+@pytest.fixture
+def specs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Specs:
+    root = tmp_path / "jupyter"
+    monkeypatch.setenv("JUPYTER_PATH", str(root))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    s = Specs(root)
+    s.add("gpu-0.02", 0.02)
+    return s
+
+
+@pytest.fixture
+def server_env(broker: Broker, specs: Specs, monkeypatch: pytest.MonkeyPatch) -> Broker:
+    """This process plays the Jupyter server: broker URL and alice's token in its environment."""
+    monkeypatch.setenv("GPU_LEASE_URL", broker.url)
+    monkeypatch.setenv("GPU_LEASE_TOKEN", broker.tokens["alice"])
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", HUB_TOKEN)
+    for name in ("GPU_LEASE_NODE", "GPU_LEASE_GPU_UUIDS"):
+        monkeypatch.delenv(name, raising=False)
+    return broker
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def exists(path: Path) -> bool:
+    return path.exists()
+
+
+def file_mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def lease_state(broker: Broker, lease_id: str) -> str:
+    r = httpx.get(f"{broker.url}/api/v1/leases/{lease_id}", headers=broker.headers("alice"))
+    r.raise_for_status()
+    return str(r.json()["state"])
+
+
+def hold(broker: Broker, user: str, fraction: float) -> dict[str, Any]:
+    """A lease taken directly from the broker (another user's kernel elsewhere)."""
+    r = httpx.post(
+        f"{broker.url}/api/v1/leases",
+        json={"kernel_id": f"{user}-{uuid.uuid4()}", "fraction": fraction},
+        headers=broker.headers(user),
+    )
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def leases(broker: Broker, **params: str) -> list[dict[str, Any]]:
+    r = httpx.get(
+        f"{broker.url}/api/v1/leases",
+        params={"all": "1", **params},
+        headers=broker.headers("admin"),
+    )
+    r.raise_for_status()
+    return [x for x in r.json()["leases"] if x["state"] == "active"]
+
+
+def lease_of(broker: Broker, kernel_id: str) -> dict[str, Any] | None:
+    found = [x for x in leases(broker) if x["kernel_id"] == kernel_id]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def queue(broker: Broker) -> list[dict[str, Any]]:
+    r = httpx.get(f"{broker.url}/api/v1/queue", headers=broker.headers("admin"))
+    r.raise_for_status()
+    return list(r.json()["queue"])
+
+
+async def wait_for(cond: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if isinstance(value, Awaitable):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        await asyncio.sleep(0.1)
+
+
+async def start(
+    name: str, tmp_path: Path, cls: type[AsyncKernelManager] = AsyncKernelManager, **kw: Any
+) -> AsyncKernelManager:
+    """A started kernel (its connection file under tmp_path, where the state file goes too)."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(exist_ok=True)
+    km = cls(kernel_name=name, connection_file=str(runtime / f"kernel-{uuid.uuid4()}.json"), **kw)
+    await km.start_kernel()
+    return km
+
+
+@asynccontextmanager
+async def kernel(
+    name: str, tmp_path: Path, cls: type[AsyncKernelManager] = AsyncKernelManager, **kw: Any
+) -> AsyncIterator[AsyncKernelManager]:
+    km = await start(name, tmp_path, cls, **kw)
+    try:
+        yield km
+    finally:
+        if km.has_kernel:
+            await km.shutdown_kernel(now=True)
+
+
+async def run(km: AsyncKernelManager, code: str) -> str:
+    """Execute ``code`` in the kernel; its stdout."""
+    kc = km.client()
+    kc.start_channels()
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+
+    try:
+        await kc.wait_for_ready(timeout=30)
+        reply = await kc.execute_interactive(code, timeout=30, output_hook=hook)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+    return "".join(out)
+
+
+ENV_CODE = (
+    "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
+    "if k.startswith(('GPU_LEASE', 'CUDA_', 'JUPYTERHUB_'))}))"
+)
+
+
+async def kernel_env(km: AsyncKernelManager) -> dict[str, str]:
+    return dict(json.loads((await run(km, ENV_CODE)).strip().splitlines()[-1]))
+
+
+# -- configuration (no processes) ----------------------------------------------------------
+def test_kernel_json_config_wins_and_env_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_LEASE_URL", "http://broker.example:10101")
+    monkeypatch.setenv("GPU_LEASE_NODE", "gpu-a")
+    monkeypatch.setenv("GPU_LEASE_GPU_UUIDS", "GPU-1, GPU-2,")
+    specs = Specs(tmp_path / "jupyter")
+    specs.add("gpu-0.05", 0.05, queue_timeout=12)
+    monkeypatch.setenv("JUPYTER_PATH", str(specs.root))
+    config = Config()
+    config.GPULeaseProvisioner.fraction = 0.5
+    config.GPULeaseProvisioner.queue_timeout = 99.0
+    config.GPULeaseProvisioner.group = "ml101"
+    km = AsyncKernelManager(kernel_name="gpu-0.05", config=config)
+    prov = KernelProvisionerFactory.instance().create_provisioner_instance(
+        "k1", km.kernel_spec, parent=km
+    )
+    assert isinstance(prov, GPULeaseProvisioner)
+    assert prov.fraction == 0.05  # kernel.json wins
+    assert prov.queue_timeout == 12
+    assert prov.group == "ml101"  # from the server's config
+    assert prov.broker_url == "http://broker.example:10101"
+    assert prov.node == "gpu-a"
+    assert prov.gpu_uuids == ["GPU-1", "GPU-2"]
+    assert prov.enforcement == "cooperative"
+    with pytest.raises(Exception, match="above 0 and at most 1"):
+        GPULeaseProvisioner(kernel_id="k2", fraction=1.5)
+
+
+# -- the kernel's life -------------------------------------------------------------------------
+@pytest.mark.slow
+async def test_start_env_renew_shutdown(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    async with kernel("gpu-0.02", tmp_path) as km:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None and lease["user"] == "alice" and lease["fraction"] == 0.02
+        env = await kernel_env(km)
+        assert env["CUDA_VISIBLE_DEVICES"] == lease["gpu"]["uuid"]
+        assert env["GPU_LEASE_ID"] == lease["id"]
+        assert env["GPU_LEASE_FRACTION"] == "0.02"
+        assert env["GPU_LEASE_MEMORY_MB"] == str(lease["memory_limit_mb"])
+        assert "GPU_LEASE_TOKEN" not in env  # the server's broker credential stays out
+        assert env["JUPYTERHUB_API_TOKEN"] == HUB_TOKEN  # what the kernel already had
+        state_file = Path(env["GPU_LEASE_STATE_FILE"])
+        assert file_mode(state_file) == 0o600
+        state = read_json(state_file)
+        assert state["state"] == "active" and state["lease_id"] == lease["id"]
+        # renewals every second, with the kernel's pid
+        renewed = lease["renewed_at"]
+        fresh = await wait_for(
+            lambda: (x := lease_of(broker, km.kernel_id)) and x["renewed_at"] > renewed and x,
+            what="a renewal",
+        )
+        assert fresh["pid"] == km.provisioner.pid
+        info = await km.provisioner.get_provisioner_info()
+        assert info["gpu_lease"]["lease_id"] == lease["id"]
+        assert info["gpu_lease"]["fraction"] == 0.02
+        await km.shutdown_kernel()
+    assert lease_of(broker, km.kernel_id) is None
+    assert not exists(state_file)  # removed at shutdown
+    assert lease_state(broker, lease["id"]) == "released"
+
+
+@pytest.mark.slow
+async def test_restart_keeps_the_lease(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    async with kernel("gpu-0.02", tmp_path) as km:
+        before = lease_of(broker, km.kernel_id)
+        assert before is not None
+        pid = km.provisioner.pid
+        await km.restart_kernel()
+        assert km.provisioner.pid != pid
+        after = lease_of(broker, km.kernel_id)
+        assert after is not None and after["id"] == before["id"]
+        assert (await kernel_env(km))["GPU_LEASE_ID"] == before["id"]
+        assert len(leases(broker)) == 1
+        await km.shutdown_kernel()
+    assert leases(broker) == []
+
+
+RESTARTER = {"KernelRestarter": {"time_to_dead": 0.3}}
+
+
+@pytest.mark.slow
+async def test_kill9_auto_restart_keeps_the_lease(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    async with kernel(
+        "gpu-0.02", tmp_path, AsyncIOLoopKernelManager, config=Config(RESTARTER)
+    ) as km:
+        before = lease_of(broker, km.kernel_id)
+        assert before is not None
+        pid = km.provisioner.pid
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(
+            lambda: km.provisioner.has_process and km.provisioner.pid != pid, what="auto-restart"
+        )
+        assert (await kernel_env(km))["GPU_LEASE_ID"] == before["id"]
+        after = lease_of(broker, km.kernel_id)
+        assert after is not None and after["id"] == before["id"]
+        await km.shutdown_kernel()
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+async def test_kill9_dead_kernel_releases(
+    server_env: Broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The restarter gives up (restart_limit 0): jupyter_client calls only the "dead"
+    callbacks, as jupyter_server's restarter does before it drops the kernel."""
+    broker = server_env
+    config = Config({"KernelRestarter": {"time_to_dead": 0.3, "restart_limit": 0}})
+    caplog.set_level(logging.INFO)
+    async with kernel("gpu-0.02", tmp_path, AsyncIOLoopKernelManager, config=config) as km:
+        assert lease_of(broker, km.kernel_id) is not None
+        os.kill(km.provisioner.pid, signal.SIGKILL)
+        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, what="release")
+        assert "died and will not be restarted" in caplog.text
+        km.stop_restarter()
+        await km.cleanup_resources()  # what a careful owner does later: nothing left to release
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+async def test_kill9_without_restarter_releases(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    async with kernel("gpu-0.02", tmp_path) as km:
+        assert lease_of(broker, km.kernel_id) is not None
+        os.kill(km.provisioner.pid, signal.SIGKILL)
+        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, what="release")
+        # the owner may still restart it: a fresh lease, released at shutdown
+        await km.restart_kernel(now=True)
+        assert lease_of(broker, km.kernel_id) is not None
+        await km.shutdown_kernel()
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+async def test_failed_launch_holds_nothing(
+    server_env: Broker, specs: Specs, tmp_path: Path
+) -> None:
+    broker = server_env
+    specs.add(
+        "broken",
+        0.02,
+        argv=[
+            str(tmp_path / "no-such-python"),
+            "-m",
+            "ipykernel_launcher",
+            "-f",
+            "{connection_file}",
+        ],
+    )
+    km = AsyncKernelManager(kernel_name="broken")
+    with pytest.raises(FileNotFoundError):
+        await km.start_kernel()
+    assert leases(broker) == []
+    assert queue(broker) == []
+
+
+# -- a full pool --------------------------------------------------------------------------------
+@pytest.mark.slow
+async def test_full_pool_third_kernel_waits_then_starts(
+    server_env: Broker, specs: Specs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = server_env
+    specs.add("gpu-0.5", 0.5)
+    caplog.set_level(logging.INFO)
+    async with kernel("gpu-0.5", tmp_path) as first, kernel("gpu-0.5", tmp_path):
+        third = asyncio.ensure_future(start("gpu-0.5", tmp_path))
+        try:
+            await wait_for(lambda: len(queue(broker)) == 1, what="the third request to queue")
+            await wait_for(lambda: "waits at position 1" in caplog.text, what="the log")
+            assert not third.done()
+            await first.shutdown_kernel()
+            km = await asyncio.wait_for(third, 20)
+        except BaseException:
+            third.cancel()
+            raise
+        try:
+            assert lease_of(broker, km.kernel_id) is not None
+            assert len(leases(broker)) == 2
+        finally:
+            await km.shutdown_kernel(now=True)
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+async def test_queue_timeout_says_where_it_waited(
+    server_env: Broker, specs: Specs, tmp_path: Path
+) -> None:
+    broker = server_env
+    specs.add("gpu-0.5-impatient", 0.5, queue_timeout=1.5, long_poll=0.5)
+    hold(broker, "bob", 1.0)
+    km = AsyncKernelManager(kernel_name="gpu-0.5-impatient")
+    with pytest.raises(NoCapacity) as info:
+        await km.start_kernel()
+    message = str(info.value)
+    assert "position 1" in message
+    assert "The broker said: Your request waits at position 1" in message, message
+    assert "smaller GPU fraction" in message
+    assert [x["user"] for x in leases(broker)] == ["bob"]
+    assert queue(broker) == []  # the request was withdrawn
+
+
+@pytest.mark.slow
+async def test_broker_down_at_start(
+    server_env: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPU_LEASE_URL", f"http://127.0.0.1:{free_port()}")
+    km = AsyncKernelManager(kernel_name="gpu-0.02")
+    with pytest.raises(BrokerUnavailable, match="Cannot reach the GPU lease broker"):
+        await km.start_kernel()
+    assert not km.has_kernel
+
+
+@pytest.mark.slow
+async def test_broker_outage_leaves_the_kernel_running(
+    server_env: Broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = server_env
+    caplog.set_level(logging.INFO)
+    async with kernel("gpu-0.02", tmp_path) as km:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None
+        broker.kill9()
+        await wait_for(lambda: "Could not renew GPU lease" in caplog.text, what="the warning")
+        await asyncio.sleep(1.5)
+        assert await km.is_alive()
+        assert (await run(km, "print(6 * 7)")).strip() == "42"
+        broker.start()  # same port, same database
+        back = time.time()
+        renewed = await wait_for(
+            lambda: (x := lease_of(broker, km.kernel_id)) and x["renewed_at"] > back and x,
+            what="renewals to resume",
+        )
+        assert renewed["id"] == lease["id"]
+        await km.shutdown_kernel()
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+@pytest.mark.broker_args(*BROKER, "--GPULeaseBroker.idle_reclaim_after=1")
+async def test_revoked_lease_stops_the_kernel(
+    server_env: Broker, specs: Specs, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = server_env
+    specs.add("gpu-1", 1.0)
+    caplog.set_level(logging.INFO)
+    async with kernel("gpu-1", tmp_path) as km:
+        state_file = Path((await kernel_env(km))["GPU_LEASE_STATE_FILE"])
+        await asyncio.sleep(1.2)  # idle for longer than idle_reclaim_after
+        async with broker.client("bob") as bob:
+            r = await bob.post("/leases", json={"kernel_id": "bobs", "fraction": 0.5, "wait": 15})
+        assert r.status_code == 201  # the idle kernel's lease was reclaimed for bob
+        await wait_for(lambda: not km.has_kernel, what="the kernel to stop")
+        state = read_json(state_file)
+        assert state["state"] == "revoked"
+        assert "idle" in state["reason"]
+        assert "was revoked" in caplog.text and "Shutting the kernel down" in caplog.text
+    assert [x["user"] for x in leases(broker)] == ["bob"]
+    os.unlink(state_file)
+
+
+@pytest.mark.slow
+async def test_expired_lease_is_taken_back(server_env: Broker, tmp_path: Path) -> None:
+    """The server was cut off beyond the TTL: the next renewal gets the share back."""
+    broker = server_env
+    async with kernel("gpu-0.02", tmp_path) as km:
+        prov = km.provisioner
+        assert isinstance(prov, GPULeaseProvisioner)
+        old = lease_of(broker, km.kernel_id)
+        assert old is not None
+        task = prov._renew_task
+        assert task is not None
+        task.cancel()  # the server stops renewing (suspended, cut off)
+        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, timeout=20, what="expiry")
+        assert await prov._renew_once()
+        new = lease_of(broker, km.kernel_id)
+        assert new is not None and new["id"] != old["id"]
+        assert new["gpu"]["uuid"] == old["gpu"]["uuid"]
+        assert await km.is_alive()
+        await km.shutdown_kernel()
+    assert leases(broker) == []
+
+
+# -- through jupyter_server ------------------------------------------------------------------
+@pytest.fixture
+def jupyter_server(server_env: Broker, specs: Specs, tmp_path: Path) -> Iterator[str]:
+    """A real ``jupyter server`` with the broker URL and token in its environment."""
+    specs.add("gpu-0.01", 0.01)  # 327 MiB on a 32 GiB GPU: below the context overhead
+    port = free_port()
+    token = uuid.uuid4().hex
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    env = dict(os.environ)
+    env.update(
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_DATA_DIR=str(tmp_path / "data"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    )
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/api/status", params={"token": token}).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((tmp_path / "server.log").read_text()[-3000:])
+            time.sleep(0.2)
+        yield f"{url}?{token}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+async def test_jupyter_server_sessions(server_env: Broker, jupyter_server: str) -> None:
+    broker = server_env
+    url, token = jupyter_server.split("?")
+    headers = {"Authorization": f"token {token}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+        r = await http.post(
+            "/api/sessions",
+            json={"path": "a.ipynb", "type": "notebook", "kernel": {"name": "gpu-0.02"}},
+        )
+        assert r.status_code == 201, r.text
+        session = r.json()
+        kernel_id = session["kernel"]["id"]
+        lease = lease_of(broker, kernel_id)
+        assert lease is not None and lease["user"] == "alice"
+
+        r = await http.post(
+            "/api/sessions",
+            json={"path": "b.ipynb", "type": "notebook", "kernel": {"name": "gpu-0.01"}},
+        )
+        assert r.status_code == 500
+        assert "The smallest fraction that works is" in r.json()["message"]
+
+        r = await http.delete(f"/api/sessions/{session['id']}")
+        assert r.status_code == 204
+    await wait_for(lambda: lease_of(broker, kernel_id) is None, what="release")
+    assert leases(broker) == []
