@@ -9,6 +9,7 @@ from floats only at the edges (JSON, kernel.json, CLI).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -55,7 +56,12 @@ class GPU:
     index: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"uuid": self.uuid, "node": self.node, "name": self.name, "memory_mb": self.memory_mb}
+        return {
+            "uuid": self.uuid,
+            "node": self.node,
+            "name": self.name,
+            "memory_mb": self.memory_mb,
+        }
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,9 @@ class Quota:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "max_fraction": None if self.max_fraction_ppm is None else ppm_to_fraction(self.max_fraction_ppm),
+            "max_fraction": None
+            if self.max_fraction_ppm is None
+            else ppm_to_fraction(self.max_fraction_ppm),
             "max_leases": self.max_leases,
             "max_lease_fraction": None
             if self.max_lease_fraction_ppm is None
@@ -219,8 +227,12 @@ class PoolState:
 
     @classmethod
     def build(
-        cls, gpus: list[GPU], leases: list[Lease] = (), queue: list[Request] = ()  # type: ignore[assignment]
+        cls,
+        gpus: Iterable[GPU],
+        leases: Iterable[Lease] = (),
+        queue: Iterable[Request] = (),
     ) -> PoolState:
+        gpus = list(gpus)
         state = cls(gpus={g.uuid: g for g in gpus})
         for g in gpus:
             state.allocated[g.uuid] = 0

@@ -20,8 +20,11 @@ Key rules (see DESIGN.md "Semantics"):
 * Queue order: requests waiting longer than ``starvation_after`` first (by arrival),
   then group priority, then fair share (users holding less first), then arrival.
 * Backfill with a reservation: the first request in queue order that does not fit
-  reserves one GPU (the emptiest it could use); later requests may not be placed on
-  it, so it drains and the large request cannot be overtaken forever.
+  reserves one GPU; later requests may not be placed on it, so it drains and the large
+  request cannot be overtaken forever. The reserved GPU is the one it could use where
+  the fewest leases must end before it fits (counting the largest leases first; ties:
+  the least allocated), not merely the emptiest: twenty small leases take longer to
+  all end than one (``Policy.reservation``; "emptiest" is kept for the simulator).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked.
@@ -47,6 +50,7 @@ from .model import (
 )
 
 PLACEMENTS = ("best-fit", "spread", "first-fit")
+RESERVATIONS = ("fewest-leases", "emptiest")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Policy:
     reserve_ppm: int = 0
     placement: str = "best-fit"
     backfill: bool = True
+    reservation: str = "fewest-leases"
     starvation_after: float = 600.0
     idle_reclaim_after: float | None = None
     queue_poll_grace: float = 30.0
@@ -288,7 +293,10 @@ def admit(
             quota="max_fraction",
             limit=limit,
         )
-    if quota.budget_fraction_hours is not None and used_fraction_hours >= quota.budget_fraction_hours:
+    if (
+        quota.budget_fraction_hours is not None
+        and used_fraction_hours >= quota.budget_fraction_hours
+    ):
         window_h = (quota.budget_window_s or 0) / 3600
         raise QuotaExceeded(
             f"You have used {used_fraction_hours:.2f} of your {quota.budget_fraction_hours:g} "
@@ -356,6 +364,9 @@ def drain(
     if not state.queue and extra is None:
         return []
     alloc = dict(state.allocated)
+    sizes: dict[str, list[int]] = {}  # lease sizes per GPU, this drain's grants included
+    for lease in state.leases.values():
+        sizes.setdefault(lease.gpu_uuid, []).append(lease.fraction_ppm)
     reserved: set[str] = set()
     grants: list[Grant] = []
     for req in queue_order(state, now, policy, extra):
@@ -363,12 +374,55 @@ def drain(
         gpu = place(ok, alloc, req.fraction_ppm, policy, exclude=reserved)
         if gpu is not None:
             alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
+            sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
             grants.append(Grant(new_lease(req, gpu, now, policy, new_id()), req))
         elif policy.backfill and not reserved and ok:
-            # the head reserves the emptiest GPU it could use; nothing else lands there
-            target = min(ok, key=lambda g: (alloc.get(g.uuid, 0), g.node, g.index, g.uuid))
-            reserved.add(target.uuid)
+            # the head reserves one GPU it could use; nothing else lands there until it fits
+            reserved.add(reservation_target(ok, alloc, sizes, req.fraction_ppm, policy).uuid)
     return grants
+
+
+def leases_to_end(sizes: Iterable[int], allocated: int, ppm: int, capacity: int) -> int:
+    """The fewest of a GPU's leases (of ``sizes``) that must end before ``ppm`` fits on it.
+
+    Largest first: the least number of ends after which ``allocated + ppm <= capacity``
+    can hold. When one of them ends, this count does not grow (and the allocation falls).
+    """
+    need = allocated + ppm - capacity
+    ended = 0
+    for size in sorted(sizes, reverse=True):
+        if need <= 0:
+            break
+        need -= size
+        ended += 1
+    return ended
+
+
+def reservation_target(
+    ok: list[GPU], alloc: dict[str, int], sizes: dict[str, list[int]], ppm: int, policy: Policy
+) -> GPU:
+    """The GPU a head that does not fit reserves, among the non-empty ``ok``.
+
+    ``fewest-leases`` (default): the fewest leases must end before it fits, then the
+    least allocated. Once the head is first in queue order (aging puts it there after
+    ``starvation_after``), nothing new lands on the reserved GPU: its key never grows
+    and falls with every lease that ends there, so the minimum over GPUs only falls and
+    the head is placed after finitely many lease ends (no starvation), as with
+    ``emptiest`` (the least allocated; the rule before).
+    """
+    if policy.reservation == "emptiest":
+        return min(ok, key=lambda g: (alloc.get(g.uuid, 0), g.node, g.index, g.uuid))
+    cap = policy.capacity_ppm
+    return min(
+        ok,
+        key=lambda g: (
+            leases_to_end(sizes.get(g.uuid, ()), alloc.get(g.uuid, 0), ppm, cap),
+            alloc.get(g.uuid, 0),
+            g.node,
+            g.index,
+            g.uuid,
+        ),
+    )
 
 
 def new_lease(req: Request | Ask, gpu: GPU, now: float, policy: Policy, lease_id: str) -> Lease:
@@ -416,8 +470,14 @@ def decide_acquire(
     waiting = state.queue.get((ask.user, ask.kernel_id))
     if waiting is not None:
         touched = replace(waiting, last_polled_at=now)
+        ok = usable_gpus(state, waiting.fraction_ppm, policy, waiting.node, waiting.gpu_uuids)
         return AcquireDecision(
-            Queued(touched, position_of(state, waiting.key, now, policy), new=False)
+            Queued(
+                touched,
+                position_of(state, waiting.key, now, policy),
+                new=False,
+                reason=why_waiting(state, ok),
+            )
         )
 
     check_course(ask)
@@ -509,7 +569,10 @@ def expired(state: PoolState, now: float) -> list[Lease]:
 
 
 def stale_requests(
-    state: PoolState, now: float, policy: Policy, polling: set[tuple[str, str]] = frozenset()  # type: ignore[assignment]
+    state: PoolState,
+    now: float,
+    policy: Policy,
+    polling: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
 ) -> list[Request]:
     """Waiting requests whose client stopped polling (not in a long-poll, silent past the grace)."""
     return [

@@ -54,7 +54,12 @@ def test_fraction_to_ppm(fraction, ppm):
 
 @pytest.mark.parametrize(
     "ppm, memory, overhead, cap",
-    [(20_000, 32768, 512, 143), (20_000, 81920, 512, 1126), (PPM, 16384, 512, 15872), (15_000, 32768, 512, -21)],
+    [
+        (20_000, 32768, 512, 143),
+        (20_000, 81920, 512, 1126),
+        (PPM, 16384, 512, 15872),
+        (15_000, 32768, 512, -21),
+    ],
 )
 def test_memory_cap(ppm, memory, overhead, cap):
     assert memory_cap_mb(ppm, memory, overhead) == cap
@@ -150,7 +155,9 @@ def test_above_capacity_after_reserve_is_422():
 
 def test_course_member_and_admin_may_use_course_kernel():
     st = pool(V100)
-    assert isinstance(acquire(st, Ask("m", "k", 20_000, groups=frozenset({"ml101"}), group="ml101")), Grant)
+    assert isinstance(
+        acquire(st, Ask("m", "k", 20_000, groups=frozenset({"ml101"}), group="ml101")), Grant
+    )
     assert isinstance(acquire(st, Ask("root", "k", 20_000, admin=True, group="ml101")), Grant)
 
 
@@ -168,13 +175,21 @@ BOOK = QuotaBook(
     "user, groups, expect",
     [
         ("nobody", [], Quota(max_leases=1, max_fraction_ppm=100_000)),
-        ("s", ["ml101"], Quota(max_leases=2, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000)),
+        (
+            "s",
+            ["ml101"],
+            Quota(max_leases=2, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000),
+        ),
         (
             "s",
             ["ml101", "research"],
             Quota(max_leases=4, max_fraction_ppm=PPM, max_lease_fraction_ppm=50_000, priority=5),
         ),
-        ("vip", ["ml101"], Quota(max_leases=10, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000)),
+        (
+            "vip",
+            ["ml101"],
+            Quota(max_leases=10, max_fraction_ppm=100_000, max_lease_fraction_ppm=50_000),
+        ),
         ("capped", ["research"], Quota(max_leases=0, max_fraction_ppm=PPM, priority=5)),
     ],
 )
@@ -217,7 +232,13 @@ def test_queue_order_priority_fair_share_arrival_and_aging():
     acquire(st, Ask("poor", "p", 20_000), now=2, policy=policy)
     acquire(st, Ask("poor2", "p", 20_000), now=3, policy=policy)
     st.queue[("vip", "v")] = st.queue[("poor2", "p")].__class__(
-        id="v", user="vip", kernel_id="v", fraction_ppm=20_000, arrived_at=4, last_polled_at=4, priority=5
+        id="v",
+        user="vip",
+        kernel_id="v",
+        fraction_ppm=20_000,
+        arrived_at=4,
+        last_polled_at=4,
+        priority=5,
     )
     order = [r.user for r in core.queue_order(st, 10, policy)]
     assert order == ["vip", "poor", "poor2", "rich"]
@@ -321,3 +342,84 @@ def test_check_invariants_catches_over_allocation():
     st.allocated[V100.uuid] += 1
     with pytest.raises(AssertionError):
         core.check_invariants(st, Policy())
+
+
+@pytest.mark.parametrize(
+    "sizes, allocated, ppm, expect",
+    [
+        ([], 0, PPM, 0),  # empty GPU: fits now
+        ([750_000], 750_000, 250_000, 0),  # fits exactly
+        ([750_000], 750_000, 500_000, 1),
+        ([20_000] * 20, 400_000, PPM, 20),  # every small lease must end
+        ([500_000, 100_000, 100_000], 700_000, 500_000, 1),  # the 0.5 is enough
+        ([300_000, 300_000, 100_000], 700_000, 700_000, 2),
+    ],
+)
+def test_leases_to_end(sizes, allocated, ppm, expect):
+    assert core.leases_to_end(sizes, allocated, ppm, PPM) == expect
+
+
+def _reservation_pool():
+    """g0: twenty 0.02 leases (0.4 allocated); g1: one 0.75 lease; g2: full of 0.25s."""
+    gpus = [GPU(f"g{i}", "n", "A100", 81920, i) for i in range(3)]
+    st = pool(*gpus)
+    new_id = ids()
+    one = Policy(placement="first-fit")
+    for i in range(4):
+        acquire(st, Ask(f"r{i}", "k", 250_000, gpu_uuids=("g2",)), policy=one, new_id=new_id)
+    acquire(st, Ask("long", "k", 750_000, gpu_uuids=("g1",)), policy=one, new_id=new_id)
+    for i in range(20):
+        acquire(st, Ask(f"s{i}", "k", 20_000, gpu_uuids=("g0",)), policy=one, new_id=new_id)
+    assert st.allocated == {"g0": 400_000, "g1": 750_000, "g2": PPM}
+    return st, new_id
+
+
+@pytest.mark.parametrize(
+    "reservation, reserved, small_on",
+    [
+        ("fewest-leases", "g1", "g0"),  # one lease to end on g1, twenty on g0
+        ("emptiest", "g0", "g1"),  # the rule before: the least allocated
+    ],
+)
+def test_head_reserves_the_gpu_where_the_fewest_leases_must_end(reservation, reserved, small_on):
+    st, new_id = _reservation_pool()
+    policy = Policy(reservation=reservation)
+    assert isinstance(
+        acquire(st, Ask("big", "k", PPM), policy=policy, now=1, new_id=new_id), Queued
+    )
+    ok = core.usable_gpus(st, PPM, policy)
+    sizes = {}
+    for lease in st.leases.values():
+        sizes.setdefault(lease.gpu_uuid, []).append(lease.fraction_ppm)
+    assert core.reservation_target(ok, dict(st.allocated), sizes, PPM, policy).uuid == reserved
+    # a 0.2 fits on g0 or g1; best-fit would pick g1 (fuller), but not if g1 is reserved
+    out = acquire(st, Ask("small", "k", 200_000), policy=policy, now=2, new_id=new_id)
+    assert isinstance(out, Grant) and out.lease.gpu_uuid == small_on
+
+
+def test_fewest_leases_reservation_serves_the_head_despite_a_stream_of_small_requests():
+    st, new_id = _reservation_pool()
+    policy = Policy()  # fewest-leases
+    acquire(st, Ask("big", "k", PPM), policy=policy, now=1, new_id=new_id)
+    t = 2.0
+    for i in range(40):  # small asks keep coming; the oldest lease ends each second
+        acquire(st, Ask(f"late{i}", "k", 20_000), policy=policy, now=t, new_id=new_id)
+        assert st.allocated["g1"] <= 750_000  # nothing new lands on the reserved GPU
+        victim = min(st.leases.values(), key=lambda x: x.created_at).id
+        core.apply_ends(st, [victim])
+        core.apply_grants(st, core.drain(st, t, policy, new_id))
+        core.check_invariants(st, policy)
+        t += 1
+        if st.lease_for_kernel("big", "k"):
+            break
+    lease = st.lease_for_kernel("big", "k")
+    assert lease is not None and lease.gpu_uuid == "g1"
+
+
+def test_a_repeated_poll_says_how_full_the_gpus_are():
+    st = pool(V100)
+    acquire(st, Ask("hog", "k", PPM))
+    acquire(st, Ask("a", "k", 20_000), now=1)
+    again = acquire(st, Ask("a", "k", 20_000), now=2)
+    assert isinstance(again, Queued) and not again.new
+    assert "V100" in again.reason and "100% allocated" in again.reason
