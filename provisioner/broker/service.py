@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .. import scheduling as core
@@ -100,11 +100,14 @@ class BrokerService:
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         id_factory: Callable[[], str] = new_id,
+        reap_interval: float = 5.0,
     ) -> None:
         self.store = store
         self.declared = list(gpus)
         self.policy = policy
         self.clock = clock
+        #: seconds between :meth:`tick` calls (``app.py``'s ``reap_interval``)
+        self.reap_interval = float(reap_interval)
         self.metrics: Metrics = metrics or _NoMetrics()
         self.new_id = id_factory
         self.state = PoolState.build(gpus)
@@ -196,7 +199,7 @@ class BrokerService:
                 202,
                 request=outcome.request,
                 position=outcome.position,
-                reason=outcome.reason or core.why_waiting(self.state, []),
+                reason=outcome.reason,
             )
         assert isinstance(outcome, Grant)
         log.info(
@@ -304,15 +307,21 @@ class BrokerService:
         log.info("Released lease %s… of %s kernel %s", lease_id[:6], lease.user, lease.kernel_id)
         self._drain(now)
 
-    def revoke(self, ident: Identity, lease_id: str, reason: str) -> None:
-        """An admin ends someone's lease; its provisioner stops the kernel and shows ``reason``."""
+    def revoke(self, ident: Identity, lease_id: str, reason: str) -> Lease:
+        """An admin ends someone's lease; its provisioner stops the kernel and shows ``reason``.
+
+        Called by ``POST /api/v1/leases/{id}/revoke``; returns the lease as ended.
+        """
         self._require_admin(ident)
         lease = self.state.leases.get(lease_id)
         if lease is None:
             raise _gone(self._visible_lease(ident, lease_id))
         now = self.clock()
         self._end([(lease, "revoked", reason)], now)
+        log.info("Revoked lease %s… of %s kernel %s by %s: %s",
+                 lease_id[:6], lease.user, lease.kernel_id, ident.user, reason)
         self._drain(now)
+        return replace(lease, state="revoked", ended_at=now, reason=reason)
 
     # -- reads ------------------------------------------------------------------------
     def get_lease(self, ident: Identity, lease_id: str) -> Lease:
@@ -434,6 +443,27 @@ class BrokerService:
         self._drain(self.clock())
         return quota.to_json()
 
+    def apply_quotas(self, entries: list[tuple[str, str, Quota]], source: str) -> int:
+        """Set every ``(level, name, quota)`` of a quotas file, without an identity.
+
+        Called by ``app.py`` (``--quotas-file``) after :meth:`start`, before listening, on
+        every broker start: the file's entries replace what the API set for the same
+        default/group/user; quotas the file does not name are left as they are.
+        """
+        for level, name, quota in entries:
+            _check_level(level)
+            name = name if level != "default" else ""
+            self.store.put_quota(level, name, quota)
+            if level == "default":
+                self.quotas.default = quota
+            elif level == "group":
+                self.quotas.groups[name] = quota
+            else:
+                self.quotas.users[name] = quota
+        log.info("Applied %d quota(s) from %s", len(entries), source)
+        self._drain(self.clock())
+        return len(entries)
+
     def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
         self._require_admin(ident)
         _check_level(level)
@@ -465,18 +495,20 @@ class BrokerService:
         """One reaper pass: expire, drop stale requests, reclaim idle leases, drain the queue.
 
         Called every ``reap_interval`` seconds by ``app.py``. A gap much longer than
-        expected since the last pass (a suspended process, a clock jump forward) is
-        treated like a restart: every lease gets a TTL of grace instead of expiring.
+        expected since the last pass (longer than ``max(ttl / 2, 3 * reap_interval)``:
+        a suspended process, a clock jump forward) or a clock going backward is treated
+        like a restart: every active lease expires exactly one TTL from now instead of
+        expiring at once (forward) or only when the clock catches up (backward).
         """
         now = self.clock()
         last = self._last_tick if self._last_tick is not None else now
         self._last_tick = now
         counts = {"expired": 0, "dropped": 0, "revoked": 0, "granted": 0, "grace": 0}
-        if now - last > self.policy.ttl / 2 or now < last:
-            counts["grace"] = self.store.extend_active(now + self.policy.ttl)
+        stall = max(self.policy.ttl / 2, 3 * self.reap_interval)
+        if now - last > stall or now < last:
+            counts["grace"] = self.store.reset_active_expiry(now + self.policy.ttl)
             for lease in list(self.state.leases.values()):
-                if lease.expires_at < now + self.policy.ttl:
-                    lease.expires_at = now + self.policy.ttl
+                lease.expires_at = now + self.policy.ttl
             for req in self.state.queue.values():
                 req.last_polled_at = now
             log.warning(

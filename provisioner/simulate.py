@@ -1,0 +1,804 @@
+"""Trace-driven simulator: the pure allocation core on a simulated clock.
+
+Called by ``benchmarks/simulate.py`` (every policy and baseline on every trace) and by
+``tests/test_simulate.py`` (a small trace, invariants checked at every event). It
+drives the very functions the broker's service calls -- ``decide_acquire``,
+``drain``, ``idle_victims``, ``expired``, ``apply_grants``/``apply_ends`` -- with no
+HTTP, store or real clock, so a simulated week takes seconds.
+
+A trace is a list of :class:`Session`: a student (or researcher) asks for a kernel
+of ``fraction`` at ``arrival``, uses it for ``duration`` seconds of session time, and
+is busy during the ``busy`` stretches (session seconds from the kernel's start).
+Session time runs only while the kernel holds a lease, so waiting shifts the session
+later. A kernel whose lease is revoked (idle reclaim) is shut down; its student comes
+back when next active (the next busy stretch), asks again and waits again. A session
+marked ``crash`` ends without a release; its lease expires one TTL later.
+
+Baselines are :class:`Scheme` settings over the same core (whole-GPU: every request
+rounded up to one GPU; first-fit; random fit: first-fit over a GPU order shuffled
+at every decision, i.e. uniform among fitting GPUs) plus a *fluid* reference that
+pools all capacity into one bin (no fragmentation, FIFO order, greedy admission), with
+and without the same idle reclaim as ours (so that a policy with reclaim can be
+compared with a bound that reclaims too).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .errors import GPULeaseError
+from .model import GPU, PPM, PoolState, Quota, fraction_to_ppm
+from .scheduling import (
+    Ask,
+    Grant,
+    Policy,
+    Queued,
+    apply_ends,
+    apply_grants,
+    check_invariants,
+    decide_acquire,
+    drain,
+    expired,
+    idle_victims,
+)
+
+Key = tuple[str, str]
+
+#: a kernel idle this long counts as "idle-held" (the metric; not a policy knob)
+IDLE_METRIC_S = 600.0
+#: requests at least this large are "large" (research) in the metrics
+LARGE_PPM = PPM // 2
+
+
+# -- traces -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Session:
+    """One kernel's life as its user would live it, if it never had to wait."""
+
+    id: str
+    user: str
+    arrival: float
+    fraction: float
+    duration: float
+    busy: tuple[tuple[float, float], ...] = ()
+    group: str | None = None
+    crash: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "user": self.user,
+            "group": self.group,
+            "arrival": round(self.arrival, 3),
+            "fraction": self.fraction,
+            "duration": round(self.duration, 3),
+            "busy": [[round(a, 1), round(b, 1)] for a, b in self.busy],
+            "crash": self.crash,
+        }
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    count: int
+    memory_mb: int
+    name: str = "GPU"
+
+
+@dataclass
+class Trace:
+    """A workload: the pool, the horizon over which utilisation is measured, the sessions."""
+
+    name: str
+    horizon: float
+    pool: list[PoolSpec]
+    sessions: list[Session]
+    description: str = ""
+    seed: int | None = None
+
+    def gpus(self) -> list[GPU]:
+        out: list[GPU] = []
+        for spec in self.pool:
+            for _ in range(spec.count):
+                i = len(out)
+                out.append(GPU(f"GPU-sim-{i:04d}", "sim", spec.name, spec.memory_mb, i))
+        return out
+
+    def dump(self, path: str | Path) -> None:
+        """Write as JSONL: a header line, then one session per line."""
+        head = {
+            "kind": "header",
+            "name": self.name,
+            "description": self.description,
+            "seed": self.seed,
+            "horizon": self.horizon,
+            "pool": [
+                {"count": p.count, "memory_mb": p.memory_mb, "name": p.name} for p in self.pool
+            ],
+        }
+        with open(path, "w") as f:
+            f.write(json.dumps(head) + "\n")
+            for s in sorted(self.sessions, key=lambda s: (s.arrival, s.id)):
+                f.write(json.dumps(s.to_json()) + "\n")
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace written by :meth:`Trace.dump` (``benchmarks/traces/*.jsonl``)."""
+    with open(path) as f:
+        head = json.loads(f.readline())
+        sessions = []
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            busy = tuple((float(a), float(b)) for a, b in d.get("busy", ()))
+            sessions.append(
+                Session(
+                    d["id"], d["user"], float(d["arrival"]), float(d["fraction"]),
+                    float(d["duration"]), busy, d.get("group"), bool(d.get("crash", False)),
+                )
+            )  # fmt: skip
+    pool = [
+        PoolSpec(int(p["count"]), int(p["memory_mb"]), p.get("name", "GPU")) for p in head["pool"]
+    ]
+    return Trace(
+        head["name"],
+        float(head["horizon"]),
+        pool,
+        sessions,
+        head.get("description", ""),
+        head.get("seed"),
+    )
+
+
+# -- schemes -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A policy to simulate: core ``Policy`` settings, or ``policy=None`` for the fluid bound."""
+
+    name: str
+    policy: Policy | None
+    whole_gpu: bool = False
+    random_fit: bool = False
+    note: str = ""
+    #: fluid only: revoke leases idle longer than this while the pooled head does not fit
+    fluid_reclaim_after: float | None = None
+
+
+#: baselines: FIFO order, no reservation, never reclaim (as Kubernetes / gpushare schedule)
+_FIFO = Policy(placement="first-fit", backfill=False, starvation_after=0.0)
+BASELINES: tuple[Scheme, ...] = (
+    Scheme("whole-gpu", _FIFO, whole_gpu=True, note="one kernel per GPU (nvidia.com/gpu: 1)"),
+    Scheme("first-fit", _FIFO, note="first-fit binpack, FIFO, no reservation (gpushare)"),
+    Scheme("random-fit", _FIFO, random_fit=True, note="uniform among fitting GPUs, FIFO"),
+    Scheme("fluid", None, note="pooled capacity, no fragmentation, FIFO-greedy (reference)"),
+)
+#: our policy, and variants that each change one of its choices (README: "Scheduling simulator")
+_RECLAIM = 900.0
+#: the fluid reference with ours' idle reclaim: compare ``ours`` with this, ``no-reclaim`` with ``fluid``
+FLUID_RECLAIM = Scheme(
+    "fluid-reclaim",
+    None,
+    fluid_reclaim_after=_RECLAIM,
+    note="pooled capacity, FIFO-greedy, idle reclaim after 15 min (reference)",
+)
+OURS: tuple[Scheme, ...] = (
+    Scheme(
+        "spread",
+        Policy(placement="spread", idle_reclaim_after=_RECLAIM),
+        note="ours, emptiest GPU first",
+    ),
+    Scheme(
+        "fifo", Policy(starvation_after=0.0, idle_reclaim_after=_RECLAIM), note="ours, FIFO order"
+    ),
+    Scheme(
+        "emptiest-resv",
+        Policy(reservation="emptiest", idle_reclaim_after=_RECLAIM),
+        note="ours, head reserves the emptiest GPU (the rule before)",
+    ),
+    Scheme(
+        "no-resv",
+        Policy(backfill=False, idle_reclaim_after=_RECLAIM),
+        note="ours, no head reservation",
+    ),
+    Scheme("no-reclaim", Policy(), note="ours without idle reclaim (the broker's defaults)"),
+    Scheme("reclaim-30m", Policy(idle_reclaim_after=1800.0), note="ours, reclaim after 30 min"),
+    Scheme(
+        "ours",
+        Policy(idle_reclaim_after=_RECLAIM),
+        note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
+    ),
+)
+SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *OURS)
+
+
+# -- allocators: the core, and the fluid reference -----------------------------------------
+
+
+class Allocator(Protocol):
+    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]: ...
+    def release(self, key: Key, now: float) -> list[Key]: ...
+    def crash(self, key: Key, expires_at: float) -> None: ...
+    def expire(self, now: float) -> tuple[list[Key], list[Key]]: ...
+    def reap(
+        self, now: float, activity: Callable[[Key, float], tuple[bool, float]]
+    ) -> tuple[list[Key], list[Key]]: ...
+    def waiting(self) -> int: ...
+    def held_ppm(self) -> int: ...
+    def active(self) -> int: ...
+    def check(self) -> None: ...
+
+
+@dataclass
+class _RandomOrderPool(PoolState):
+    """A pool whose GPU order is reshuffled at every look: first-fit over it is random fit."""
+
+    rng: random.Random = field(default_factory=lambda: random.Random(0), repr=False, compare=False)
+
+    def ordered_gpus(self) -> list[GPU]:
+        gpus = sorted(self.gpus.values(), key=lambda g: (g.node, g.index, g.uuid))
+        self.rng.shuffle(gpus)
+        return gpus
+
+
+class CoreAllocator:
+    """The broker's decisions without the broker: core functions, applied at once."""
+
+    def __init__(self, gpus: list[GPU], policy: Policy, rng: random.Random | None = None) -> None:
+        if rng is not None:
+            state: PoolState = _RandomOrderPool.build(gpus)
+            assert isinstance(state, _RandomOrderPool)
+            state.rng = rng
+        else:
+            state = PoolState.build(gpus)
+        self.state = state
+        self.policy = policy
+        self.quota = Quota()
+        self._ids = itertools.count()
+
+    def _new_id(self) -> str:
+        return f"sim-{next(self._ids)}"
+
+    def _apply(self, grants: list[Grant]) -> list[Key]:
+        apply_grants(self.state, grants)
+        for g in grants:
+            g.lease.expires_at = math.inf  # the simulated provisioner renews until the kernel ends
+        return [g.lease.user_kernel for g in grants]
+
+    def _drain(self, now: float) -> list[Key]:
+        return self._apply(drain(self.state, now, self.policy, self._new_id))
+
+    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+        ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm)
+        d = decide_acquire(self.state, ask, self.quota, now, self.policy, self._new_id)
+        if isinstance(d.outcome, Queued) and d.outcome.new:
+            self.state.queue[d.outcome.request.key] = d.outcome.request
+        return self._apply(d.grants)
+
+    def release(self, key: Key, now: float) -> list[Key]:
+        apply_ends(self.state, [self.state.by_kernel[key]])
+        return self._drain(now)
+
+    def crash(self, key: Key, expires_at: float) -> None:
+        self.state.leases[self.state.by_kernel[key]].expires_at = expires_at
+
+    def expire(self, now: float) -> tuple[list[Key], list[Key]]:
+        ended = apply_ends(self.state, [lease.id for lease in expired(self.state, now)])
+        return [lease.user_kernel for lease in ended], self._drain(now) if ended else []
+
+    def reap(
+        self, now: float, activity: Callable[[Key, float], tuple[bool, float]]
+    ) -> tuple[list[Key], list[Key]]:
+        if self.policy.idle_reclaim_after is None:
+            return [], self._drain(now)
+        for lease in self.state.leases.values():  # what the last heartbeat reported
+            busy, last = activity(lease.user_kernel, now)
+            lease.execution_state = "busy" if busy else "idle"
+            lease.last_activity = last
+        victims = idle_victims(self.state, now, self.policy)
+        ended = apply_ends(self.state, [v.id for v in victims])
+        return [lease.user_kernel for lease in ended], self._drain(now)  # as the broker's reaper
+
+    def waiting(self) -> int:
+        return len(self.state.queue)
+
+    def held_ppm(self) -> int:
+        return sum(self.state.allocated.values())
+
+    def active(self) -> int:
+        return len(self.state.leases)
+
+    def check(self) -> None:
+        check_invariants(self.state, self.policy)
+
+
+class FluidAllocator:
+    """One bin of capacity ``sum(GPUs)``: no fragmentation; FIFO order, whoever fits goes.
+
+    With ``reclaim_after``, the reaper revokes leases idle longer than that, as
+    ``scheduling.idle_victims`` does but over the pooled bin: for each waiting request
+    (FIFO) that does not fit, the most idle leases, only if they suffice.
+    """
+
+    def __init__(self, gpus: list[GPU], policy: Policy, reclaim_after: float | None = None) -> None:
+        self.reclaim_after = reclaim_after
+        self.capacity = len(gpus) * policy.capacity_ppm
+        self.held: dict[Key, int] = {}
+        self.expiry: dict[Key, float] = {}
+        self.queue: dict[Key, int] = {}  # insertion order = arrival order
+        self.total = 0
+
+    def _drain(self) -> list[Key]:
+        granted = []
+        for key, ppm in list(self.queue.items()):
+            if self.total + ppm <= self.capacity:
+                del self.queue[key]
+                self.held[key] = ppm
+                self.total += ppm
+                granted.append(key)
+        return granted
+
+    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+        self.queue[key] = ppm
+        return self._drain()
+
+    def release(self, key: Key, now: float) -> list[Key]:
+        self.total -= self.held.pop(key)
+        self.expiry.pop(key, None)
+        return self._drain()
+
+    def crash(self, key: Key, expires_at: float) -> None:
+        self.expiry[key] = expires_at
+
+    def expire(self, now: float) -> tuple[list[Key], list[Key]]:
+        ended = [k for k, t in self.expiry.items() if t <= now]
+        for k in ended:
+            self.total -= self.held.pop(k)
+            del self.expiry[k]
+        return ended, self._drain() if ended else []
+
+    def reap(
+        self, now: float, activity: Callable[[Key, float], tuple[bool, float]]
+    ) -> tuple[list[Key], list[Key]]:
+        limit = self.reclaim_after
+        if limit is None or not self.queue:
+            return [], []
+        idle = []
+        for key in self.held:
+            busy, last = activity(key, now)
+            if not busy and now - last > limit:
+                idle.append((last, key))
+        idle.sort()  # most idle first
+        total, gone, taken = self.total, [], set()
+        for ppm in self.queue.values():
+            need = total + ppm - self.capacity
+            chosen = []
+            for _, key in idle:
+                if need <= 0:
+                    break
+                if key not in taken:
+                    chosen.append(key)
+                    need -= self.held[key]
+            if need > 0:
+                continue
+            for key in chosen:
+                taken.add(key)
+                gone.append(key)
+                total -= self.held[key]
+            total += ppm
+        for key in gone:
+            self.total -= self.held.pop(key)
+            self.expiry.pop(key, None)
+        return gone, self._drain()
+
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def held_ppm(self) -> int:
+        return self.total
+
+    def active(self) -> int:
+        return len(self.held)
+
+    def check(self) -> None:
+        assert 0 <= self.total <= self.capacity
+        assert self.total == sum(self.held.values())
+        assert not set(self.held) & set(self.queue)
+
+
+# -- the simulation ------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """One acquire (a session's first, or a return after revocation) and when it was served."""
+
+    session: int
+    user: str
+    ppm: int
+    asked_at: float
+    hold: float  # session seconds it will hold the lease if never revoked
+    granted_at: float | None = None
+
+
+@dataclass
+class LeaseRecord:
+    session: int
+    key: Key
+    ppm: int
+    start: float
+    anchor: float  # wall time of session time 0 for this kernel
+    end: float | None = None
+    reason: str = ""
+
+
+@dataclass
+class Result:
+    trace: Trace
+    scheme: Scheme
+    n_gpus: int
+    capacity_ppm: int
+    stopped_at: float
+    requests: list[RequestRecord]
+    leases: list[LeaseRecord]
+    queue_busy: list[tuple[float, float]]  # intervals when someone waited
+    used_ppm_s: float  # integral of allocated ppm over [0, horizon]
+    sat_used_ppm_s: float  # the same, only while someone waited
+    sat_s: float  # seconds within the horizon while someone waited
+    max_active: int
+    rejected: int
+    wall_s: float
+
+
+_ARRIVE, _END, _EXPIRE, _TICK = 0, 1, 2, 3
+
+
+class Simulator:
+    """Replays one trace under one scheme. ``check=True`` asserts invariants at every event."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        scheme: Scheme,
+        *,
+        check: bool = False,
+        reap_interval: float = 30.0,
+        stop_at: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.trace = trace
+        self.scheme = scheme
+        self.check = check
+        self.reap_interval = reap_interval
+        self.stop_at = stop_at if stop_at is not None else 3 * trace.horizon
+        self.gpus = trace.gpus()
+        self.policy = scheme.policy or Policy()
+        self.alloc: Allocator
+        if scheme.policy is None:
+            self.alloc = FluidAllocator(self.gpus, self.policy, scheme.fluid_reclaim_after)
+        else:
+            rng = random.Random(seed) if scheme.random_fit else None
+            self.alloc = CoreAllocator(self.gpus, scheme.policy, rng)
+        sessions = trace.sessions
+        self._starts = [[a for a, _ in s.busy] for s in sessions]
+        self._ends = [[b for _, b in s.busy] for s in sessions]
+
+    def _ppm(self, s: Session) -> int:
+        return PPM if self.scheme.whole_gpu else fraction_to_ppm(s.fraction)
+
+    def run(self) -> Result:
+        t0 = time.perf_counter()
+        sessions = self.trace.sessions
+        n = len(sessions)
+        attempt = [0] * n
+        tau_req = [0.0] * n  # session time at which the pending/current kernel starts
+        anchor = [0.0] * n  # wall time of session time 0 for the current kernel
+        done = [False] * n
+        req_of: dict[Key, RequestRecord] = {}
+        lease_of: dict[Key, LeaseRecord] = {}
+        sess_of: dict[Key, int] = {}
+        requests: list[RequestRecord] = []
+        leases: list[LeaseRecord] = []
+        heap: list[tuple[float, int, int, int, int]] = []
+        seq = itertools.count()
+        for i, s in enumerate(sessions):
+            heap.append((s.arrival, next(seq), _ARRIVE, i, 0))
+        heapq.heapify(heap)
+        alloc, horizon, ttl = self.alloc, self.trace.horizon, self.policy.ttl
+        # the broker's reaper (reclaim, then drain) runs every reap_interval while someone
+        # waits; without reclaim its drain grants nothing the event-time drains did not
+        policy = self.scheme.policy
+        ticks = (
+            policy is not None and policy.idle_reclaim_after is not None
+        ) or self.scheme.fluid_reclaim_after is not None
+        tick_pending = False
+        queue_busy: list[tuple[float, float]] = []
+        busy_since: float | None = None
+        used = sat_used = sat = 0.0
+        waiting = 0
+        held = 0
+        last_t = 0.0
+        max_active = 0
+        rejected = 0
+
+        def key_of(i: int) -> Key:
+            return (sessions[i].user, f"{sessions[i].id}.{attempt[i]}")
+
+        def activity(key: Key, now: float) -> tuple[bool, float]:
+            i = sess_of[key]
+            tau = now - anchor[i]
+            j = bisect.bisect_right(self._starts[i], tau) - 1
+            if j >= 0 and tau < self._ends[i][j] and tau < sessions[i].duration:
+                return True, now
+            start = anchor[i] + tau_req[i]
+            return False, max(start, anchor[i] + self._ends[i][j]) if j >= 0 else start
+
+        def granted(keys: Iterable[Key], now: float) -> None:
+            nonlocal max_active
+            for key in keys:
+                i = sess_of[key]
+                rec = req_of.pop(key)
+                rec.granted_at = now
+                anchor[i] = now - tau_req[i]
+                lease = LeaseRecord(i, key, rec.ppm, now, anchor[i])
+                leases.append(lease)
+                lease_of[key] = lease
+                end = anchor[i] + sessions[i].duration
+                heapq.heappush(heap, (end, next(seq), _END, i, attempt[i]))
+            max_active = max(max_active, alloc.active())
+
+        def ended(keys: Iterable[Key], now: float, reason: str) -> None:
+            for key in keys:
+                lease = lease_of.pop(key)
+                lease.end, lease.reason = now, reason
+
+        stopped = 0.0
+        while heap:
+            t, _, kind, i, att = heapq.heappop(heap)
+            if t > self.stop_at:
+                stopped = self.stop_at
+                break
+            lo, hi = min(last_t, horizon), min(t, horizon)
+            if hi > lo:
+                used += held * (hi - lo)
+                if waiting:
+                    sat_used += held * (hi - lo)
+                    sat += hi - lo
+            last_t = t
+            if kind == _ARRIVE:
+                if att != attempt[i]:
+                    continue
+                key = key_of(i)
+                sess_of[key] = i
+                rec = RequestRecord(i, sessions[i].user, fraction_to_ppm(sessions[i].fraction), t,
+                                    sessions[i].duration - tau_req[i])  # fmt: skip
+                req_of[key] = rec
+                requests.append(rec)
+                try:
+                    granted(alloc.acquire(key, self._ppm(sessions[i]), t), t)
+                except GPULeaseError:
+                    rejected += 1
+                    del req_of[key]
+                    done[i] = True
+            elif kind == _END:
+                if att != attempt[i] or done[i]:
+                    continue
+                done[i] = True
+                key = key_of(i)
+                if sessions[i].crash:
+                    alloc.crash(key, t + ttl)
+                    heapq.heappush(heap, (t + ttl, next(seq), _EXPIRE, i, att))
+                else:
+                    ended([key], t, "released")
+                    granted(alloc.release(key, t), t)
+            elif kind == _EXPIRE:
+                gone, new = alloc.expire(t)
+                ended(gone, t, "expired")
+                granted(new, t)
+            else:  # _TICK
+                tick_pending = False
+                gone, new = alloc.reap(t, activity)
+                ended(gone, t, "revoked")
+                for key in gone:
+                    j = sess_of[key]
+                    if done[j]:
+                        continue
+                    tau = t - anchor[j]
+                    k = bisect.bisect_right(self._starts[j], tau)
+                    if k >= len(self._starts[j]) or self._starts[j][k] >= sessions[j].duration:
+                        done[j] = True  # nothing left to do: the student does not come back
+                        continue
+                    attempt[j] += 1
+                    tau_req[j] = self._starts[j][k]
+                    back = t + (tau_req[j] - tau)
+                    heapq.heappush(heap, (back, next(seq), _ARRIVE, j, attempt[j]))
+                granted(new, t)
+            held = alloc.held_ppm()
+            waiting = alloc.waiting()
+            if waiting and busy_since is None:
+                busy_since = t
+            elif not waiting and busy_since is not None:
+                queue_busy.append((busy_since, t))
+                busy_since = None
+            if ticks and waiting and not tick_pending:
+                tick = (math.floor(t / self.reap_interval) + 1) * self.reap_interval
+                heapq.heappush(heap, (tick, next(seq), _TICK, -1, 0))
+                tick_pending = True
+            if self.check:
+                alloc.check()
+                assert held <= len(self.gpus) * self.policy.capacity_ppm
+                assert alloc.active() == len(lease_of)
+                assert alloc.waiting() == len(req_of)
+
+        stopped = max(stopped, last_t)
+        if last_t < horizon:
+            used += held * (horizon - last_t)
+            if waiting:
+                sat_used += held * (horizon - last_t)
+                sat += horizon - last_t
+        if busy_since is not None:
+            queue_busy.append((busy_since, stopped))
+        return Result(
+            self.trace, self.scheme, len(self.gpus), self.policy.capacity_ppm, stopped,
+            requests, leases, queue_busy, used, sat_used, sat, max_active, rejected, time.perf_counter() - t0,
+        )  # fmt: skip
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (as numpy's default); 0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def jain(values: Sequence[float]) -> float:
+    """Jain's fairness index (sum x)^2 / (n * sum x^2): 1 = all equal, 1/n = one takes all."""
+    if not values:
+        return 1.0
+    sq = sum(x * x for x in values)
+    if sq == 0:
+        return 1.0
+    return sum(values) ** 2 / (len(values) * sq)
+
+
+@dataclass
+class Metrics:
+    trace: str
+    scheme: str
+    requests: int
+    served: int
+    waiting_at_end: int
+    rejected: int
+    revoked: int
+    seated_max: int
+    seated_per_gpu: float
+    wait_mean: float
+    wait_p95: float
+    large_wait_mean: float
+    large_wait_p95: float
+    large_wait_max: float
+    large_hold_mean: float
+    utilisation: float
+    utilisation_saturated: float
+    jain_wait: float
+    jain_slowdown: float
+    idle_held_gpu_h: float
+    wall_s: float
+
+    def row(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _waits(result: Result) -> list[tuple[RequestRecord, float]]:
+    """(request, wait); a request still waiting at the end counts its wait so far."""
+    return [
+        (r, (r.granted_at if r.granted_at is not None else result.stopped_at) - r.asked_at)
+        for r in result.requests
+    ]
+
+
+def _idle_held(result: Result, threshold: float = IDLE_METRIC_S) -> float:
+    """Fraction-seconds held by kernels idle >= ``threshold`` while someone waited, within the horizon."""
+    busy = [
+        (a, min(b, result.trace.horizon)) for a, b in result.queue_busy if a < result.trace.horizon
+    ]
+    if not busy:
+        return 0.0
+    starts = [a for a, _ in busy]
+
+    def overlap(lo: float, hi: float) -> float:
+        total = 0.0
+        k = max(0, bisect.bisect_right(starts, lo) - 1)
+        while k < len(busy) and busy[k][0] < hi:
+            a, b = busy[k]
+            total += max(0.0, min(b, hi) - max(a, lo))
+            k += 1
+        return total
+
+    total = 0.0
+    sessions = result.trace.sessions
+    for lease in result.leases:
+        s = sessions[lease.session]
+        end = lease.end if lease.end is not None else result.stopped_at
+        t0, t1 = lease.start - lease.anchor, end - lease.anchor  # session time held
+        idle_from = t0
+        for a, b in [*s.busy, (math.inf, math.inf)]:
+            if b <= t0:
+                continue
+            gap_end = min(a, t1)
+            if gap_end > idle_from + threshold:
+                total += lease.ppm * overlap(
+                    lease.anchor + idle_from + threshold, lease.anchor + gap_end
+                )
+            if a >= t1:
+                break
+            idle_from = max(idle_from, b)
+    return total / PPM
+
+
+def metrics(result: Result) -> Metrics:
+    waits = _waits(result)
+    all_w = [w for _, w in waits]
+    large = [(r, w) for r, w in waits if r.ppm >= LARGE_PPM]
+    large_w = [w for _, w in large]
+    by_user: dict[str, list[float]] = {}
+    waited = [0.0] * len(result.trace.sessions)  # per session, all its waits
+    for r, w in waits:
+        by_user.setdefault(r.user, []).append(w)
+        waited[r.session] += w
+    slow_by_user: dict[str, list[float]] = {}
+    for s, w in zip(result.trace.sessions, waited, strict=True):  # a session stretched by its waits
+        slow_by_user.setdefault(s.user, []).append((w + s.duration) / s.duration)
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    capacity = result.n_gpus * result.capacity_ppm * result.trace.horizon
+    return Metrics(
+        trace=result.trace.name,
+        scheme=result.scheme.name,
+        requests=len(result.requests),
+        served=sum(1 for r in result.requests if r.granted_at is not None),
+        waiting_at_end=sum(1 for r in result.requests if r.granted_at is None),
+        rejected=result.rejected,
+        revoked=sum(1 for lease in result.leases if lease.reason == "revoked"),
+        seated_max=result.max_active,
+        seated_per_gpu=result.max_active / result.n_gpus,
+        wait_mean=mean(all_w),
+        wait_p95=percentile(all_w, 95),
+        large_wait_mean=mean(large_w),
+        large_wait_p95=percentile(large_w, 95),
+        large_wait_max=max(large_w, default=0.0),
+        large_hold_mean=mean([r.hold for r, _ in large]),
+        utilisation=result.used_ppm_s / capacity if capacity else 0.0,
+        utilisation_saturated=result.sat_used_ppm_s
+        / (result.n_gpus * result.capacity_ppm * result.sat_s)
+        if result.sat_s
+        else 0.0,
+        jain_wait=jain([mean(ws) for ws in by_user.values()]),
+        jain_slowdown=jain([mean(xs) for xs in slow_by_user.values()]),
+        idle_held_gpu_h=_idle_held(result) / 3600.0,
+        wall_s=result.wall_s,
+    )
+
+
+def simulate(trace: Trace, scheme: Scheme, **kwargs: Any) -> Metrics:
+    """Run one scheme on one trace and return its metrics."""
+    return metrics(Simulator(trace, scheme, **kwargs).run())
