@@ -219,7 +219,7 @@ def test_sqlite_pragmas(tmp_path: Path, synchronous: str, code: int) -> None:
     with s._engine.connect() as conn:  # the store's own pooled connection
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == code
-        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
     s.close()
 
 

@@ -318,8 +318,14 @@ class BrokerService:
             raise _gone(self._visible_lease(ident, lease_id))
         now = self.clock()
         self._end([(lease, "revoked", reason)], now)
-        log.info("Revoked lease %s… of %s kernel %s by %s: %s",
-                 lease_id[:6], lease.user, lease.kernel_id, ident.user, reason)
+        log.info(
+            "Revoked lease %s… of %s kernel %s by %s: %s",
+            lease_id[:6],
+            lease.user,
+            lease.kernel_id,
+            ident.user,
+            reason,
+        )
         self._drain(now)
         return replace(lease, state="revoked", ended_at=now, reason=reason)
 
@@ -419,6 +425,8 @@ class BrokerService:
             "effective": eff.to_json(),
             "held_fraction": ppm_to_fraction(self.state.held_by_user.get(ident.user, 0)),
             "leases": self.state.leases_by_user.get(ident.user, 0),
+            "groups": sorted(ident.groups),
+            "admin": ident.admin,
         }
 
     def list_quotas(self, ident: Identity) -> dict[str, Any]:
