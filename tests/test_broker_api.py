@@ -267,7 +267,7 @@ BAD_INPUT: list[tuple[str, bytes, int, str]] = [
         "kernel_id 10k chars",
         b'{"kernel_id": "' + b"k" * 10_000 + b'", "fraction": 0.02}',
         400,
-        "at most 256",
+        "at most 255",
     ),
     ("kernel_id control char", b'{"kernel_id": "a\\nb", "fraction": 0.02}', 400, "unprintable"),
     (

@@ -25,6 +25,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/api/v1/leases/{lease_id}"),
     ("DELETE", "/api/v1/leases/{lease_id}"),
     ("POST", "/api/v1/leases/{lease_id}/renew"),
+    ("POST", "/api/v1/leases/{lease_id}/revoke"),
     ("GET", "/api/v1/queue"),
     ("GET", "/api/v1/quotas"),
     ("GET", "/api/v1/quotas/me"),
@@ -46,7 +47,8 @@ PUBLIC_ROUTES: frozenset[tuple[str, str]] = frozenset(
 )
 
 _ERROR_TEXT = {
-    "400": "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction).",
+    "400": "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction, "
+    "an unprintable or over-long id or name in the URL or query).",
     "401": "Missing or invalid token.",
     "403": "Not allowed: quota exceeded, not a member of the course, not yours, or not an admin.",
     "404": "No such lease or record (or not visible to the caller).",
@@ -74,7 +76,8 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "nullable": True}
 
 
-_FRACTION = {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1}
+#: the broker counts fractions in millionths (ppm): 0.000001 is the smallest it accepts
+_FRACTION = {"type": "number", "minimum": 0.000001, "maximum": 1}
 _TIME = {"type": "number", "description": "POSIX time in seconds."}
 
 _QUOTA_PROPS: dict[str, Any] = {
@@ -82,11 +85,18 @@ _QUOTA_PROPS: dict[str, Any] = {
         {
             "type": "number",
             "minimum": 0,
-            "description": "Sum of GPU fractions held at once (may exceed 1: several GPUs).",
+            "maximum": 1000000,
+            "description": "Sum of GPU fractions held at once (may exceed 1: several GPUs); "
+            "0, or at least 0.000001.",
         }
     ),
     "max_leases": _nullable(
-        {"type": "integer", "minimum": 0, "description": "Active leases at once."}
+        {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 1000000,
+            "description": "Active leases at once.",
+        }
     ),
     "max_lease_fraction": _nullable(
         {**_FRACTION, "description": "The largest fraction one lease may ask for."}
@@ -95,21 +105,24 @@ _QUOTA_PROPS: dict[str, Any] = {
         {
             "type": "number",
             "minimum": 0,
+            "maximum": 1000000000,
             "description": "Fraction-hours that may be used per budget_window.",
         }
     ),
     "budget_window": {
-        "description": "Budget window: seconds, or a duration such as '7d', '12h', '30m'. "
-        "Answers always give seconds.",
+        "description": "Budget window: seconds, or a duration such as '7d', '12h', '30m', "
+        "from 1 second to 10 years. Answers always give seconds.",
         # OAS 3.0: ``nullable`` needs a ``type``, so each branch is nullable (anyOf, not oneOf)
         "anyOf": [
-            {"type": "integer", "minimum": 1, "nullable": True},
+            {"type": "integer", "minimum": 1, "maximum": 316224000, "nullable": True},
             {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*[smhdw]$", "nullable": True},
         ],
     },
     "priority": _nullable(
         {
             "type": "integer",
+            "minimum": -1000,
+            "maximum": 1000,
             "description": "Group queue priority: higher is served first (groups only).",
         }
     ),
@@ -175,7 +188,12 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["kernel_id", "fraction"],
         "additionalProperties": False,
         "properties": {
-            "kernel_id": {"type": "string", "minLength": 1, "maxLength": 256},
+            "kernel_id": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 255,
+                "description": "The kernel's id: printable characters (no control characters).",
+            },
             "fraction": {**_FRACTION, "example": 0.02},
             "node": {"type": "string", "description": "Place only on this node's GPUs."},
             "gpu_uuids": {
@@ -242,9 +260,26 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "pid": {"type": "integer", "minimum": 1},
-            "execution_state": {"type": "string", "example": "idle"},
-            "last_activity": _TIME,
+            "pid": {"type": "integer", "minimum": 1, "maximum": 4294967296},
+            "execution_state": {
+                "type": "string",
+                "pattern": "^[A-Za-z0-9_-]{1,32}$",
+                "example": "idle",
+            },
+            "last_activity": {**_TIME, "minimum": 0, "maximum": 100000000000},
+        },
+    },
+    "Revoke": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["reason"],
+        "properties": {
+            "reason": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 500,
+                "description": "Why, for the student (shown when their kernel stops).",
+            }
         },
     },
     "QueueEntry": {
@@ -286,6 +321,8 @@ _SCHEMAS: dict[str, Any] = {
             "effective": _ref("Quota"),
             "held_fraction": {"type": "number", "minimum": 0},
             "leases": {"type": "integer", "minimum": 0},
+            "groups": {"type": "array", "items": {"type": "string"}},
+            "admin": {"type": "boolean", "description": "Whether the caller is a GPU lease admin."},
         },
     },
     "QuotaList": {
@@ -330,7 +367,7 @@ def _quota_ops(level: str, params: list[dict[str, Any]]) -> dict[str, Any]:
             "parameters": params,
             "responses": {
                 "200": _json(_ref("QuotaRecord"), f"The {level} quota."),
-                **_errors("401", "403", "404"),
+                **_errors("400", "401", "403", "404"),
             },
         },
         "put": {
@@ -354,7 +391,7 @@ def _quota_ops(level: str, params: list[dict[str, Any]]) -> dict[str, Any]:
             "parameters": params,
             "responses": {
                 "204": {"description": "Removed (or there was none)."},
-                **_errors("401", "403", "503"),
+                **_errors("400", "401", "403", "503"),
             },
         },
     }
@@ -468,7 +505,7 @@ def _paths() -> dict[str, Any]:
                 "tags": ["leases"],
                 "summary": "One lease (owner or admin).",
                 "operationId": "get_lease",
-                "responses": {"200": lease_resp, **_errors("401", "403", "404")},
+                "responses": {"200": lease_resp, **_errors("400", "401", "403", "404")},
             },
             "delete": {
                 "tags": ["leases"],
@@ -476,7 +513,7 @@ def _paths() -> dict[str, Any]:
                 "operationId": "release",
                 "responses": {
                     "204": {"description": "Released (or already ended)."},
-                    **_errors("401", "403", "404", "503"),
+                    **_errors("400", "401", "403", "404", "503"),
                 },
             },
         },
@@ -492,6 +529,23 @@ def _paths() -> dict[str, Any]:
                 },
                 "responses": {
                     "200": _json(_ref("Lease"), "The renewed lease."),
+                    **_errors("400", "401", "403", "404", "410", "413", "503"),
+                },
+            },
+        },
+        "/api/v1/leases/{lease_id}/revoke": {
+            "parameters": [_LEASE_ID],
+            "post": {
+                "tags": ["leases"],
+                "summary": "End someone's lease (admin); its kernel is shut down and its "
+                "owner sees the reason.",
+                "operationId": "revoke",
+                "requestBody": {
+                    "required": True,
+                    "content": {"application/json": {"schema": _ref("Revoke")}},
+                },
+                "responses": {
+                    "200": _json(_ref("Lease"), "The revoked lease."),
                     **_errors("400", "401", "403", "404", "410", "413", "503"),
                 },
             },

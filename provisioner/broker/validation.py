@@ -22,7 +22,8 @@ from ..scheduling import Ask
 
 #: the longest long-poll (s) an acquire may ask for
 MAX_WAIT = 300.0
-MAX_ID_CHARS = 256
+#: the longest kernel id, node, group, user or lease id: the store's columns hold 255
+MAX_ID_CHARS = 255
 MAX_GPU_UUIDS = 64
 MAX_EXECUTION_STATE_CHARS = 32
 #: kernel execution states as jupyter_client reports them (others are accepted too)
@@ -288,6 +289,19 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
 # -- heartbeat -------------------------------------------------------------------
 
 
+MAX_REASON_CHARS = 500
+
+
+def parse_revoke(body: dict[str, Any]) -> str:
+    """``POST /api/v1/leases/{id}/revoke`` body ``{"reason": TEXT}`` -> the reason."""
+    check_fields(body, ("reason",), "revoke request")
+    if body.get("reason") is None:
+        raise InvalidRequest(
+            'Say why the lease is revoked: send {"reason": "..."}; the student sees it.'
+        )
+    return _text(body["reason"], "reason", max_chars=MAX_REASON_CHARS).strip() or "revoked"
+
+
 def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
     """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``BrokerService.renew``.
 
@@ -410,6 +424,30 @@ def parse_since(value: str | None, now: float) -> float:
     return when.timestamp()
 
 
+def parse_path_arg(value: str) -> str:
+    """A lease id, user or group name from the URL path: printable text, at most 255 characters.
+
+    Called by the handlers for every path argument, so that no id or name the store
+    cannot hold (a NUL, 300 characters) ever reaches it.
+    """
+    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidRequest(
+            "A lease id, user or group name in the URL must be printable text of 1 to "
+            f"{MAX_ID_CHARS} characters; check the URL."
+        )
+    return value
+
+
+def parse_query_text(value: str, name: str) -> str:
+    """A query value: printable text (no NUL or other control characters)."""
+    if not value.isprintable():
+        raise InvalidRequest(
+            f"The query value {name!r} contains control or other unprintable characters; "
+            "send printable text only."
+        )
+    return value
+
+
 def parse_flag(value: str | None, name: str) -> bool:
     """``?all=1`` style flags: 1/true/yes/on or 0/false/no/off (absent: false)."""
     if value is None:
@@ -429,9 +467,12 @@ __all__ = [
     "parse_acquire",
     "parse_duration",
     "parse_flag",
+    "parse_path_arg",
+    "parse_query_text",
     "parse_fraction",
     "parse_heartbeat",
     "parse_json_body",
     "parse_quota",
+    "parse_revoke",
     "parse_since",
 ]
