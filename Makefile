@@ -8,9 +8,15 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install demo test lint typecheck unit bench clean chromium
 
-install: $(STAMP) $(CHP)
+install: $(STAMP) $(CHP) chromium
+
+# Debian's chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
+chromium:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	fi
 
 $(STAMP): pyproject.toml requirements-test.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

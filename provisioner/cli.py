@@ -5,7 +5,8 @@
     gpu-lease broker [broker options]            run the broker (provisioner.broker.app)
     gpu-lease kernelspec install --fraction F    publish a GPU kernelspec
     gpu-lease kernelspec list | remove NAME...
-    gpu-lease top | leases | quota ... | usage   talk to the broker (GPU_LEASE_URL, GPU_LEASE_TOKEN)
+    gpu-lease top [--watch N] | leases | quota ... | usage | revoke ID --reason TEXT
+                                                 talk to the broker (GPU_LEASE_URL, GPU_LEASE_TOKEN)
 
 :func:`main` parses the command line and calls one ``cmd_*`` function with the parsed
 arguments; each returns the exit status. Errors from our exception tree are printed as
@@ -16,14 +17,27 @@ fraction) exit with status 2, as argparse does.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from . import __version__
+from . import __version__, tables
 from . import kernelspecs as ks
-from .errors import GPULeaseError, InvalidRequest
+from .client import BrokerClient
+from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
+
+#: the fields of a quota record (REST API v1)
+QUOTA_FIELDS = (
+    "max_fraction",
+    "max_leases",
+    "max_lease_fraction",
+    "budget_fraction_hours",
+    "budget_window",
+    "priority",
+)
 
 PROG = "gpu-lease"
 
@@ -53,6 +67,13 @@ def _non_negative(kind: type[int] | type[float]) -> Callable[[str], Any]:
 
     convert.__name__ = kind.__name__
     return convert
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative(float)(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, not {text!r}")
+    return float(value)
 
 
 # -- kernelspec ------------------------------------------------------------------
@@ -125,30 +146,174 @@ def cmd_broker(argv: list[str]) -> int:
     return int(status or 0)
 
 
-# -- commands that talk to the broker (filled in later) ------------------------------
-def _not_yet(name: str) -> int:
-    print(f"{PROG} {name}: not yet implemented", file=sys.stderr)
-    return 2
+# -- commands that talk to the broker --------------------------------------------------
+#: a CLI call gives up quickly when the broker is down (the provisioner retries longer)
+CLI_RETRIES = 1
+
+
+def _client(args: argparse.Namespace) -> BrokerClient:
+    """A client from ``--url`` or ``GPU_LEASE_URL`` and ``GPU_LEASE_TOKEN`` (read now)."""
+    return BrokerClient.from_env(url=getattr(args, "url", None), retries=CLI_RETRIES)
+
+
+def _run(work: Callable[[BrokerClient], Awaitable[str]], args: argparse.Namespace) -> int:
+    """Open a client, await ``work`` and print the text it returns."""
+
+    async def go() -> str:
+        async with _client(args) as client:
+            return await work(client)
+
+    text = asyncio.run(go())
+    if text:
+        print(text.rstrip("\n"))
+    return 0
+
+
+async def _top_text(client: BrokerClient) -> str:
+    gpus = await client.gpus()
+    try:
+        leases = await client.list_leases(all=True)
+    except Forbidden:  # a student sees the pool and their own leases
+        leases = await client.list_leases()
+    queue = await client.queue()
+    return tables.format_top(gpus, leases, queue, time.time())
 
 
 def cmd_top(args: argparse.Namespace) -> int:
     """Per GPU: allocated/total and each lease's user, kernel, fraction, memory, idle time."""
-    return _not_yet("top")
+    if not args.watch:
+        return _run(_top_text, args)
+
+    async def watch() -> None:
+        async with _client(args) as client:
+            while True:
+                text = await _top_text(client)
+                clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                print(f"{clear}gpu-lease top  {stamp}  (every {args.watch:g} s, Ctrl-C stops)\n")
+                print(text, flush=True)
+                await asyncio.sleep(args.watch)
+
+    try:
+        asyncio.run(watch())
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def cmd_leases(args: argparse.Namespace) -> int:
     """List leases: the caller's own, ``--user NAME``'s or ``--all`` (admin)."""
-    return _not_yet("leases")
+
+    async def work(client: BrokerClient) -> str:
+        leases = await client.list_leases(all=args.all, user=args.user)
+        if args.json:
+            return json.dumps({"leases": leases}, indent=1)
+        return tables.format_leases(leases, time.time(), await client.gpus())
+
+    return _run(work, args)
+
+
+def _quota_target(args: argparse.Namespace) -> tuple[str, str | None] | None:
+    if args.default:
+        return "default", None
+    if args.user:
+        return "user", args.user
+    if args.group:
+        return "group", args.group
+    return None
+
+
+def _quota_title(level: str, name: str | None) -> str:
+    return "Default quota:" if level == "default" else f"Quota of {level} {name}:"
+
+
+def quota_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The quota fields given on the command line, as the API names them."""
+    fields = {
+        "max_fraction": args.max_fraction,
+        "max_leases": args.max_leases,
+        "max_lease_fraction": args.max_lease_fraction,
+        "budget_fraction_hours": args.budget_fraction_hours,
+        "budget_window": args.budget_window,
+        "priority": args.priority,
+    }
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def cmd_quota(args: argparse.Namespace) -> int:
     """``args.action`` in set|show|list|remove; target ``args.user``/``args.group``/``args.default``."""
-    return _not_yet("quota")
+    target = _quota_target(args)
+    changes = quota_changes(args)
+    if changes and args.action != "set":
+        raise InvalidRequest(
+            f"Quota limits are given only with `{PROG} quota set`; "
+            f"`quota {args.action}` takes a target only."
+        )
+    if args.action in ("set", "remove") and target is None:
+        raise InvalidRequest(
+            f"Say whose quota to {args.action}: --user NAME, --group NAME or --default."
+        )
+    if args.action == "list" and target is not None:
+        raise InvalidRequest(
+            f"`{PROG} quota list` shows every quota; use `quota show` with a target."
+        )
+
+    async def work(client: BrokerClient) -> str:
+        if args.action == "list":
+            return tables.format_quota_list(await client.list_quotas())
+        if args.action == "show":
+            if target is None:
+                return tables.format_my_quota(await client.my_quota())
+            level, name = target
+            return tables.format_quota(
+                _quota_title(level, name), await client.get_quota(level, name)
+            )
+        assert target is not None
+        level, name = target
+        if args.action == "remove":
+            await client.delete_quota(level, name)
+            return f"Removed the {'default quota' if level == 'default' else f'quota of {level} {name}'}."
+        if not changes:
+            raise InvalidRequest(
+                "Give at least one limit to set: --max-fraction, --max-leases, "
+                "--max-lease-fraction, --budget-fraction-hours with --budget-window, or --priority."
+            )
+        try:  # set changes only the limits given; the others keep their values
+            current = await client.get_quota(level, name)
+        except LeaseNotFound:
+            current = {}
+        body = {k: current.get(k) for k in QUOTA_FIELDS}
+        body.update(changes)
+        stored = await client.set_quota(level, name, body)
+        return tables.format_quota(f"Set {_quota_title(level, name)[:-1].lower()}:", stored)
+
+    return _run(work, args)
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
     """Fraction-hours used ``--since`` a time, ``--by user|group``, optionally as ``--csv``."""
-    return _not_yet("usage")
+
+    async def work(client: BrokerClient) -> str:
+        usage = await client.usage(since=args.since, by=args.by)
+        if args.csv:
+            return tables.usage_csv(usage, args.by)
+        return tables.format_usage(usage, args.by)
+
+    return _run(work, args)
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    """Admin: end someone's lease; its kernel shuts down and the student sees ``--reason``."""
+
+    async def work(client: BrokerClient) -> str:
+        lease = await client.revoke(args.lease_id, args.reason)
+        return (
+            f"Revoked lease {lease.get('id')} of {lease.get('user')} "
+            f"(kernel {tables.short(lease.get('kernel_id'))}, "
+            f"{tables.fraction(lease.get('fraction'))} of a GPU): {lease.get('reason')}"
+        )
+
+    return _run(work, args)
 
 
 # -- parser ----------------------------------------------------------------------
@@ -217,12 +382,28 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--url", help="the broker's URL (default: $GPU_LEASE_URL)")
 
     top = sub.add_parser("top", parents=[remote], help="GPUs, their leases and the queue")
+    top.add_argument(
+        "--watch",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="refresh every SECONDS until Ctrl-C",
+    )
     top.set_defaults(func=cmd_top)
 
     leases = sub.add_parser("leases", parents=[remote], help="list leases")
     leases.add_argument("--all", action="store_true", help="every user's leases (admin)")
     leases.add_argument("--user", metavar="NAME", help="this user's leases (admin)")
+    leases.add_argument("--json", action="store_true", help="print the API's JSON")
     leases.set_defaults(func=cmd_leases)
+
+    revoke = sub.add_parser(
+        "revoke", parents=[remote], help="end someone's lease and stop its kernel (admin)"
+    )
+    revoke.add_argument(
+        "lease_id", metavar="LEASE_ID", help="the lease id (gpu-lease leases --all)"
+    )
+    revoke.add_argument("--reason", required=True, metavar="TEXT", help="why; the student sees it")
+    revoke.set_defaults(func=cmd_revoke)
 
     quota = sub.add_parser("quota", parents=[remote], help="set, show, list or remove quotas")
     quota.add_argument("action", choices=("set", "show", "list", "remove"))
@@ -231,7 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--group", metavar="NAME", help="a group's (course's) quota")
     target.add_argument("--default", action="store_true", help="the default quota")
     quota.add_argument(
-        "--max-fraction", type=fraction_arg, metavar="F", help="sum of fractions held at once"
+        "--max-fraction",
+        type=_non_negative(float),
+        metavar="F",
+        help="sum of fractions held at once, over all GPUs (e.g. 0.5, or 2 for two GPUs)",
     )
     quota.add_argument(
         "--max-leases", type=_non_negative(int), metavar="N", help="leases held at once"
@@ -250,7 +434,12 @@ def build_parser() -> argparse.ArgumentParser:
     quota.set_defaults(func=cmd_quota)
 
     usage = sub.add_parser("usage", parents=[remote], help="fraction-hours used")
-    usage.add_argument("--since", metavar="WHEN", help="a date/time or a duration such as 7d")
+    usage.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="ISO date/time (2024-09-01, UTC unless a zone is given), POSIX seconds, "
+        "or a duration back from now such as 7d or 24h (default: 7d)",
+    )
     usage.add_argument("--by", choices=("user", "group"), default="user")
     usage.add_argument("--csv", action="store_true", help="print CSV")
     usage.set_defaults(func=cmd_usage)

@@ -29,12 +29,14 @@ reads it when called.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
 import math
 import os
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
@@ -103,6 +105,16 @@ def _quote(segment: str) -> str:
     return quote(segment, safe="")
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One verifying SSL context per process, built on first use.
+
+    httpx builds a fresh one (loading the whole CA bundle, ~50 ms) for every client
+    otherwise, and the provisioner makes a client per kernel start.
+    """
+    return ssl.create_default_context()
+
+
 class BrokerClient:
     """Async client of the gpu-lease broker's REST API v1.
 
@@ -141,6 +153,7 @@ class BrokerClient:
             transport=transport,
             timeout=httpx.Timeout(self.timeout),
             follow_redirects=False,
+            verify=_ssl_context(),
         )
 
     @classmethod
@@ -284,6 +297,21 @@ class BrokerClient:
             await self._send("DELETE", f"/leases/{_quote(lease_id)}")
         except (errors.LeaseNotFound, errors.LeaseGone) as exc:
             log.debug("lease %s was already released (%s)", lease_id, exc.code)
+
+    async def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
+        """Admin: ``POST /api/v1/leases/{id}/revoke {reason}``; returns the ended lease.
+
+        The lease's provisioner learns at its next renewal (410 with ``reason``) and
+        shuts the kernel down. A lease that has already ended raises
+        :class:`errors.LeaseGone`.
+        """
+        return self._dict(
+            await self._send("POST", f"/leases/{_quote(lease_id)}/revoke", body={"reason": reason})
+        )
+
+    async def my_quota(self) -> dict[str, Any]:
+        """``GET /api/v1/quotas/me``: the caller's effective quota and what they hold now."""
+        return self._dict(await self._send("GET", "/quotas/me"))
 
     async def get_lease(self, lease_id: str) -> dict[str, Any]:
         """``GET /api/v1/leases/{id}``."""

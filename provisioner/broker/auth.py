@@ -8,7 +8,9 @@ identity; ``app.py`` builds the authenticator from ``--auth``:
   owner (``jupyterhub.services.auth.HubAuth``); admins are hub admins or holders of
   the ``custom:gpu-lease:admin`` scope; groups are the user's hub groups.
 - :class:`StaticTokens` (``--auth static``): a JSON file
-  ``{"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}``.
+  ``{"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}``; an entry
+  may add ``"expires_at"`` (POSIX seconds or ISO 8601, no zone = UTC), after which
+  the token is refused with 401.
 
 A token never appears in a log line, an error message or a ``repr``.
 """
@@ -18,9 +20,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
-from collections.abc import Mapping
-from typing import Any, Protocol
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any, NamedTuple, Protocol
 
 from ..errors import GPULeaseError, NotAuthenticated
 from ..model import Identity
@@ -82,7 +87,43 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
-def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Identity]:
+class StaticToken(NamedTuple):
+    """One entry of a tokens file: who the token is, and until when (None: no expiry)."""
+
+    identity: Identity
+    expires_at: float | None = None
+
+
+def parse_expiry(value: Any, where: str) -> float | None:
+    """``expires_at`` of a tokens-file entry -> POSIX seconds (None: the token never expires).
+
+    Accepts POSIX seconds (a JSON number) or an ISO 8601 date or time such as
+    ``"2025-01-31"`` or ``"2025-01-31T18:00:00Z"`` (without a zone: UTC).
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value) or value < 0:
+            raise TokensFileError(f"'expires_at' of {where} must be a finite POSIX time.")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        iso = text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text
+        try:
+            when = datetime.fromisoformat(iso)
+        except ValueError:
+            pass
+        else:
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+            return when.timestamp()
+    raise TokensFileError(
+        f"'expires_at' of {where} must be POSIX seconds or an ISO 8601 time such as "
+        '"2025-01-31T18:00:00Z".'
+    )
+
+
+def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, StaticToken]:
     """Validate a tokens mapping and key it by the tokens' SHA-256 digests.
 
     Messages name the entry by its position and user, never by its token.
@@ -92,7 +133,7 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Iden
             f"{source} must hold a JSON object mapping each token to "
             '{"user": NAME, "groups": [...], "admin": false}.'
         )
-    out: dict[bytes, Identity] = {}
+    out: dict[bytes, StaticToken] = {}
     for n, (token, entry) in enumerate(data.items(), start=1):
         where = f"entry {n} of {source}"
         if not isinstance(token, str) or len(token) < 8 or any(c.isspace() for c in token):
@@ -105,11 +146,11 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Iden
                 f"{where} must map the token to an object such as "
                 '{"user": "alice", "groups": ["ml101"], "admin": false}.'
             )
-        unknown = sorted(set(entry) - {"user", "groups", "admin"})
+        unknown = sorted(set(entry) - {"user", "groups", "admin", "expires_at"})
         if unknown:
             raise TokensFileError(
                 f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
-                "allowed are user, groups and admin."
+                "allowed are user, groups, admin and expires_at."
             )
         user = entry.get("user")
         if not isinstance(user, str) or not user.strip():
@@ -122,10 +163,13 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Iden
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise TokensFileError(f"'admin' of {where} (user {user!r}) must be true or false.")
+        expires_at = parse_expiry(entry.get("expires_at"), f"{where} (user {user!r})")
         digest = _digest(token)
         if digest in out:
             raise TokensFileError(f"The token of {where} (user {user!r}) is listed twice.")
-        out[digest] = Identity(user=user, groups=frozenset(groups), admin=admin)
+        out[digest] = StaticToken(
+            Identity(user=user, groups=frozenset(groups), admin=admin), expires_at
+        )
     return out
 
 
@@ -136,18 +180,20 @@ class StaticTokens:
     whenever its modification time changes, so tokens can be added without a
     restart; a broken edit is logged and the previous tokens stay in force.
     Lookups hash the presented token and look the digest up, so the time taken
-    does not depend on how much of a token an attacker guessed.
+    does not depend on how much of a token an attacker guessed. An entry's optional
+    ``expires_at`` is checked against ``clock()`` on every request.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
         self.path = path
+        self.clock = clock
         self._mtime: float | None = None
         self._tokens = self._load()
 
     def __repr__(self) -> str:
         return f"StaticTokens({self.path!r}, {len(self._tokens)} token(s))"
 
-    def _load(self) -> dict[bytes, Identity]:
+    def _load(self) -> dict[bytes, StaticToken]:
         try:
             mtime = os.stat(self.path).st_mtime
             with open(self.path, encoding="utf-8") as f:
@@ -183,18 +229,35 @@ class StaticTokens:
             self._mtime = mtime
             log.error("Keeping the previous tokens: %s", exc.message)
 
-    def lookup(self, token: str) -> Identity | None:
-        """The token's identity, or None. Constant-time in what an attacker can learn:
-        the dict is keyed by SHA-256 digests, so how far a comparison runs depends on
-        the digest of the guess, which says nothing about any real token's bytes."""
+    def _entry(self, token: str) -> StaticToken | None:
         self._maybe_reload()
         return self._tokens.get(_digest(token))
 
+    def lookup(self, token: str) -> Identity | None:
+        """The token's identity, or None (unknown or expired). Constant-time in what an
+        attacker can learn: the dict is keyed by SHA-256 digests, so how far a comparison
+        runs depends on the digest of the guess, which says nothing about any real token's
+        bytes."""
+        entry = self._entry(token)
+        if entry is None or _expired(entry, self.clock()):
+            return None
+        return entry.identity
+
     async def identify(self, token: str) -> Identity:
-        ident = self.lookup(token)
-        if ident is None:
+        entry = self._entry(token)
+        if entry is None:
             raise NotAuthenticated(f"The token is not valid for the GPU lease broker. {_HOW}")
-        return ident
+        if _expired(entry, self.clock()):
+            when = datetime.fromtimestamp(entry.expires_at or 0.0, timezone.utc)
+            raise NotAuthenticated(
+                f"This token expired at {when:%Y-%m-%d %H:%M:%S} UTC; ask your administrator "
+                "for a new one (or for a later expires_at in the tokens file)."
+            )
+        return entry.identity
+
+
+def _expired(entry: StaticToken, now: float) -> bool:
+    return entry.expires_at is not None and now >= entry.expires_at
 
 
 def identity_from_hub_model(model: Mapping[str, Any]) -> Identity:
@@ -247,6 +310,50 @@ class HubTokens:
     def __repr__(self) -> str:
         return f"HubTokens({getattr(self.hub_auth, 'api_url', '?')!r})"
 
+    @property
+    def browser_login(self) -> bool:
+        """Whether browsers can log in with hub OAuth (``hub_auth`` is a ``HubOAuth``)."""
+        from jupyterhub.services.auth import HubOAuth
+
+        return isinstance(self.hub_auth, HubOAuth)
+
+    async def identify_browser(self, handler: Any) -> Identity | None:
+        """The user of a browser request without ``Authorization``, from the hub OAuth cookie.
+
+        Called by the handlers' base class when ``--auth hub`` and the request has no
+        token header. JupyterHub's ``HubOAuth.get_user`` accepts the cookie only if the
+        request passes its XSRF check (a page view, or ``X-XSRFToken`` from the
+        dashboard page); otherwise, or without a cookie, this returns None. A user
+        without the service's access scope raises ``Forbidden``.
+        """
+        from tornado.web import HTTPError
+
+        from ..errors import Forbidden
+
+        if not self.browser_login:
+            return None
+        try:
+            model = await self.hub_auth.get_user(handler, sync=False)
+        except HTTPError as exc:
+            raise AuthUnavailable(
+                f"JupyterHub could not be asked who is logged in (HTTP {exc.status_code}); "
+                "reload the page in a moment."
+            ) from exc
+        except OSError as exc:
+            raise AuthUnavailable(
+                "JupyterHub's API cannot be reached to check your login; reload the page in "
+                "a moment, and if this persists check that the hub is running."
+            ) from exc
+        if not model:
+            return None
+        needed = self.hub_auth.access_scopes
+        if needed and not self.hub_auth.check_scopes(needed, model):
+            raise Forbidden(
+                f"JupyterHub user {model.get('name')!r} may not use the GPU lease service: "
+                f"ask the hub admin for the scope {sorted(needed)[0]}."
+            )
+        return identity_from_hub_model(model)
+
     async def identify(self, token: str) -> Identity:
         from tornado.web import HTTPError
 
@@ -265,7 +372,58 @@ class HubTokens:
             ) from exc
         if not model:
             raise NotAuthenticated(f"JupyterHub does not know this token. {_HOW}")
+        # a token the hub scoped away from this service (e.g. one made for another
+        # service) must not act here, even though /hub/api/user answers for any token
+        needed = getattr(self.hub_auth, "access_scopes", None)
+        if needed and not self.hub_auth.check_scopes(needed, model):
+            from ..errors import Forbidden
+
+            raise Forbidden(
+                f"This token of JupyterHub user {model.get('name')!r} does not grant access "
+                f"to the GPU lease service: it needs the scope {max(needed, key=len)} (ask the "
+                "hub admin to add it to c.Spawner.server_token_scopes or the user's role)."
+            )
         return identity_from_hub_model(model)
+
+
+def make_hub_oauth(
+    base_url: str,
+    *,
+    cache_max_age: int = 60,
+    api_url: str | None = None,
+    api_token: str | None = None,
+    service_name: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A ``jupyterhub.services.auth.HubOAuth`` for the dashboard's browser login, or None.
+
+    Called by ``app.py`` for ``--auth hub``. It needs what JupyterHub gives a managed
+    service that has a URL: ``JUPYTERHUB_API_TOKEN`` and ``JUPYTERHUB_CLIENT_ID`` (and
+    ``JUPYTERHUB_OAUTH_CALLBACK_URL``, else ``{base_url}oauth_callback``). Without a
+    client id there is no browser login (None) and the API still takes tokens.
+    ``kwargs`` go to ``HubOAuth`` (e.g. ``oauth_client_id``, ``hub_host``).
+    """
+    from jupyterhub.services.auth import HubOAuth
+
+    api_token = api_token or os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    client_id = kwargs.pop("oauth_client_id", None) or os.environ.get("JUPYTERHUB_CLIENT_ID", "")
+    if not api_token or not client_id:
+        return None
+    options: dict[str, Any] = {
+        "api_token": api_token,
+        "oauth_client_id": client_id,
+        "cache_max_age": cache_max_age,
+        "base_url": base_url,
+        **kwargs,
+    }
+    url = api_url or os.environ.get("JUPYTERHUB_API_URL")
+    if url:
+        options["api_url"] = url
+    oauth = HubOAuth(**options)
+    if not oauth.access_scopes:
+        name = service_name or os.environ.get("JUPYTERHUB_SERVICE_NAME") or "gpu-lease"
+        oauth.access_scopes = {f"access:services!service={name}"}
+    return oauth
 
 
 __all__ = [
@@ -273,9 +431,12 @@ __all__ = [
     "AuthUnavailable",
     "Authenticator",
     "HubTokens",
+    "StaticToken",
     "StaticTokens",
     "TokensFileError",
     "identity_from_hub_model",
+    "make_hub_oauth",
+    "parse_expiry",
     "parse_tokens",
     "token_from_header",
 ]

@@ -11,7 +11,11 @@ no traceback in the answer (the traceback goes to the broker's log).
 Routes (under ``base_url``, e.g. ``/services/gpu-lease/`` behind JupyterHub):
 
 ==========================================  ===================================
-``GET  {p}``                                a JSON index saying where the API is
+``GET  {p}``                                the dashboard (HTML, for ``Accept: text/html``),
+                                            else the JSON index
+``GET  {p}api/v1/``                         the JSON index saying where the API is
+``GET  {p}static/...``                      the dashboard's script and style sheet
+``GET  {p}oauth_callback``                  hub OAuth login of the dashboard (``--auth hub``)
 ``GET  {p}api/v1/health``                   anyone
 ``GET  {p}api/v1/openapi.json``             anyone
 ``GET  {p}metrics``                         anyone (token if ``metrics_require_auth``)
@@ -19,6 +23,7 @@ Routes (under ``base_url``, e.g. ``/services/gpu-lease/`` behind JupyterHub):
 ``GET|POST {p}api/v1/leases``               user
 ``GET|DELETE {p}api/v1/leases/{id}``        owner / admin
 ``POST {p}api/v1/leases/{id}/renew``        owner / admin
+``POST {p}api/v1/leases/{id}/revoke``       admin: end someone's lease ``{reason}``
 ``GET  {p}api/v1/queue``                    user (own) / admin (all)
 ``GET  {p}api/v1/quotas``                   admin
 ``GET  {p}api/v1/quotas/me``                user: effective quota and holdings
@@ -27,6 +32,10 @@ Routes (under ``base_url``, e.g. ``/services/gpu-lease/`` behind JupyterHub):
 ``... {p}api/v1/quotas/groups/{name}``      admin (GET own groups: user)
 ``GET  {p}api/v1/usage?since=&by=``         admin (own: user)
 ==========================================  ===================================
+
+Identity: the ``Authorization`` token, or, with ``--auth hub`` and no such header,
+the hub OAuth cookie the dashboard's login set (JupyterHub's ``HubOAuth`` accepts
+that cookie only with its XSRF token in ``X-XSRFToken``, which the page sends).
 """
 
 from __future__ import annotations
@@ -36,11 +45,14 @@ import functools
 import inspect
 import json
 import logging
+import os
 import re
+import secrets
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
 from .. import errors
@@ -86,6 +98,7 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
     async def wrapper(self: APIHandler, *args: Any) -> None:
         if self.auth_required:
             self._ident = await self.identify()
+        args = tuple(validation.parse_path_arg(a) if isinstance(a, str) else a for a in args)
         result = method(self, *args)
         if inspect.isawaitable(result):
             await result
@@ -97,7 +110,7 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
 
 
 @web.stream_request_body
-class APIHandler(web.RequestHandler):
+class APIHandler(HubOAuthenticated, web.RequestHandler):
     """JSON in, JSON out; identity from the token; errors as ``{"error", "message"}``.
 
     The body is streamed in (see :meth:`data_received`) so that a body over
@@ -112,6 +125,13 @@ class APIHandler(web.RequestHandler):
         self._body_bytes = 0
         self._ident: Identity | None = None
         self._prepared = False
+        oauth = self.settings.get("gpu_lease_hub_oauth")
+        if oauth is not None:
+            self.hub_auth = oauth  # HubOAuthenticated: login URL, XSRF token, cookie name
+
+    def get_current_user(self) -> Any:
+        """The identity ``@api`` found (HubOAuthenticated's blocking lookup is not used)."""
+        return self._ident
 
     # -- settings -----------------------------------------------------------------
     @property
@@ -185,21 +205,37 @@ class APIHandler(web.RequestHandler):
 
     async def identify(self) -> Identity:
         token = token_from_header(self.request.headers.get("Authorization"))
-        if token is None:
-            raise NotAuthenticated(
-                "This endpoint needs a token: send your JupyterHub API token (or the token "
-                "your administrator gave you) as 'Authorization: token <TOKEN>'."
+        if token is not None:
+            return await self.authenticator.identify(token)
+        ident = await self.identify_browser()
+        if ident is not None:
+            return ident
+        raise NotAuthenticated(
+            "This endpoint needs a token: send your JupyterHub API token (or the token "
+            "your administrator gave you) as 'Authorization: token <TOKEN>'"
+            + (
+                ", or log in through the dashboard (a browser request must also send the "
+                "page's X-XSRFToken header)."
+                if self.settings.get("gpu_lease_hub_oauth") is not None
+                else "."
             )
-        return await self.authenticator.identify(token)
+        )
+
+    async def identify_browser(self) -> Identity | None:
+        """The hub OAuth cookie's user (``--auth hub`` with browser login), else None."""
+        if self.settings.get("gpu_lease_hub_oauth") is None:
+            return None
+        return await self.authenticator.identify_browser(self)  # type: ignore[attr-defined]
 
     def query(self, name: str) -> str | None:
         values = self.request.query_arguments.get(name)
         if not values:
             return None
         try:
-            return values[-1].decode("utf-8")
+            text = values[-1].decode("utf-8")
         except UnicodeDecodeError as exc:
             raise errors.InvalidRequest(f"The query value {name!r} is not UTF-8 text.") from exc
+        return validation.parse_query_text(text, name)
 
     # -- answers -----------------------------------------------------------------
     def write_json(self, body: Any, status: int = 200) -> None:
@@ -285,12 +321,11 @@ class NotFoundHandler(APIHandler):
 
 
 class IndexHandler(APIHandler):
-    """``GET {p}``: where the API is (the HTML dashboard comes later)."""
+    """``GET {p}api/v1/`` (and ``GET {p}`` for non-browsers): where the API is."""
 
     auth_required = False
 
-    @api
-    def get(self) -> None:
+    def write_index(self) -> None:
         p = self.base_url
         self.write_json(
             {
@@ -300,10 +335,71 @@ class IndexHandler(APIHandler):
                 "health": f"{p}api/v1/health",
                 "openapi": f"{p}api/v1/openapi.json",
                 "metrics": f"{p}metrics",
+                "dashboard": p,
                 "message": "This is the GPU lease broker's REST API; send requests with "
-                "'Authorization: token <TOKEN>'. The dashboard is not available yet.",
+                "'Authorization: token <TOKEN>'. Open the dashboard in a browser.",
             }
         )
+
+    @api
+    def get(self) -> None:
+        self.write_index()
+
+
+#: the dashboard page may load only its own script and style and call only its own API
+DASHBOARD_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'"
+)
+
+
+class DashboardHandler(IndexHandler):
+    """``GET {p}``: the HTML dashboard for browsers (``Accept: text/html``), else the index.
+
+    With hub OAuth (``--auth hub`` as a hub service) an anonymous browser is sent to the
+    hub's ``/hub/api/oauth2/authorize``; the page then calls the API with the login
+    cookie and the XSRF token it carries. Otherwise (``--auth static``) the page is
+    public and asks for a token, which it keeps in ``sessionStorage`` and sends as
+    ``Authorization``.
+    """
+
+    def wants_html(self) -> bool:
+        accept = self.request.headers.get("Accept", "")
+        return "text/html" in accept or "application/xhtml+xml" in accept
+
+    async def get(self) -> None:
+        if not self.wants_html():
+            self.write_index()
+            return
+        login = self.settings.get("gpu_lease_hub_oauth") is not None
+        user = ""
+        xsrf = ""
+        if login:
+            ident = await self.identify_browser()
+            if ident is None:
+                self.redirect(self.get_login_url())
+                return
+            self._ident = ident
+            user = ident.user
+            xsrf = self.xsrf_token.decode("ascii")
+        self.set_header("Content-Type", "text/html; charset=UTF-8")
+        self.set_header("Content-Security-Policy", DASHBOARD_CSP)
+        self.set_header("Referrer-Policy", "same-origin")
+        self.render(
+            "dashboard.html",
+            base_url=self.base_url,
+            auth_mode="hub" if login else "token",
+            hub_user=user,
+            xsrf=xsrf,
+            version=__version__,
+        )
+
+
+class OAuthCallbackHandler(HubOAuthCallbackHandler):
+    """``GET {p}oauth_callback``: JupyterHub's OAuth callback, with the broker's ``HubOAuth``."""
+
+    def initialize(self) -> None:
+        self.hub_auth = self.settings["gpu_lease_hub_oauth"]
 
 
 class HealthHandler(APIHandler):
@@ -430,6 +526,15 @@ class RenewHandler(APIHandler):
         self.write_json(self.lease_json(lease))
 
 
+class RevokeHandler(APIHandler):
+    """``POST {p}api/v1/leases/{id}/revoke {reason}``: an admin ends someone's lease."""
+
+    @api
+    def post(self, lease_id: str) -> None:
+        reason = validation.parse_revoke(self.json_body())
+        self.write_json(self.lease_json(self.service.revoke(self.ident, lease_id, reason)))
+
+
 class QueueHandler(APIHandler):
     @api
     def get(self) -> None:
@@ -490,20 +595,30 @@ class UsageHandler(APIHandler):
 # -- the application ---------------------------------------------------------------------
 
 
-def routes(base_url: str = "/") -> list[tuple[str, type[web.RequestHandler]]]:
-    """The URL patterns under ``base_url``."""
+def routes(
+    base_url: str = "/", *, hub_oauth: bool = False
+) -> list[tuple[str, type[web.RequestHandler]]]:
+    """The URL patterns under ``base_url`` (the OAuth callback only with ``hub_oauth``)."""
     base = normalize_base_url(base_url)
     p = re.escape(base)
     api = p + r"api/v1/"
-    index = [(p, IndexHandler)] if base == "/" else [(re.escape(base[:-1]) + "/?", IndexHandler)]
+    index: list[tuple[str, type[web.RequestHandler]]] = (
+        [(p, DashboardHandler)]
+        if base == "/"
+        else [(re.escape(base[:-1]) + "/?", DashboardHandler)]
+    )
+    if hub_oauth:
+        index.append((p + r"oauth_callback/?", OAuthCallbackHandler))
     return [
         *index,
+        (api + r"?", IndexHandler),
         (api + r"health/?", HealthHandler),
         (api + r"openapi\.json", OpenAPIHandler),
         (p + r"metrics/?", MetricsHandler),
         (api + r"gpus/?", GPUsHandler),
         (api + r"leases/?", LeasesHandler),
         (api + r"leases/([^/]+)/renew/?", RenewHandler),
+        (api + r"leases/([^/]+)/revoke/?", RevokeHandler),
         (api + r"leases/([^/]+)/?", LeaseHandler),
         (api + r"queue/?", QueueHandler),
         (api + r"quotas/?", QuotasHandler),
@@ -543,12 +658,22 @@ def make_app(
 ) -> web.Application:
     """The tornado application of the broker (no server, no listening: ``app.py`` does that).
 
-    Tests and benchmarks build it in-process around their own ``BrokerService``.
+    Tests and benchmarks build it in-process around their own ``BrokerService``. An
+    authenticator with hub OAuth (``browser_login``) adds the OAuth callback and a
+    random ``cookie_secret`` (logins last until the broker restarts; the hub then
+    logs the browser in again without asking).
     """
     base = normalize_base_url(base_url)
     settings.setdefault("log_function", _log_request)
+    hub_oauth = getattr(authenticator, "hub_auth", None) if _browser_login(authenticator) else None
+    if hub_oauth is not None:
+        settings.setdefault("cookie_secret", secrets.token_bytes(32))
+    here = os.path.dirname(os.path.abspath(__file__))
+    settings.setdefault("template_path", os.path.join(here, "templates"))
+    settings.setdefault("static_path", os.path.join(here, "static"))
+    settings.setdefault("static_url_prefix", f"{base}static/")
     return web.Application(
-        routes(base),
+        routes(base, hub_oauth=hub_oauth is not None),
         default_handler_class=NotFoundHandler,
         gpu_lease_service=service,
         gpu_lease_authenticator=authenticator,
@@ -556,8 +681,13 @@ def make_app(
         gpu_lease_base_url=base,
         gpu_lease_max_body_bytes=max_body_bytes,
         gpu_lease_metrics_require_auth=metrics_require_auth,
+        gpu_lease_hub_oauth=hub_oauth,
         **settings,
     )
+
+
+def _browser_login(authenticator: Authenticator) -> bool:
+    return bool(getattr(authenticator, "browser_login", False))
 
 
 __all__ = [

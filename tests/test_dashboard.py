@@ -1,0 +1,374 @@
+"""The dashboard at ``GET {prefix}``: content negotiation, hub OAuth wiring, a real browser.
+
+- Without a browser: ``Accept: text/html`` gets the page (with a strict CSP), anything
+  else the JSON index; ``{prefix}api/v1/`` is the JSON index; the script is served.
+- Hub OAuth (``--auth hub``), in-process around a stand-in for the hub's ``/hub/api/user``
+  (JupyterHub itself is tested with the dashboard in the hub tests): an anonymous browser
+  is sent to ``/hub/api/oauth2/authorize``; the login cookie identifies the user for the
+  page and, with the page's XSRF token, for the API; without that token the cookie is
+  not accepted for a POST. A real ``gpu-lease broker --auth hub`` redirects as well.
+- ``slow``: Debian's chromium, driven by Playwright, against a real broker with static
+  tokens: an admin sees every lease and the allocation bars, a student only their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tornado import web
+from tornado.httpserver import HTTPServer
+
+from provisioner.broker.auth import HubTokens, make_hub_oauth
+from provisioner.broker.handlers import make_app
+from provisioner.broker.service import BrokerService
+from provisioner.inventory import parse_gpu_spec
+from provisioner.scheduling import Policy
+from provisioner.store import Store
+
+from .conftest import ROOT, Broker, free_port
+
+sqlite_only = pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
+HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+PREFIX = "/services/gpu-lease/"
+CLIENT_ID = "service-gpu-lease"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def acquire(broker: Broker, user: str, kernel_id: str, fraction: float) -> dict[str, Any]:
+    r = httpx.post(
+        f"{broker.url}/api/v1/leases",
+        json={"kernel_id": kernel_id, "fraction": fraction, "wait": 0},
+        headers=broker.headers(user),
+        timeout=10,
+    )
+    assert r.status_code in (201, 202), r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+# -- without a browser ----------------------------------------------------------------------
+@sqlite_only
+def test_page_or_index_by_accept(broker: Broker) -> None:
+    page = httpx.get(f"{broker.url}/", headers=HTML)
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "default-src 'none'" in csp
+    assert '<html lang="en">' in page.text and 'data-auth="token"' in page.text
+    script = re.search(r'<script src="([^"]+)"', page.text)
+    assert script is not None and script.group(1).startswith("/static/dashboard.js?v=")
+    assert "http://" not in page.text and "https://" not in page.text  # no external assets
+    js = httpx.get(f"{broker.url}{script.group(1)}")
+    assert js.status_code == 200 and "sessionStorage" in js.text
+    for url, headers in (
+        (f"{broker.url}/", {}),
+        (f"{broker.url}/", {"Accept": "application/json"}),
+        (f"{broker.url}/api/v1/", HTML),
+        (f"{broker.url}/api/v1", {}),
+    ):
+        r = httpx.get(url, headers=headers)
+        assert r.status_code == 200, url
+        assert r.json()["api"] == "/api/v1/" and r.json()["dashboard"] == "/"
+
+
+# -- hub OAuth, in-process -----------------------------------------------------------------------
+class FakeHubUser(web.RequestHandler):
+    """``GET /hub/api/user``: the model of the token in ``Authorization`` (403 if unknown)."""
+
+    def get(self) -> None:
+        token = self.request.headers.get("Authorization", "").partition(" ")[2]
+        model = self.settings["models"].get(token)
+        if model is None:
+            raise web.HTTPError(403)
+        self.write(model)
+
+
+MODELS = {
+    "oauth-teacher": {
+        "kind": "user",
+        "name": "teacher",
+        "admin": False,
+        "groups": ["ml101"],
+        "scopes": ["access:services!service=gpu-lease", "custom:gpu-lease:admin"],
+    },
+    "oauth-outsider": {"kind": "user", "name": "eve", "groups": [], "scopes": []},
+}
+
+
+class HubBroker:
+    def __init__(self, url: str, app: web.Application, service: BrokerService) -> None:
+        self.url = url
+        self.app = app
+        self.service = service
+
+    def cookie(self, token: str) -> str:
+        signed = web.create_signed_value(self.app.settings["cookie_secret"], CLIENT_ID, token)
+        return f"{CLIENT_ID}={signed.decode()}"
+
+
+@pytest.fixture
+async def hub_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[HubBroker]:
+    for name in list(os.environ):
+        if name.startswith("JUPYTERHUB_"):
+            monkeypatch.delenv(name)
+    hub_port, port = free_port(), free_port()
+    hub = HTTPServer(web.Application([(r"/hub/api/user", FakeHubUser)], models=MODELS))
+    hub.listen(hub_port, "127.0.0.1")
+    oauth = make_hub_oauth(
+        PREFIX,
+        api_url=f"http://127.0.0.1:{hub_port}/hub/api",
+        api_token="service-token",
+        oauth_client_id=CLIENT_ID,
+        service_name="gpu-lease",
+    )
+    assert oauth is not None
+    store = Store(f"sqlite:///{tmp_path / 'hub.sqlite'}")
+    service = BrokerService(store, parse_gpu_spec("1x32768:V100"), Policy())
+    service.start()
+    app = make_app(service, HubTokens(hub_auth=oauth), base_url=PREFIX)
+    server = HTTPServer(app)
+    server.listen(port, "127.0.0.1")
+    try:
+        yield HubBroker(f"http://127.0.0.1:{port}{PREFIX}", app, service)
+    finally:
+        for srv in (server, hub):
+            srv.stop()
+            await srv.close_all_connections()
+        service.close()
+
+
+async def test_hub_anonymous_browser_is_sent_to_hub_login(hub_broker: HubBroker) -> None:
+    async with httpx.AsyncClient() as c:
+        r = await c.get(hub_broker.url, headers=HTML)
+        assert r.status_code == 302
+        location = httpx.URL(r.headers["location"])
+        assert location.path == "/hub/api/oauth2/authorize"
+        assert location.params["client_id"] == CLIENT_ID
+        assert location.params["redirect_uri"] == f"{PREFIX}oauth_callback"
+        assert location.params["response_type"] == "code" and location.params["state"]
+        assert location.params["code_challenge_method"] == "S256"
+        assert any(k.startswith(f"{CLIENT_ID}-oauth-state") for k in r.cookies)
+        # the API answers 401 JSON to anonymous callers (never a redirect)
+        r = await c.get(f"{hub_broker.url}api/v1/gpus", headers=HTML)
+        assert r.status_code == 401 and "log in through the dashboard" in r.json()["message"]
+        # non-browsers still get the JSON index at the prefix
+        assert (await c.get(hub_broker.url)).json()["api"] == f"{PREFIX}api/v1/"
+        # the OAuth callback is served (and refuses a visit without a code)
+        r = await c.get(f"{hub_broker.url}oauth_callback")
+        assert r.status_code == 400
+
+
+async def test_hub_cookie_identifies_page_and_api_with_xsrf(hub_broker: HubBroker) -> None:
+    login = hub_broker.cookie("oauth-teacher")
+    async with httpx.AsyncClient(headers={"User-Agent": "test-browser"}) as c:
+        page = await c.get(
+            hub_broker.url, headers={**HTML, "Cookie": login, "Sec-Fetch-Mode": "navigate"}
+        )
+        assert page.status_code == 200, page.text
+        assert 'data-auth="hub"' in page.text and 'data-user="teacher"' in page.text
+        xsrf = re.search(r'data-xsrf="([^"]+)"', page.text)
+        assert xsrf is not None
+        cookies = f"{login}; _xsrf={page.cookies['_xsrf']}"
+        fetch = {"Cookie": cookies, "Sec-Fetch-Mode": "cors", "Sec-Fetch-Site": "same-origin"}
+        api = f"{hub_broker.url}api/v1/"
+        # a fetch() from the page: cookie + X-XSRFToken
+        r = await c.get(f"{api}quotas/me", headers={**fetch, "X-XSRFToken": xsrf.group(1)})
+        assert r.status_code == 200 and r.json()["user"] == "teacher"
+        # the admin scope makes the teacher a GPU lease admin
+        r = await c.get(f"{api}quotas", headers={**fetch, "X-XSRFToken": xsrf.group(1)})
+        assert r.status_code == 200
+        # without the XSRF token the cookie is not accepted (GET by fetch, and POST)
+        r = await c.get(f"{api}quotas/me", headers=fetch)
+        assert r.status_code == 401
+        r = await c.post(f"{api}leases/nope/revoke", json={"reason": "x"}, headers=fetch)
+        assert r.status_code == 401
+        r = await c.post(
+            f"{api}leases/nope/revoke",
+            json={"reason": "x"},
+            headers={**fetch, "X-XSRFToken": "forged"},
+        )
+        assert r.status_code == 401
+        r = await c.post(
+            f"{api}leases/nope/revoke",
+            json={"reason": "x"},
+            headers={**fetch, "X-XSRFToken": xsrf.group(1)},
+        )
+        assert r.status_code == 404  # identified as an admin; the lease does not exist
+
+
+async def test_hub_user_without_access_scope_is_refused(hub_broker: HubBroker) -> None:
+    async with httpx.AsyncClient() as c:
+        r = await c.get(
+            hub_broker.url,
+            headers={**HTML, "Cookie": hub_broker.cookie("oauth-outsider")},
+        )
+        assert r.status_code == 403
+        assert "access:services!service=gpu-lease" in r.json()["message"]
+
+
+def test_real_broker_with_auth_hub_redirects_to_hub(tmp_path: Path) -> None:
+    """``gpu-lease broker --auth hub`` as JupyterHub starts a managed service with a URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        JUPYTERHUB_API_TOKEN="service-token",
+        JUPYTERHUB_API_URL=f"http://127.0.0.1:{free_port()}/hub/api",
+        JUPYTERHUB_CLIENT_ID=CLIENT_ID,
+        JUPYTERHUB_SERVICE_NAME="gpu-lease",
+        JUPYTERHUB_SERVICE_PREFIX=PREFIX,
+        JUPYTERHUB_OAUTH_CALLBACK_URL=f"{PREFIX}oauth_callback",
+        JUPYTERHUB_SERVICE_URL=f"http://127.0.0.1:{port}",
+    )
+    cmd = [sys.executable, "-m", "provisioner.broker.app", "--gpus", "1x16384:T4"]
+    cmd += ["--db-url", f"sqlite:///{tmp_path / 'b.sqlite'}"]
+    log = tmp_path / "broker.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}{PREFIX}"
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base}api/v1/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        r = httpx.get(base, headers=HTML)
+        assert r.status_code == 302, r.text
+        assert r.headers["location"].startswith("/hub/api/oauth2/authorize?client_id=")
+        assert "auth hub" in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# -- in a real browser --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    if not os.path.exists(CHROMIUM):
+        reason = f"{CHROMIUM} is missing"
+        if shutil.which("apt-get"):
+            reason += " (make install runs apt-get install -y chromium)"
+        pytest.skip(reason)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def open_dashboard(chromium: Any, broker: Broker, user: str | None) -> tuple[Any, Any, list[str]]:
+    """A fresh browser context (its own sessionStorage) signed in as ``user``."""
+    context = chromium.new_context(viewport={"width": 1200, "height": 900})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(str(exc)))
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.goto(f"{broker.url}/")
+    page.wait_for_selector("#login-form", state="visible")
+    if user is not None:
+        page.fill("#token", broker.tokens[user])
+        page.click("button[type=submit]")
+    return context, page, problems
+
+
+@pytest.mark.slow
+@sqlite_only
+def test_browser_admin_and_student(chromium: Any, broker: Broker, tmp_path: Path) -> None:
+    acquire(broker, "alice", "aaaaaaaa-1111", 0.25)
+    acquire(broker, "bob", "bbbbbbbb-2222", 0.25)
+    acquire(broker, "carol", "cccccccc-3333", 0.75)  # waits
+    httpx.put(
+        f"{broker.url}/api/v1/quotas/groups/ml101",
+        json={"max_fraction": 0.5, "priority": 3},
+        headers=broker.headers("admin"),
+    ).raise_for_status()
+
+    context, page, problems = open_dashboard(chromium, broker, "admin")
+    page.wait_for_selector("#quotas table")
+    assert page.inner_text("#who") == "Signed in as admin (admin)"
+    gpus = page.inner_text("#gpus")
+    assert "GPU 0 · V100" in gpus and "50% allocated" in gpus and "16384 / 32768 MiB" in gpus
+    meter = page.locator("#gpus [role=meter]")
+    assert meter.get_attribute("aria-valuenow") == "50"
+    assert meter.locator("span").evaluate("e => e.style.width") == "50%"
+    leases = page.inner_text("#leases")
+    assert "alice" in leases and "bob" in leases and "aaaaaaaa" in leases and "25%" in leases
+    queue = page.inner_text("#queue")
+    assert "carol" in queue and "75%" in queue
+    assert "ml101" in page.inner_text("#quotas")
+    page.screenshot(path=str(tmp_path / "admin.png"), full_page=True)
+    assert problems == []
+    context.close()
+
+    context, page, problems = open_dashboard(chromium, broker, "alice")
+    page.wait_for_selector("#leases table")
+    assert page.inner_text("#who") == "Signed in as alice"
+    leases = page.inner_text("#leases")
+    assert "alice" in leases and "bob" not in leases
+    assert "carol" not in page.inner_text("#queue")
+    assert "Holding now: 25% of a GPU in 1 lease." in page.inner_text("#quota")
+    assert "0.5" in page.inner_text("#quota")  # ml101's quota applies to her
+    assert page.locator("#quotas-section").is_hidden()
+    page.screenshot(path=str(tmp_path / "student.png"), full_page=True)
+    # "Forget the token" returns to the sign-in form
+    page.click("#logout")
+    page.wait_for_selector("#login-form", state="visible")
+    assert page.evaluate("sessionStorage.length") == 0
+    assert problems == []
+    context.close()
+
+
+@pytest.mark.slow
+@sqlite_only
+def test_browser_bad_token_and_refresh(chromium: Any, broker: Broker) -> None:
+    context = chromium.new_context()
+    page = context.new_page()
+    page.goto(f"{broker.url}/")
+    page.fill("#token", "not-a-real-token")
+    page.click("button[type=submit]")
+    page.wait_for_selector("#login-error:has-text('not valid')")
+    assert page.locator("#content").is_hidden()
+    # a valid token survives a reload (sessionStorage), and the page refreshes by itself
+    page.fill("#token", broker.tokens["bob"])
+    page.click("button[type=submit]")
+    page.wait_for_selector("#leases:has-text('You hold no GPU lease.')")
+    page.reload()
+    page.wait_for_selector("#leases:has-text('You hold no GPU lease.')")
+    acquire(broker, "bob", "b0b0b0b0-1", 0.5)
+    page.wait_for_selector("#leases:has-text('b0b0b0b0')", timeout=15_000)
+    context.close()
+
+
+def test_dashboard_assets_are_packaged() -> None:
+    here = ROOT / "provisioner" / "broker"
+    assert (here / "templates" / "dashboard.html").is_file()
+    assert {p.name for p in (here / "static").iterdir()} >= {"dashboard.js", "dashboard.css"}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"broker/templates/*", "broker/static/*"' in pyproject
+    json.dumps(CHROMIUM_ARGS)
