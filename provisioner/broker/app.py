@@ -33,7 +33,7 @@ from ..errors import GPULeaseError, StoreError
 from ..model import fraction_to_ppm
 from ..scheduling import Policy
 from . import handlers
-from .auth import Authenticator, HubTokens, StaticTokens
+from .auth import Authenticator, HubTokens, StaticTokens, make_hub_oauth
 
 log = logging.getLogger("gpu_lease.broker.app")
 
@@ -78,6 +78,8 @@ class GPULeaseBroker(Application):
         "config": "GPULeaseBroker.config_file",
         "base-url": "GPULeaseBroker.base_url",
         "ttl": "GPULeaseBroker.ttl",
+        "quotas-file": "GPULeaseBroker.quotas_file",
+        "sqlite-busy-timeout": "GPULeaseBroker.sqlite_busy_timeout",
         "log-level": "Application.log_level",
     }
     flags = {
@@ -88,6 +90,10 @@ class GPULeaseBroker(Application):
         "metrics-require-auth": (
             {"GPULeaseBroker": {"metrics_require_auth": True}},
             "Answer GET /metrics only with a valid token.",
+        ),
+        "ha-lock": (
+            {"GPULeaseBroker": {"ha_lock": True}},
+            "Active/standby on PostgreSQL: serve only while holding the database's HA lock.",
         ),
     }
 
@@ -152,6 +158,21 @@ class GPULeaseBroker(Application):
         lose the last transactions on power loss but never corrupts; FULL survives it.""",
     ).tag(config=True)
 
+    sqlite_busy_timeout = Float(
+        5.0,
+        help="""Seconds a write waits for another process's lock on the SQLite database
+        before the request fails with 503 (SQLite only). The broker answers nothing
+        else meanwhile, so keep it short if other tools write the file. Default: 5.""",
+    ).tag(config=True)
+
+    ha_lock = Bool(
+        False,
+        help="""Active/standby (PostgreSQL only): before loading state and listening, take
+        the database's HA lock (a session advisory lock); while another broker holds it,
+        stand by and retry every second, listening on nothing. An active broker that loses
+        the lock (its database session ended) exits with status 1. Default: False (one broker).""",
+    ).tag(config=True)
+
     gpus = Unicode(
         "nvml",
         help="""The GPU pool: 'nvml' (default: discover this machine's GPUs with NVML) or a
@@ -173,8 +194,9 @@ class GPULeaseBroker(Application):
     tokens_file = Unicode(
         "",
         help="""JSON file of tokens for --auth static:
-        {"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}. Re-read when it
-        changes. Default: none.""",
+        {"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}; an entry may add
+        "expires_at" (POSIX seconds or ISO 8601, no zone = UTC), after which the token gets
+        401. Re-read when it changes. Default: none.""",
     ).tag(config=True)
 
     hub_cache_max_age = Integer(
@@ -186,6 +208,13 @@ class GPULeaseBroker(Application):
         "",
         help="A traitlets config file (.py or .json) to load, e.g. broker_config.py. "
         "Command-line options win over it. Default: none.",
+    ).tag(config=True)
+
+    quotas_file = Unicode(
+        "",
+        help="""A courses/quotas TOML file (see hub_config/courses.toml) applied at every
+        start: its default, course (group) and user quotas replace those the API set for
+        the same names; others are kept. Default: none.""",
     ).tag(config=True)
 
     # -- policy ----------------------------------------------------------------
@@ -292,7 +321,19 @@ class GPULeaseBroker(Application):
                     '{"TOKEN": {"user": "alice", "groups": [], "admin": false}}.'
                 )
             return StaticTokens(self.tokens_file)
-        return HubTokens(cache_max_age=self.hub_cache_max_age)
+        # as a hub service with a URL, browsers log in to the dashboard with hub OAuth
+        oauth = make_hub_oauth(
+            handlers.normalize_base_url(self.base_url), cache_max_age=self.hub_cache_max_age
+        )
+        return HubTokens(cache_max_age=self.hub_cache_max_age, hub_auth=oauth)
+
+    def quota_entries(self) -> list[tuple[str, str, Any]]:
+        """The ``(level, name, Quota)`` entries of ``quotas_file`` (none without one)."""
+        if not self.quotas_file:
+            return []
+        from .courses import load_courses
+
+        return load_courses(self.quotas_file).quota_entries()
 
     def start(self) -> None:
         """Run until SIGTERM/SIGINT; exits 2 on a configuration error, 1 if the database fails."""
@@ -313,15 +354,27 @@ class GPULeaseBroker(Application):
         try:
             gpus = load_gpus(self.gpus)
             authenticator = self.authenticator()
-            store = Store(self.db_url, sqlite_synchronous=self.sqlite_synchronous)
+            quota_entries = self.quota_entries()
+            store = Store(
+                self.db_url,
+                sqlite_synchronous=self.sqlite_synchronous,
+                sqlite_busy_timeout=self.sqlite_busy_timeout,
+            )
         except GPULeaseError as exc:
             self.log.critical("%s", exc.message)
             return 2
         service: BrokerService | None = None
         metrics = BrokerMetrics(lambda: service)
-        service = BrokerService(store, gpus, self.policy(), metrics=metrics)
+        service = BrokerService(
+            store, gpus, self.policy(), metrics=metrics, reap_interval=self.reap_interval
+        )
+        if self.ha_lock and not await self._wait_for_ha_lock(store):
+            store.close()
+            return 0 if store.supports_ha_lock else 2
         try:
             service.start()
+            if self.quotas_file:
+                service.apply_quotas(quota_entries, self.quotas_file)
         except GPULeaseError as exc:
             self.log.critical("Cannot start: %s", exc.message)
             store.close()
@@ -348,7 +401,18 @@ class GPULeaseBroker(Application):
             service.close()
             return 2
 
+        lost_lock = False
+
         def reap() -> None:
+            nonlocal lost_lock
+            if self.ha_lock and not store.ha_lock_held():
+                self.log.critical(
+                    "Lost the HA lock (the database session ended): another broker may be "
+                    "active now, so this one stops; restart it to stand by."
+                )
+                lost_lock = True
+                stop.set()
+                return
             try:
                 service.tick()
             except StoreError as exc:
@@ -390,7 +454,45 @@ class GPULeaseBroker(Application):
             service.close()
         except StoreError as exc:
             self.log.warning("%s", exc.message)
-        return 0
+        return 1 if lost_lock else 0
+
+    async def _wait_for_ha_lock(self, store: Any) -> bool:
+        """Stand by until this broker holds the HA lock; False if stopped (or no PostgreSQL).
+
+        Polls once a second; SIGTERM/SIGINT end the wait. Database errors are logged and
+        retried: a standby outlives a database restart.
+        """
+        if not store.supports_ha_lock:
+            self.log.critical(
+                "--ha-lock needs a PostgreSQL database (--db-url postgresql://USER@HOST/DB); "
+                "with SQLite run a single broker without --ha-lock."
+            )
+            return False
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            said = ""
+            while not stop.is_set():
+                try:
+                    if store.try_ha_lock():
+                        self.log.info("HA lock taken: this broker is now the active one")
+                        return True
+                    line = "standby: another broker holds the lock; retrying every second"
+                except StoreError as exc:
+                    line = f"standby: cannot take the HA lock yet: {exc.message}"
+                if line != said:
+                    self.log.warning("%s", line)
+                    said = line
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+            return False
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ import json
 import os
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, cast
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.multikernelmanager import MultiKernelManager
@@ -204,7 +204,10 @@ class GPULeaseProvisioner(LocalProvisioner):
         lease comes first, so a kernel that cannot get a GPU allocates nothing else; its
         error is the sentence the student sees in JupyterLab's "Error Starting Kernel".
         """
-        lease = await self._acquire()
+        try:
+            lease = await self._acquire()
+        except GPULeaseError as exc:
+            raise _for_jupyter_server(exc) from exc
         try:
             kwargs = await super().pre_launch(**kwargs)
             env: dict[str, str] = kwargs["env"]
@@ -701,6 +704,42 @@ async def _call_async(obj: Any, name: str, *args: Any, **kwargs: Any) -> None:
 def _short(lease_id: Any) -> str:
     """A lease id shortened for logs, as the broker logs it."""
     return f"{str(lease_id)[:6]}…" if lease_id else "?"
+
+
+_SERVER_ERRORS: dict[type, type] = {}
+
+
+def _for_jupyter_server(exc: GPULeaseError) -> GPULeaseError:
+    """``exc`` as an instance of its own class *and* of tornado's ``HTTPError``.
+
+    Called by ``pre_launch`` when the broker refuses or cannot be reached. jupyter_server's
+    REST API (``POST /api/kernels``, ``/api/sessions``) answers any exception that is not
+    an ``HTTPError`` with "Unhandled error", so the student would never read the broker's
+    sentence in JupyterLab's "Error Starting Kernel"; with this its ``message`` is the
+    error's ``message`` and its status ours (403 quota/course, 503 broker down, ...).
+    Callers that catch our errors (``except NoCapacity``) still do.
+    """
+    from tornado.web import HTTPError
+
+    cls = type(exc)
+    mixed = _SERVER_ERRORS.get(cls)
+    if mixed is None:
+        mixed = type(
+            cls.__name__,
+            (cls, HTTPError),
+            {"__module__": cls.__module__, "__str__": lambda self: self.message},
+        )
+        _SERVER_ERRORS[cls] = mixed
+    out: Any = Exception.__new__(mixed)
+    out.__dict__.update(exc.__dict__)
+    out.args = ()  # tornado formats log_message % args when it logs the error
+    out.status_code = exc.status if 400 <= exc.status < 600 else 500
+    if isinstance(getattr(HTTPError, "log_message", None), property):  # tornado >= 6.5
+        out._log_message = exc.message
+    else:
+        out.log_message = exc.message
+    out.reason = None
+    return cast(GPULeaseError, out)
 
 
 def _reason(exc: GPULeaseError) -> str:

@@ -1,0 +1,194 @@
+"""A 50-student classroom through a real JupyterHub: GPU kernels vs plain kernels.
+
+Starts ``python -m provisioner.demo`` on free ports with a fresh state directory (a
+declared 1x32768:V100 pool unless ``--gpus`` says otherwise), then runs
+``examples/classroom.py``'s :func:`run_classroom`: N students log in through the hub
+API, spawn servers, and each starts a "Python 3 (GPU 0.02)" and a plain "Python 3"
+kernel (alternating which goes first) and runs a cell in each. While all kernels are
+up, a 51st student's 0.02 request must *queue* (202, position 1) with the GPU exactly
+full (50 x 0.02 = 1, exact ppm arithmetic), never over-allocate. Then every server
+stops and no lease may remain::
+
+    .venv/bin/python benchmarks/classroom.py            # N=50 (several minutes on 2 cores)
+    .venv/bin/python benchmarks/classroom.py -n 20 --json
+    .venv/bin/python benchmarks/classroom.py --hub-url http://127.0.0.1:8000 --token T
+
+Reported: time from the first login to the last kernel ready, median server start,
+median GPU and plain kernel start (POST /api/kernels to the first cell's reply) and
+their ratio (aim <= 1.10), leases held, queue waits, the 51st request's answer, the
+pool's allocated fraction, leaks after stop (must be 0). Exit status 1 if an aim fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _classroom() -> Any:
+    spec = importlib.util.spec_from_file_location("classroom", ROOT / "examples" / "classroom.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["classroom"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    args = [sys.executable, "-m", "provisioner.demo", "--state-dir", str(state)]
+    args += ["--kernels-prefix", str(state / "prefix"), "--gpus", gpus]
+    args += ["--server-port-base", str(random.randrange(10000, 24000))]
+    for flag in ("--port", "--hub-api-port", "--proxy-api-port", "--broker-port"):
+        args += [flag, str(_free_port())]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_TOKEN")
+    }
+    log = open(state / "demo.log", "wb")  # noqa: SIM115 - lives as long as the demo
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    info_file = state / "demo.json"
+    deadline = time.monotonic() + 300
+    while not info_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"the demo did not start; see {state / 'demo.log'}")
+        time.sleep(0.25)
+    return proc, json.loads(info_file.read_text())
+
+
+async def check_51st(room: Any, name: str, out: dict[str, Any]) -> None:
+    """With every GPU kernel up, one more 0.02 request must queue, not over-allocate."""
+    token, token_id = await room.login(name)
+    r = await room.call(
+        "POST",
+        f"{room.broker_url}/api/v1/leases",
+        token,
+        json={"kernel_id": "benchmark-51st", "fraction": 0.02, "wait": 0},
+        ok=(403,),
+    )
+    body = r.json()
+    out["status_51st"] = r.status_code
+    out["answer_51st"] = {k: body.get(k) for k in ("queued", "position", "message")}
+    gpus = (await room.call("GET", f"{room.broker_url}/api/v1/gpus")).json()["gpus"]
+    out["allocated"] = [g["allocated_fraction"] for g in gpus]
+    out["leases_on_gpus"] = [g["leases"] for g in gpus]
+    # the broker's own share of a GPU kernel start: acquire answers (hub identity included)
+    text = (await room.call("GET", f"{room.broker_url}/metrics")).text
+    count = total = 0.0
+    for line in text.splitlines():
+        if line.startswith("gpu_lease_acquire_seconds_count"):
+            count += float(line.split()[-1])
+        elif line.startswith("gpu_lease_acquire_seconds_sum"):
+            total += float(line.split()[-1])
+    out["broker_acquire_mean_s"] = round(total / count, 4) if count else None
+    if body.get("id"):  # withdraw it, so it is not granted once the class stops
+        await room.call(
+            "DELETE", f"{room.broker_url}/api/v1/leases/{body['id']}", token, ok=(404, 410)
+        )
+    await room.logout(name, token_id)
+
+
+async def bench(hub_url: str, token: str, n: int, extra_student: str) -> tuple[Any, dict[str, Any]]:
+    classroom = _classroom()
+    extra: dict[str, Any] = {}
+
+    async def before_stop(room: Any) -> None:
+        await check_51st(room, extra_student, extra)
+
+    report = await classroom.run_classroom(hub_url, token, n, before_stop=before_stop, timeout=600)
+    return report, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-n", type=int, default=50, help="students (50)")
+    p.add_argument("--gpus", default="1x32768:V100", help="the pool (1x32768:V100)")
+    p.add_argument("--hub-url", default="", help="use a running demo instead of starting one")
+    p.add_argument("--token", default="", help="its operator token (with --hub-url)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    demo = None
+    tmp = None
+    if args.hub_url:
+        hub_url, token = args.hub_url, args.token
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="gpu-lease-classroom-")
+        demo, info = start_demo(Path(tmp.name), args.gpus)
+        hub_url, token = info["url"], info["admin_token"]
+    try:
+        with httpx.Client() as http:
+            load = os.getloadavg()
+            t0 = time.monotonic()
+            report, extra = asyncio.run(bench(hub_url, token, args.n, f"student{args.n + 1:02d}"))
+            wall = time.monotonic() - t0
+            version = http.get(f"{hub_url}/hub/api/").json().get("version")
+    finally:
+        if demo is not None:
+            demo.send_signal(signal.SIGINT)
+            demo.wait(120)
+        if tmp is not None:
+            tmp.cleanup()
+    aims = {
+        "no errors": not report.errors,
+        "every GPU kernel held a lease": report.leases_held == args.n,
+        "GPU/plain start <= 1.10": (report.gpu_over_plain or 99) <= 1.10,
+        # with fewer students than the pool seats, the extra request must simply be granted
+        "extra request queued iff the pool is full": (
+            extra.get("status_51st") == 202 and bool(extra.get("answer_51st", {}).get("queued"))
+            if report.leases_held * 0.02 >= len(extra.get("allocated", [1])) - 1e-9
+            else extra.get("status_51st") == 201
+        ),
+        "never over-allocated": all(a <= 1.0 for a in extra.get("allocated", [2.0])),
+        "zero leaks": report.leaks == 0,
+    }
+    result = {
+        "n": args.n,
+        "jupyterhub": version,
+        "cpus": os.cpu_count(),
+        "load_before": [round(x, 2) for x in load],
+        "wall_s": round(wall, 1),
+        **{k: v for k, v in asdict(report).items() if k != "students"},
+        **extra,
+        "aims": aims,
+    }
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(report.summary())
+        print(
+            f"51st request: HTTP {extra.get('status_51st')} {extra.get('answer_51st')}; "
+            f"pool allocated {extra.get('allocated')} with {extra.get('leases_on_gpus')} leases; "
+            f"broker acquire mean {extra.get('broker_acquire_mean_s')} s"
+        )
+        print(f"{os.cpu_count()} CPUs, load before {result['load_before']}, wall {wall:.0f} s")
+        for aim, ok in aims.items():
+            print(f"  [{'ok' if ok else 'MISSED'}] {aim}")
+        for err in report.errors[:10]:
+            print("  error:", err)
+    return 0 if all(aims.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""JupyterHub configuration: a GPU classroom on one machine.
+
+``jupyterhub -f hub_config/jupyterhub_config.py`` (``make demo`` runs it through
+``python -m provisioner.demo``, which sets the environment below and prints how to
+log in). What it wires:
+
+- the broker as the hub-managed service ``gpu-lease`` (URL prefix /services/gpu-lease/),
+  ``--auth hub``, SQLite in the state directory, quotas from ``courses.toml``;
+- courses from ``courses.toml`` as hub groups; its ``admins`` as hub admins; its
+  instructors get the role ``gpu-lease-instructor`` (scope ``custom:gpu-lease:admin``);
+- every user, and every single-user server's ``JUPYTERHUB_API_TOKEN``, gets
+  ``access:services!service=gpu-lease`` so kernels can lease GPUs;
+- ``GPU_LEASE_URL`` in every server's environment;
+- SimpleLocalProcessSpawner (one process per student, no system accounts) and
+  SharedPasswordAuthenticator (one demo password) -- for production use
+  SystemdSpawner or KubeSpawner and your real authenticator (see docs).
+
+Every setting below that a test or a second demo needs to change is read from an
+environment variable (``GPU_LEASE_*``); the defaults are the demo's.
+
+RBAC, and why each scope:
+
+=====================================  =====================================================
+``access:services!service=gpu-lease``  users and their server tokens: call the broker
+                                       (it refuses tokens without it).
+``custom:gpu-lease:admin``             admins/instructors: set quotas, see every lease.
+                                       Also on server tokens (``server_token_scopes``
+                                       grants only the subset a user holds) so an
+                                       instructor's ``gpu-lease top`` works in a terminal.
+``users:activity!user``,               the default ``server`` role's scopes, kept: a
+``access:servers!server``              server reports activity; its token reaches itself.
+broker service: no scopes              it identifies callers by asking ``/hub/api/user``
+                                       *with the caller's token*; JupyterHub adds the
+                                       token owner's ``name``, ``admin`` and ``groups`` to
+                                       that model (identify scopes), so the broker needs no
+                                       ``read:users:groups`` of its own.
+service ``gpu-lease-admin``            the demo's operator token (CLI, examples/classroom.py):
+                                       admin:users, admin:servers, tokens, access:servers,
+                                       list/read:users, the broker's access scope and
+                                       custom:gpu-lease:admin.
+=====================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jupyterhub.app import JupyterHub
+from jupyterhub.spawner import SimpleLocalProcessSpawner
+
+from provisioner.broker.courses import load_courses
+from provisioner.inventory import NoGPUFound, discover_nvml
+
+c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+env = os.environ.get
+
+
+def _port(name: str, default: int) -> int:
+    return int(env(name) or default)
+
+
+STATE = Path(env("GPU_LEASE_STATE_DIR") or ROOT / ".demo").resolve()
+STATE.mkdir(parents=True, exist_ok=True)
+HUB_IP = env("GPU_LEASE_HUB_IP") or "127.0.0.1"
+HUB_PORT = _port("GPU_LEASE_HUB_PORT", 8000)
+BROKER_PORT = _port("GPU_LEASE_BROKER_PORT", 10101)
+COURSES_FILE = Path(env("GPU_LEASE_COURSES") or HERE / "courses.toml").resolve()
+SERVICE = "gpu-lease"
+ACCESS_SCOPE = f"access:services!service={SERVICE}"
+ADMIN_SCOPE = "custom:gpu-lease:admin"
+
+
+def _secret(var: str, filename: str, nbytes: int) -> str:
+    """A secret from the environment, else from the state directory (made once, mode 0600)."""
+    value = env(var)
+    if value:
+        return value
+    path = STATE / filename
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(nbytes), encoding="utf-8")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def _gpus() -> str:
+    """GPU_LEASE_GPUS, else 'nvml' when NVML sees a GPU, else the declared demo V100."""
+    declared = env("GPU_LEASE_GPUS")
+    if declared:
+        return declared
+    try:
+        discover_nvml()
+    except NoGPUFound as exc:
+        print(f"[gpu-lease] {exc.message} Using the declared pool 1x32768:V100.", file=sys.stderr)
+        return "1x32768:V100"
+    return "nvml"
+
+
+courses = load_courses(str(COURSES_FILE))
+
+# -- the hub and its proxy -------------------------------------------------------------
+c.JupyterHub.ip = HUB_IP
+c.JupyterHub.port = HUB_PORT
+c.JupyterHub.hub_ip = "127.0.0.1"
+c.JupyterHub.hub_port = _port("GPU_LEASE_HUB_API_PORT", 8081)
+c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
+c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
+c.JupyterHub.cleanup_servers = True  # stopping the hub stops every server and kernel
+c.ConfigurableHTTPProxy.command = [str(ROOT / "node_modules" / ".bin" / "configurable-http-proxy")]
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{_port('GPU_LEASE_PROXY_API_PORT', 8001)}"
+c.ConfigurableHTTPProxy.pid_file = str(STATE / "jupyterhub-proxy.pid")
+
+# -- people: one shared password for the demo; admins log in with the admin password ----
+c.JupyterHub.authenticator_class = "shared-password"
+c.SharedPasswordAuthenticator.user_password = env("GPU_LEASE_USER_PASSWORD") or "gpu-lease-demo"
+c.SharedPasswordAuthenticator.admin_password = _secret(
+    "GPU_LEASE_ADMIN_PASSWORD", "admin-password", 16
+)
+c.Authenticator.admin_users = set(courses.admins)
+c.Authenticator.allowed_users = set(courses.users()) | {"guest01"}
+c.Authenticator.allow_all = env("GPU_LEASE_ALLOW_ALL", "0") == "1"
+c.JupyterHub.load_groups = courses.hub_groups()
+
+# -- scopes ----------------------------------------------------------------------------
+c.JupyterHub.custom_scopes = {
+    ADMIN_SCOPE: {"description": "Administer GPU leases: quotas, every lease, usage."},
+}
+c.Spawner.server_token_scopes = [
+    "users:activity!user",
+    "access:servers!server",
+    ACCESS_SCOPE,
+    ADMIN_SCOPE,  # only the users who hold it get it (a subset is granted)
+]
+roles = [
+    {
+        "name": "gpu-lease-instructor",
+        "description": "Course instructors and admins: administer GPU leases.",
+        "scopes": [ADMIN_SCOPE, ACCESS_SCOPE],
+        "users": sorted(set(courses.instructors()) | set(courses.admins)),
+    },
+    {
+        "name": "gpu-lease-operator",
+        "description": "The demo's operator token: run classrooms, administer GPU leases.",
+        "scopes": [
+            "admin:users",
+            "admin:servers",
+            "tokens",
+            "list:users",
+            "read:users",
+            "access:servers",
+            ACCESS_SCOPE,
+            ADMIN_SCOPE,
+        ],
+        "services": ["gpu-lease-admin"],
+    },
+]
+if "extra_user_scopes" in JupyterHub.class_trait_names():  # JupyterHub >= 6
+    c.JupyterHub.extra_user_scopes = {ACCESS_SCOPE}
+else:  # JupyterHub 5: redefine the user role with the same scope added
+    roles.append({"name": "user", "scopes": ["self", ACCESS_SCOPE]})
+c.JupyterHub.load_roles = roles
+
+# -- the broker, a hub-managed service ----------------------------------------------------
+broker_cmd = [
+    sys.executable,
+    "-m",
+    "provisioner.broker.app",
+    "--auth",
+    "hub",
+    "--db-url",
+    f"sqlite:///{STATE / 'gpu-lease.sqlite'}",
+    "--gpus",
+    _gpus(),
+    "--quotas-file",
+    str(COURSES_FILE),
+    "--ttl",
+    env("GPU_LEASE_TTL") or "90",
+    f"--GPULeaseBroker.reap_interval={env('GPU_LEASE_REAP_INTERVAL') or '5'}",
+]
+c.JupyterHub.services = [
+    {
+        "name": SERVICE,
+        "display": True,
+        "url": f"http://127.0.0.1:{BROKER_PORT}",  # the broker listens here (JUPYTERHUB_SERVICE_URL)
+        "command": broker_cmd,
+        "cwd": str(STATE),
+        "oauth_no_confirm": True,
+        # the dashboard's browser login: let an instructor's OAuth token carry the admin scope
+        "oauth_client_allowed_scopes": [ADMIN_SCOPE],
+    },
+    {
+        "name": "gpu-lease-admin",
+        "api_token": _secret("GPU_LEASE_ADMIN_TOKEN", "admin-token", 32),
+        "display": False,
+    },
+]
+
+
+# -- single-user servers ----------------------------------------------------------------
+SERVER_PORT_BASE = int(env("GPU_LEASE_SERVER_PORT_BASE") or 21000)
+
+
+def _server_port(user_id: int) -> int:
+    """A port for the user's server below Linux's ephemeral range (32768+), free now.
+
+    The stock spawner picks a random *ephemeral* port and the server binds it only after
+    it has started (over a minute when 50 start at once), while every kernel takes 5
+    ephemeral ports meanwhile: with 50 students a port was taken by the time the server
+    bound it, and the hub, which counts any HTTP answer as "up", routed that student to
+    another student's server. Ports outside that range, one per user, cannot collide
+    with kernels. 0 (GPU_LEASE_SERVER_PORT_BASE=0) restores the stock random port.
+    """
+    if not SERVER_PORT_BASE:
+        return 0
+    for k in range(8):
+        port = SERVER_PORT_BASE + (user_id + k * 997) % 8000
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return 0
+
+
+class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
+    """SimpleLocalProcessSpawner that stops a server with SIGTERM first.
+
+    The stock spawner sends SIGINT first; jupyter_server installs its graceful SIGINT
+    handler only when its stdin is a terminal, so a hub started without one (a service
+    manager, a test) made SIGINT a KeyboardInterrupt: the server exited without shutting
+    its kernels down, and their GPU leases stayed held until they expired. SIGTERM always
+    runs jupyter_server's cleanup, which shuts every kernel down (releasing its lease).
+    """
+
+    async def start(self) -> object:
+        """Give the server a port of its own (see ``_server_port``), then start it."""
+        self.port = _server_port(self.user.id)
+        return await super().start()
+
+    async def stop(self, now: bool = False) -> None:
+        if not now and await self.poll() is None:
+            await self._signal(signal.SIGTERM)
+            await self.wait_for_death(self.term_timeout)
+        await super().stop(now=True)
+
+
+c.JupyterHub.spawner_class = GracefulLocalProcessSpawner
+c.Spawner.term_timeout = 30  # kernels get jupyter_client's shutdown, then leases are released
+c.SimpleLocalProcessSpawner.home_dir_template = str(STATE / "home" / "{username}")
+c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
+c.Spawner.default_url = "/lab"
+c.Spawner.start_timeout = int(env("GPU_LEASE_SPAWN_TIMEOUT") or 300)
+c.Spawner.http_timeout = int(env("GPU_LEASE_SPAWN_TIMEOUT") or 300)
+# forgets refused GPU kernel starts so servers stop in seconds (see provisioner/kernel/server.py)
+c.Spawner.args = [
+    "--ServerApp.kernel_manager_class=provisioner.kernel.server.GPULeaseKernelManager",
+    # the spawner picks a random free port; if another server took it meanwhile, fail the
+    # spawn instead of silently moving to the next port (the proxy would then route this
+    # user to someone else's server: seen with 50 concurrent spawns)
+    "--ServerApp.port_retries=0",
+]
+# Kernels talk to their server over Unix sockets, not TCP: a server picks a kernel's five
+# TCP ports before the kernel binds them, and with a class starting 100 kernels at once
+# kernels of different servers got the same port ("Address already in use", "Invalid
+# Signature" cross-talk). The socket paths live in a short per-user runtime directory
+# (Unix socket paths are limited to 107 bytes).
+KERNEL_TRANSPORT = env("GPU_LEASE_KERNEL_TRANSPORT") or "ipc"
+if KERNEL_TRANSPORT == "ipc":
+    c.Spawner.args.append("--KernelManager.transport=ipc")
+if os.getuid() == 0:
+    c.Spawner.args.append("--allow-root")
+# The broker's own address, not the proxy's: every server runs on this machine, so the
+# kernels' lease calls (acquire, renew every ttl/3 s, release) skip a hop and keep working
+# while the proxy restarts. With servers on other machines (KubeSpawner) use the proxy:
+# f"http://<hub-host>:{HUB_PORT}/services/gpu-lease".
+server_env: dict[str, Any] = {"GPU_LEASE_URL": f"http://127.0.0.1:{BROKER_PORT}/services/{SERVICE}"}
+if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix (tests)
+    server_env["JUPYTER_PATH"] = str(Path(env("GPU_LEASE_KERNELS_PREFIX", "")) / "share/jupyter")
+if KERNEL_TRANSPORT == "ipc":
+    RUNTIME_ROOT = Path(tempfile.gettempdir()) / f"gpu-lease-rt-{HUB_PORT}"
+    server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(RUNTIME_ROOT / spawner.user.name)
+c.Spawner.environment = server_env

@@ -1,0 +1,177 @@
+"""The courses file (hub_config/courses.toml): parsing, the hub's view, the broker applying it.
+
+Parsing is table-tested without processes; the broker tests start a real broker with
+``--quotas-file`` (the ``broker`` fixture) and restart it to show the precedence rule:
+every start re-applies the entries the file names, API changes to other names persist.
+The server-side kernel manager that forgets refused starts is tested here too, with a
+real ``GPULeaseKernelManager`` and a kernelspec that cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from provisioner.broker.courses import CoursesFileError, load_courses, parse_courses
+from provisioner.model import Quota
+
+from .conftest import Broker
+
+ROOT = Path(__file__).resolve().parent.parent
+COURSES = ROOT / "hub_config" / "courses.toml"
+
+
+def test_the_shipped_file() -> None:
+    courses = load_courses(str(COURSES))
+    assert courses.admins == ["admin"]
+    ml101 = courses.courses["ml101"]
+    assert len(ml101.members) == 60 and ml101.instructors == ["instructor"]
+    assert "instructor" in ml101.everyone
+    groups = courses.hub_groups()
+    assert set(groups) == {"ml101"} and len(groups["ml101"]["users"]) == 61
+    levels = [(level, name) for level, name, _ in courses.quota_entries()]
+    assert levels == [("default", ""), ("group", "ml101"), ("user", "instructor")]
+    assert courses.instructors() == ["instructor"]
+    assert {"admin", "instructor", "student60"} <= set(courses.users())
+
+
+@pytest.mark.parametrize(
+    ("data", "expect"),
+    [
+        ({}, []),
+        ({"quota": {"default": {"max_leases": 1}}}, [("default", "", Quota(max_leases=1))]),
+        (
+            {"courses": {"cv": {"members": ["a"], "quota": {"max_fraction": 0.5, "priority": 3}}}},
+            [("group", "cv", Quota(max_fraction_ppm=500_000, priority=3))],
+        ),
+        (
+            {"quota": {"users": {"bob": {"budget_fraction_hours": 2, "budget_window": "7d"}}}},
+            [("user", "bob", Quota(budget_fraction_hours=2.0, budget_window_s=7 * 86400))],
+        ),
+    ],
+)
+def test_quota_entries(data: dict[str, Any], expect: list[Any]) -> None:
+    assert parse_courses(data).quota_entries() == expect
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        ({"teachers": []}, "unknown key(s) 'teachers'"),
+        ({"courses": {"ml101": {"members": "alice"}}}, "'members' of [courses.ml101]"),
+        ({"courses": {"ml101": {"members": ["no spaces"]}}}, "not a valid user name"),
+        ({"courses": {"ml101": {"quota": {"max_leases": -1}}}}, "the quota of [courses.ml101]"),
+        ({"quota": {"default": {"max_fraction": "lots"}}}, "[quota.default]"),
+        ({"quota": {"users": {"bob": {"color": 1}}}}, "[quota.users.bob]"),
+        ({"courses": {"bad name": {}}}, "not a valid group name"),
+    ],
+)
+def test_errors_name_the_table(data: dict[str, Any], words: str) -> None:
+    with pytest.raises(CoursesFileError) as info:
+        parse_courses(data, "courses.toml")
+    assert words in info.value.message and "courses.toml" in info.value.message
+
+
+def test_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(CoursesFileError, match="does not exist"):
+        load_courses(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("admins = [\n")
+    with pytest.raises(CoursesFileError, match="not valid TOML"):
+        load_courses(str(bad))
+
+
+@pytest.fixture
+def broker_db_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'b.sqlite'}"
+
+
+@pytest.mark.slow
+@pytest.mark.broker_args("--quotas-file", str(COURSES))
+async def test_broker_applies_the_file_at_every_start(broker: Broker) -> None:
+    async with broker.client("admin") as c:
+        r = await c.get("/quotas")
+        assert r.status_code == 200, r.text
+        quotas = r.json()
+        assert quotas["default"]["max_leases"] == 1
+        assert quotas["groups"]["ml101"]["max_leases"] == 2
+        assert quotas["users"]["instructor"]["max_lease_fraction"] == 0.25
+        for path in ("users/instructor", "users/alice", "groups/ml101"):
+            r = await c.put(f"/quotas/{path}", json={"max_leases": 7})
+            assert r.status_code == 200, r.text
+    async with broker.client("alice") as c:  # alice is in ml101 in the tokens file
+        me = (await c.get("/quotas/me")).json()
+        assert me["effective"]["max_leases"] == 7  # her own API-set override
+    broker.restart()
+    async with broker.client("admin") as c:
+        quotas = (await c.get("/quotas")).json()
+    assert quotas["users"]["instructor"]["max_leases"] == 4  # named in the file: re-applied
+    assert quotas["groups"]["ml101"]["max_leases"] == 2  # named in the file: re-applied
+    assert quotas["users"]["alice"]["max_leases"] == 7  # not in the file: kept
+
+
+@pytest.mark.slow
+def test_broker_refuses_a_broken_file(tmp_path: Path, broker_db_url: str) -> None:
+    bad = tmp_path / "courses.toml"
+    bad.write_text('[quota.default]\nmax_leases = "many"\n')
+    b = Broker(tmp_path, broker_db_url, ("--quotas-file", str(bad)))
+    with pytest.raises(RuntimeError, match="exited with 2") as info:
+        b.start()
+    assert "[quota.default]" in str(info.value) and "max_leases" in str(info.value)
+
+
+async def test_kernel_manager_forgets_refused_starts(tmp_path: Path) -> None:
+    from provisioner.kernel.server import GPULeaseKernelManager
+
+    spec = tmp_path / "kernels" / "refused"
+    spec.mkdir(parents=True)
+    # a kernel whose start fails before any process exists, as a broker refusal does
+    argv = [str(tmp_path / "no-such-python"), "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec.joinpath("kernel.json").write_text(
+        json.dumps({"argv": argv, "display_name": "refused", "language": "python"})
+    )
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+    km = GPULeaseKernelManager(kernel_spec_manager=ksm, root_dir=str(tmp_path))
+    with pytest.raises(Exception):  # noqa: B017 - whatever the launcher raised
+        await km.start_kernel(kernel_name="refused")
+    assert km._pending_kernels == {}
+    await km.shutdown_all()  # the stock manager raises 404 here: "Kernel does not exist"
+
+
+def test_refusals_reach_jupyter_server_as_http_errors() -> None:
+    from tornado.web import HTTPError
+
+    from provisioner.errors import Forbidden, QuotaExceeded
+    from provisioner.kernel.provisioner import _for_jupyter_server
+
+    exc = _for_jupyter_server(QuotaExceeded("You run 2 GPU kernels (2).", quota="max_leases"))
+    assert isinstance(exc, QuotaExceeded) and isinstance(exc, Forbidden)
+    assert isinstance(exc, HTTPError) and exc.status_code == 403
+    assert str(exc) == exc.message == "You run 2 GPU kernels (2)."
+    assert exc.details == {"quota": "max_leases"}
+
+
+def test_hub_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """jupyterhub_config.py runs (no hub) and wires what the docs promise."""
+    from traitlets.config import Config
+
+    monkeypatch.setenv("GPU_LEASE_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("GPU_LEASE_GPUS", "1x32768:V100")
+    cfg = Config()
+    path = ROOT / "hub_config" / "jupyterhub_config.py"
+    ns: dict[str, Any] = {"get_config": lambda: cfg, "__file__": str(path)}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    services = {s["name"]: s for s in cfg.JupyterHub.services}
+    cmd = services["gpu-lease"]["command"]
+    assert cmd[:3] == [sys.executable, "-m", "provisioner.broker.app"] and "hub" in cmd
+    assert "access:services!service=gpu-lease" in cfg.Spawner.server_token_scopes
+    assert cfg.Spawner.environment["GPU_LEASE_URL"].endswith("/services/gpu-lease")
+    assert "custom:gpu-lease:admin" in cfg.JupyterHub.custom_scopes
+    assert set(cfg.JupyterHub.load_groups) == {"ml101"}
+    assert (tmp_path / "admin-token").stat().st_mode & 0o077 == 0
