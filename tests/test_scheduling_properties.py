@@ -32,13 +32,20 @@ BOOK = QuotaBook(
     groups={"ml101": Quota(max_lease_fraction_ppm=100_000, max_leases=2)},
     users={"dee": Quota(max_leases=5, max_fraction_ppm=3_000_000)},
 )
-GROUPS = {"ann": frozenset({"ml101"}), "bob": frozenset({"ml101"}), "cyd": frozenset(), "dee": frozenset()}
+GROUPS = {
+    "ann": frozenset({"ml101"}),
+    "bob": frozenset({"ml101"}),
+    "cyd": frozenset(),
+    "dee": frozenset(),
+}
 
 
 class Broker(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.policy = Policy(ttl=90, idle_reclaim_after=300, queue_poll_grace=30, starvation_after=600)
+        self.policy = Policy(
+            ttl=90, idle_reclaim_after=300, queue_poll_grace=30, starvation_after=600
+        )
         self.state = PoolState.build(GPUS)
         self.now = 0.0
         counter = itertools.count()
@@ -63,14 +70,20 @@ class Broker(RuleBasedStateMachine):
             d = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         except GPULeaseError:
             # a refusal changes nothing
-            assert before == (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
+            assert before == (
+                dict(self.state.allocated),
+                set(self.state.leases),
+                set(self.state.queue),
+            )
             return
         self._apply(d)
         # idempotency: asking again at once yields the same lease or the same queue place
         again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         assert again.grants == []
         if isinstance(d.outcome, (Grant, Existing)):
-            assert isinstance(again.outcome, Existing) and again.outcome.lease.id == d.outcome.lease.id
+            assert (
+                isinstance(again.outcome, Existing) and again.outcome.lease.id == d.outcome.lease.id
+            )
         else:
             out = again.outcome
             if isinstance(out, Existing):  # granted by a drain in the same decision
@@ -92,7 +105,9 @@ class Broker(RuleBasedStateMachine):
         lease = self.state.leases[lease_id]
         state = "busy" if busy else "idle"
         self.state.update_lease(
-            core.renewed(lease, self.now, self.policy, execution_state=state, last_activity=self.now)
+            core.renewed(
+                lease, self.now, self.policy, execution_state=state, last_activity=self.now
+            )
         )
 
     @rule(dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]))
@@ -131,7 +146,9 @@ class Broker(RuleBasedStateMachine):
         order = core.queue_order(self.state, self.now, self.policy)
         if order:
             head = order[0]
-            ok = core.usable_gpus(self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids)
+            ok = core.usable_gpus(
+                self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
+            )
             assert core.place(ok, self.state.allocated, head.fraction_ppm, self.policy) is None
 
     @invariant()
