@@ -585,3 +585,31 @@ async def test_jupyter_server_sessions(server_env: Broker, jupyter_server: str) 
         assert r.status_code == 204
     await wait_for(lambda: lease_of(broker, kernel_id) is None, what="release")
     assert leases(broker) == []
+
+
+@pytest.mark.parametrize(
+    "message, lines",
+    [
+        ("One sentence.", ["One sentence."]),
+        (
+            "This kernel is reserved for course 'ml101', and you are not a member of it. "
+            "Ask your instructor to add you to the course, or choose another kernel.",
+            [
+                "This kernel is reserved for course 'ml101', and you are not a member of it.",
+                "Ask your instructor to add you to the course, or choose another kernel.",
+            ],
+        ),
+        ("word " * 30 + "end. Next.", ["word " * 19 + "word", "word " * 10 + "end.", "Next."]),
+        (
+            "The smallest fraction that works is 0.015656.",
+            ["The smallest fraction that works is 0.015656."],
+        ),
+    ],
+)
+def test_refusals_are_shown_one_sentence_per_line(message, lines):
+    """JupyterLab's "Error Starting Kernel" shows the message unwrapped: keep lines short."""
+    from provisioner.kernel.provisioner import _for_dialog
+
+    shown = _for_dialog(message)
+    assert [line.rstrip() for line in shown.split("\n")] == [line.rstrip() for line in lines]
+    assert all(len(line) <= 100 for line in shown.split("\n"))

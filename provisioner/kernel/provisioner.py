@@ -51,6 +51,8 @@ import contextlib
 import inspect
 import json
 import os
+import re
+import textwrap
 import time
 from datetime import datetime, timezone
 from typing import Any, cast
@@ -734,12 +736,22 @@ def _for_jupyter_server(exc: GPULeaseError) -> GPULeaseError:
     out.__dict__.update(exc.__dict__)
     out.args = ()  # tornado formats log_message % args when it logs the error
     out.status_code = exc.status if 400 <= exc.status < 600 else 500
+    shown = _for_dialog(exc.message)
     if isinstance(getattr(HTTPError, "log_message", None), property):  # tornado >= 6.5
-        out._log_message = exc.message
+        out._log_message = shown
     else:
-        out.log_message = exc.message
+        out.log_message = shown
     out.reason = None
     return cast(GPULeaseError, out)
+
+
+def _for_dialog(message: str, width: int = 100) -> str:
+    """One sentence per line, long ones wrapped: JupyterLab shows the message in an
+    unwrapped ``<pre>``, which cut the broker's advice off after ~110 characters."""
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z])", message.strip())
+    return "\n".join(
+        textwrap.fill(s, width, break_long_words=False, break_on_hyphens=False) for s in sentences
+    )
 
 
 def _reason(exc: GPULeaseError) -> str:
