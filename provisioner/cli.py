@@ -26,18 +26,9 @@ from typing import Any
 
 from . import __version__, tables
 from . import kernelspecs as ks
+from .broker.validation import QUOTA_FIELDS  # the fields of a quota record (REST API v1)
 from .client import BrokerClient
 from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
-
-#: the fields of a quota record (REST API v1)
-QUOTA_FIELDS = (
-    "max_fraction",
-    "max_leases",
-    "max_lease_fraction",
-    "budget_fraction_hours",
-    "budget_window",
-    "priority",
-)
 
 PROG = "gpu-lease"
 

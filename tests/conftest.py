@@ -10,6 +10,7 @@ dropped afterwards; skipped if the server cannot be reached).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -194,8 +195,15 @@ def broker_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'b.sqlite'}"
         return
+    with postgres_schema("gl_api") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def postgres_schema(prefix: str = "gl_test") -> Iterator[str]:
+    """A database URL of a fresh PostgreSQL schema, dropped afterwards (skip if unreachable)."""
     psycopg2 = pytest.importorskip("psycopg2")
-    schema = f"gl_api_{uuid.uuid4().hex[:12]}"
+    schema = f"{prefix}_{uuid.uuid4().hex[:12]}"
     try:
         conn = psycopg2.connect(PG_URL, connect_timeout=5)
     except psycopg2.OperationalError as exc:

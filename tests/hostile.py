@@ -9,13 +9,12 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
-from .conftest import PG_URL, Broker
+from .conftest import Broker
+from .conftest import postgres_schema as _postgres_schema
 
 #: a token the broker never issued (looks like the real ones)
 FORGED = "tok-alice-00000000000000000000000000000000"
@@ -80,21 +79,6 @@ def assert_capacity(broker: Broker) -> dict[str, Any]:
     return st
 
 
-@contextlib.contextmanager
-def postgres_schema() -> Iterator[str]:
+def postgres_schema() -> contextlib.AbstractContextManager[str]:
     """A database URL of a fresh PostgreSQL schema, dropped afterwards (skip if unreachable)."""
-    psycopg2 = pytest.importorskip("psycopg2")
-    schema = f"gl_hostile_{uuid.uuid4().hex[:12]}"
-    try:
-        conn = psycopg2.connect(PG_URL, connect_timeout=5)
-    except psycopg2.OperationalError as exc:
-        pytest.skip(f"PostgreSQL at {PG_URL} is unreachable: {str(exc).splitlines()[0]}")
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE SCHEMA "{schema}"')
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with conn.cursor() as cur:
-            cur.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        conn.close()
+    return _postgres_schema("gl_hostile")

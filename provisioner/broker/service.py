@@ -441,12 +441,7 @@ class BrokerService:
         self._require_admin(ident)
         _check_level(level)
         self.store.put_quota(level, name if level != "default" else "", quota)
-        if level == "default":
-            self.quotas.default = quota
-        elif level == "group":
-            self.quotas.groups[name] = quota
-        else:
-            self.quotas.users[name] = quota
+        self._set_quota(level, name, quota)
         log.info("Quota %s %r set by %s: %s", level, name, ident.user, quota.to_json())
         self._drain(self.clock())
         return quota.to_json()
@@ -462,12 +457,7 @@ class BrokerService:
             _check_level(level)
             name = name if level != "default" else ""
             self.store.put_quota(level, name, quota)
-            if level == "default":
-                self.quotas.default = quota
-            elif level == "group":
-                self.quotas.groups[name] = quota
-            else:
-                self.quotas.users[name] = quota
+            self._set_quota(level, name, quota)
         log.info("Applied %d quota(s) from %s", len(entries), source)
         self._drain(self.clock())
         return len(entries)
@@ -621,6 +611,15 @@ class BrokerService:
                 "Only GPU lease admins (JupyterHub admins or holders of the "
                 "custom:gpu-lease:admin scope) may do this."
             )
+
+    def _set_quota(self, level: str, name: str, quota: Quota) -> None:
+        """Mirror a quota the store just recorded in the in-memory book."""
+        if level == "default":
+            self.quotas.default = quota
+        elif level == "group":
+            self.quotas.groups[name] = quota
+        else:
+            self.quotas.users[name] = quota
 
     def _quota_record(self, level: str, name: str) -> Quota | None:
         if level == "default":
