@@ -100,7 +100,7 @@ def _gpus() -> str:
     try:
         discover_nvml()
     except NoGPUFound as exc:
-        print(f"[gpu-lease] {exc.message} Using the declared pool 1x32768:V100.", file=sys.stderr)
+        print(f"[gpu-lease] {exc.message} (the demo declares that pool).", file=sys.stderr)
         return "1x32768:V100"
     return "nvml"
 
