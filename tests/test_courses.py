@@ -175,3 +175,19 @@ def test_hub_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert "custom:gpu-lease:admin" in cfg.JupyterHub.custom_scopes
     assert set(cfg.JupyterHub.load_groups) == {"ml101"}
     assert (tmp_path / "admin-token").stat().st_mode & 0o077 == 0
+
+
+def test_kernel_manager_pays_the_provisioners_one_time_costs_at_server_start(
+    tmp_path: Path,
+) -> None:
+    """Creating the server's kernel manager imports the provisioner and builds the SSL
+    context, so a student's first GPU kernel start does not pay for them."""
+    import sys
+
+    from provisioner.client import _ssl_context
+    from provisioner.kernel.server import GPULeaseKernelManager
+
+    _ssl_context.cache_clear()
+    GPULeaseKernelManager(root_dir=str(tmp_path))
+    assert "provisioner.kernel.provisioner" in sys.modules
+    assert _ssl_context.cache_info().currsize == 1

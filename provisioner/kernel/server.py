@@ -13,6 +13,9 @@ refuses (quota, course membership, queue timeout) -- jupyter_client's
 the exception and the server never exits, until JupyterHub's spawner SIGKILLs it after
 ``term_timeout``. This manager drops such finished-and-failed entries before shutting
 everything down (and after each failed start), so the server stops in seconds.
+
+It also pays the GPU provisioner's one-time costs when the server starts
+(:func:`warm_up`), not inside a student's first GPU kernel start.
 """
 
 from __future__ import annotations
@@ -22,8 +25,30 @@ from typing import Any
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
 
+def warm_up() -> None:
+    """Import the provisioner and build the first HTTP client's state now.
+
+    Called once per server process, when jupyter_server creates its kernel manager.
+    Importing the provisioner (httpx, the client) and building the first ``BrokerClient``
+    (a verifying SSL context with the CA bundle, httpx's lazy set-up) cost ~0.15-0.3 s of
+    CPU, once, inside the server's first GPU kernel start. That is nothing for one kernel,
+    but in a classroom burst (100 processes on 2 cores) each CPU second stretches into
+    many wall seconds, all on the GPU kernels' critical path.
+    """
+    import httpx
+
+    from ..client import _ssl_context
+    from . import provisioner  # noqa: F401  (the entry point jupyter_client loads later)
+
+    httpx.AsyncClient(verify=_ssl_context())  # opens nothing; only its one-time set-up
+
+
 class GPULeaseKernelManager(AsyncMappingKernelManager):
     """``AsyncMappingKernelManager`` that forgets kernels whose start failed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        warm_up()
 
     def _forget_failed_starts(self) -> None:
         for kernel_id, task in list(self._pending_kernels.items()):
