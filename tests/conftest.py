@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -232,3 +233,32 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -
         b.stop()
         b.kill9()
     assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
+
+
+# -- a real browser: Debian's chromium driven by Playwright (never `playwright install`) --
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    """One headless chromium per test module; skipped with the reason when absent."""
+    if not os.path.exists(CHROMIUM):
+        reason = f"{CHROMIUM} is missing"
+        if shutil.which("apt-get"):
+            reason += " (make install runs apt-get install -y chromium)"
+        pytest.skip(reason)
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()

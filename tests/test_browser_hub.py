@@ -19,7 +19,6 @@ Screenshots go to the test's ``tmp_path``. Tests run in file order and share the
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -30,7 +29,6 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_dashboard import CHROMIUM, CHROMIUM_ARGS
 from .test_hub import Hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -51,22 +49,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     finally:
         h.stop()
         h.http.close()
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    if not os.path.exists(CHROMIUM):
-        reason = f"{CHROMIUM} is missing"
-        if shutil.which("apt-get"):
-            reason += " (make install runs apt-get install -y chromium)"
-        pytest.skip(reason)
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def log_in(chromium: Any, url: str, user: str) -> tuple[Any, Any]:

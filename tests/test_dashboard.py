@@ -13,14 +13,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +40,6 @@ sqlite_only = pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
 PREFIX = "/services/gpu-lease/"
 CLIENT_ID = "service-gpu-lease"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 def acquire(broker: Broker, user: str, kernel_id: str, fraction: float) -> dict[str, Any]:
@@ -265,23 +254,7 @@ def test_real_broker_with_auth_hub_redirects_to_hub(tmp_path: Path) -> None:
         proc.wait(10)
 
 
-# -- in a real browser --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    if not os.path.exists(CHROMIUM):
-        reason = f"{CHROMIUM} is missing"
-        if shutil.which("apt-get"):
-            reason += " (make install runs apt-get install -y chromium)"
-        pytest.skip(reason)
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
+# -- in a real browser (the chromium fixture is in conftest.py) ---------------------------
 def open_dashboard(chromium: Any, broker: Broker, user: str | None) -> tuple[Any, Any, list[str]]:
     """A fresh browser context (its own sessionStorage) signed in as ``user``."""
     context = chromium.new_context(viewport={"width": 1200, "height": 900})
@@ -371,4 +344,3 @@ def test_dashboard_assets_are_packaged() -> None:
     assert {p.name for p in (here / "static").iterdir()} >= {"dashboard.js", "dashboard.css"}
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"broker/templates/*", "broker/static/*"' in pyproject
-    json.dumps(CHROMIUM_ARGS)
