@@ -42,13 +42,13 @@ def _m(s: float) -> str:
 
 def table(rows: list[Metrics]) -> str:
     head = (
-        f"{'scheme':<15} {'seat/GPU':>8} {'wait m':>7} {'p95 m':>7} {'lg mean':>8} {'lg p95':>7} "
+        f"{'scheme':<20} {'seat/GPU':>8} {'wait m':>7} {'p95 m':>7} {'lg mean':>8} {'lg p95':>7} "
         f"{'lg max':>7} {'util':>6} {'u-sat':>6} {'J':>5} {'Jw':>5} {'idle-h':>7} {'revoked':>7} {'left':>5} {'sec':>5}"
     )
     lines = [head, "-" * len(head)]
     for m in rows:
         lines.append(
-            f"{m.scheme:<15} {m.seated_per_gpu:>8.1f} {_m(m.wait_mean):>7} {_m(m.wait_p95):>7} "
+            f"{m.scheme:<20} {m.seated_per_gpu:>8.1f} {_m(m.wait_mean):>7} {_m(m.wait_p95):>7} "
             f"{_m(m.large_wait_mean):>8} {_m(m.large_wait_p95):>7} {_m(m.large_wait_max):>7} "
             f"{m.utilisation:>6.1%} {m.utilisation_saturated:>6.1%} {m.jain_slowdown:>5.2f} {m.jain_wait:>5.2f} "
             f"{m.idle_held_gpu_h:>7.1f} {m.revoked:>7} {m.waiting_at_end:>5} {m.wall_s:>5.1f}"
@@ -91,12 +91,12 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
     fluid, fluid_r = rows["fluid"], rows["fluid-reclaim"]
     lines = [
         f"## {workload}, seeds {' '.join(map(str, seeds))}: mean [min..max] over seeds",
-        f"{'scheme':<15} {'u-sat/fluid':>21} {'u-sat/fluid-reclaim':>21} {'wait m':>17} "
+        f"{'scheme':<20} {'u-sat/fluid':>21} {'u-sat/fluid-reclaim':>21} {'wait m':>17} "
         f"{'lg p95/hold':>17} {'J':>17}",
     ]
     for name, ms in rows.items():
         lines.append(
-            f"{name:<15} "
+            f"{name:<20} "
             f"{cell([m.utilisation_saturated / f.utilisation_saturated for m, f in zip(ms, fluid, strict=True)], '.1%'):>21} "
             f"{cell([m.utilisation_saturated / f.utilisation_saturated for m, f in zip(ms, fluid_r, strict=True)], '.1%'):>21} "
             f"{cell([m.wait_mean / 60 for m in ms], '.0f'):>17} "

@@ -19,7 +19,11 @@ rounded up to one GPU; first-fit; random fit: first-fit over a GPU order shuffle
 at every decision, i.e. uniform among fitting GPUs) plus a *fluid* reference that
 pools all capacity into one bin (no fragmentation, FIFO order, greedy admission), with
 and without the same idle reclaim as ours (so that a policy with reclaim can be
-compared with a bound that reclaims too).
+compared with a bound that reclaims too). A *clairvoyant* reference keeps per-GPU
+leases but knows how long every kernel will hold its lease (no broker can): the head
+reserves the GPU where it will fit soonest and smaller requests backfill that GPU only
+if they will end before then (EASY backfilling with exact run times). It bounds what
+better drain prediction could win for a policy that cannot split leases.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .errors import GPULeaseError
-from .model import GPU, PPM, PoolState, Quota, fraction_to_ppm
+from .model import GPU, PPM, PoolState, Quota, Request, fraction_to_ppm
 from .scheduling import (
     Ask,
     Grant,
@@ -50,6 +54,10 @@ from .scheduling import (
     drain,
     expired,
     idle_victims,
+    new_lease,
+    place,
+    queue_order,
+    usable_gpus,
 )
 
 Key = tuple[str, str]
@@ -176,6 +184,8 @@ class Scheme:
     note: str = ""
     #: fluid only: revoke leases idle longer than this while the pooled head does not fit
     fluid_reclaim_after: float | None = None
+    #: the core's policy, but reservation and backfill use each kernel's known hold time
+    clairvoyant: bool = False
 
 
 #: baselines: FIFO order, no reservation, never reclaim (as Kubernetes / gpushare schedule)
@@ -222,13 +232,29 @@ OURS: tuple[Scheme, ...] = (
         note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
     ),
 )
-SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *OURS)
+#: per-GPU bounds that know every hold time in advance: what drain prediction could win
+CLAIRVOYANT: tuple[Scheme, ...] = (
+    Scheme(
+        "clairvoyant",
+        Policy(),
+        clairvoyant=True,
+        note="knows hold times: reserve where the head fits soonest, EASY backfill (reference)",
+    ),
+    Scheme(
+        "clairvoyant-reclaim",
+        Policy(idle_reclaim_after=_RECLAIM),
+        clairvoyant=True,
+        note="the same with ours' idle reclaim after 15 min (reference)",
+    ),
+)
+SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *CLAIRVOYANT, *OURS)
 
 
 # -- allocators: the core, and the fluid reference -----------------------------------------
 
 
 class Allocator(Protocol):
+    def expect(self, key: Key, hold: float) -> None: ...
     def acquire(self, key: Key, ppm: int, now: float) -> list[Key]: ...
     def release(self, key: Key, now: float) -> list[Key]: ...
     def crash(self, key: Key, expires_at: float) -> None: ...
@@ -271,6 +297,9 @@ class CoreAllocator:
 
     def _new_id(self) -> str:
         return f"sim-{next(self._ids)}"
+
+    def expect(self, key: Key, hold: float) -> None:
+        """The session time ``key`` will hold a lease; a broker cannot know it: ignored."""
 
     def _apply(self, grants: list[Grant]) -> list[Key]:
         apply_grants(self.state, grants)
@@ -325,6 +354,101 @@ class CoreAllocator:
         check_invariants(self.state, self.policy)
 
 
+class ClairvoyantAllocator(CoreAllocator):
+    """The core's order, best-fit and idle reclaim, with exact hold times (a reference).
+
+    The head of the queue that does not fit reserves the GPU where, its leases ending
+    at their known times, it fits soonest (the *shadow* time); a later request may
+    land there only if it fits now and will have ended by the shadow time, so the head
+    is never delayed (EASY backfilling). A crashed kernel's extra TTL and revocations
+    are not foreseen: ends come earlier or later than planned, as run times do in a
+    real EASY scheduler.
+    """
+
+    def __init__(self, gpus: list[GPU], policy: Policy) -> None:
+        super().__init__(gpus, policy)
+        self.hold: dict[Key, float] = {}
+        self.ends_at: dict[str, float] = {}  # lease id -> planned end
+
+    def expect(self, key: Key, hold: float) -> None:
+        self.hold[key] = hold
+
+    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+        req = Request(
+            id=self._new_id(),
+            user=key[0],
+            kernel_id=key[1],
+            fraction_ppm=ppm,
+            arrived_at=now,
+            last_polled_at=now,
+        )
+        self.state.queue[req.key] = req
+        return self._drain(now)
+
+    def _apply(self, grants: list[Grant]) -> list[Key]:
+        for g in grants:
+            self.ends_at[g.lease.id] = g.lease.created_at + self.hold.get(g.lease.user_kernel, 0.0)
+        return super()._apply(grants)
+
+    def _drain(self, now: float) -> list[Key]:
+        state, policy = self.state, self.policy
+        if not state.queue:
+            return []
+        cap = policy.capacity_ppm
+        alloc = dict(state.allocated)
+        ends: dict[str, list[tuple[float, int]]] = {}
+        for lease in state.leases.values():
+            planned = self.ends_at.get(lease.id, now)
+            ends.setdefault(lease.gpu_uuid, []).append((planned, lease.fraction_ppm))
+        grants: list[Grant] = []
+        reserved: tuple[str, float] | None = None  # (GPU, shadow time)
+        for req in queue_order(state, now, policy):
+            ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+            gpu = place(
+                ok, alloc, req.fraction_ppm, policy, exclude={reserved[0]} if reserved else set()
+            )
+            end = now + self.hold.get(req.key, 0.0)
+            if gpu is None and reserved is not None and end <= reserved[1]:
+                gpu = next(
+                    (
+                        g
+                        for g in ok
+                        if g.uuid == reserved[0] and alloc[g.uuid] + req.fraction_ppm <= cap
+                    ),
+                    None,
+                )
+            if gpu is not None:
+                alloc[gpu.uuid] += req.fraction_ppm
+                ends.setdefault(gpu.uuid, []).append((end, req.fraction_ppm))
+                grants.append(Grant(new_lease(req, gpu, now, policy, self._new_id()), req))
+            elif reserved is None and ok:
+                reserved = min(
+                    (
+                        (
+                            g.uuid,
+                            self._fits_at(
+                                ends.get(g.uuid, []), alloc[g.uuid], req.fraction_ppm, now
+                            ),
+                        )
+                        for g in ok
+                    ),
+                    key=lambda x: x[1],
+                )
+        return self._apply(grants)
+
+    def _fits_at(
+        self, ends: list[tuple[float, int]], allocated: int, ppm: int, now: float
+    ) -> float:
+        """When ``ppm`` fits on a GPU whose leases end as planned."""
+        t = now
+        for planned, size in sorted(ends):
+            if allocated + ppm <= self.policy.capacity_ppm:
+                break
+            allocated -= size
+            t = max(t, planned)
+        return t
+
+
 class FluidAllocator:
     """One bin of capacity ``sum(GPUs)``: no fragmentation; FIFO order, whoever fits goes.
 
@@ -340,6 +464,9 @@ class FluidAllocator:
         self.expiry: dict[Key, float] = {}
         self.queue: dict[Key, int] = {}  # insertion order = arrival order
         self.total = 0
+
+    def expect(self, key: Key, hold: float) -> None:
+        """Ignored: the fluid bound needs no hold times."""
 
     def _drain(self) -> list[Key]:
         granted = []
@@ -489,6 +616,8 @@ class Simulator:
         self.alloc: Allocator
         if scheme.policy is None:
             self.alloc = FluidAllocator(self.gpus, self.policy, scheme.fluid_reclaim_after)
+        elif scheme.clairvoyant:
+            self.alloc = ClairvoyantAllocator(self.gpus, scheme.policy)
         else:
             rng = random.Random(seed) if scheme.random_fit else None
             self.alloc = CoreAllocator(self.gpus, scheme.policy, rng)
@@ -587,6 +716,7 @@ class Simulator:
                                     sessions[i].duration - tau_req[i])  # fmt: skip
                 req_of[key] = rec
                 requests.append(rec)
+                alloc.expect(key, rec.hold)
                 try:
                     granted(alloc.acquire(key, self._ppm(sessions[i]), t), t)
                 except GPULeaseError:
