@@ -79,6 +79,17 @@ def write_specs(root: Path) -> None:
         (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
 
 
+def process_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used so far, from ``/proc``."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def one_kernel(name: str, log: Any, timeout: float = 120.0) -> dict[str, float]:
     """Start, restart and shut down one kernel; seconds for each. Its output goes to ``log``."""
     from jupyter_client.manager import AsyncKernelManager
@@ -86,12 +97,15 @@ async def one_kernel(name: str, log: Any, timeout: float = 120.0) -> dict[str, f
     km = AsyncKernelManager(kernel_name=name)
     out: dict[str, float] = {}
     t0 = time.perf_counter()
+    c0 = time.process_time()
     await km.start_kernel(stdout=log, stderr=log)
+    out["server_cpu"] = time.process_time() - c0  # the provisioner's work, in the server
     kc = km.client()
     kc.start_channels()
     try:
         await kc.wait_for_ready(timeout=timeout)
         out["start"] = time.perf_counter() - t0
+        out["kernel_cpu"] = process_cpu(km.provisioner.pid) if km.provisioner else 0.0
     finally:
         kc.stop_channels()
     t0 = time.perf_counter()
@@ -190,6 +204,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "ratio_of_minima": min(b) / min(a),
             "extra_median_ms": (statistics.median(b) - statistics.median(a)) * 1e3,
         }
+    # CPU, not wall: what a class starting at once on few cores pays for each kernel
+    cpu: dict[str, float] = {}
+    for part in ("server_cpu", "kernel_cpu"):
+        cpu[f"plain_{part}_ms"] = statistics.median(r[PLAIN][part] for r in runs) * 1e3
+        cpu[f"gpu_{part}_ms"] = statistics.median(r[GPU][part] for r in runs) * 1e3
+    plain = cpu["plain_server_cpu_ms"] + cpu["plain_kernel_cpu_ms"]
+    cpu["ratio"] = (cpu["gpu_server_cpu_ms"] + cpu["gpu_kernel_cpu_ms"]) / plain if plain else 0.0
+    out["start_cpu"] = cpu
     return out
 
 
@@ -202,6 +224,8 @@ def report(data: dict[str, Any]) -> str:
         f"{'min ratio':>11}  aim (ratio of medians)",
     ]
     for phase, x in s.items():
+        if phase == "start_cpu":
+            continue
         aim = ""
         if phase in ("start", "restart"):
             ok = x["ratio_of_medians"] <= AIM_RATIO
@@ -211,6 +235,17 @@ def report(data: dict[str, Any]) -> str:
             f"{x['extra_median_ms']:>10.0f}{x['ratio_of_medians']:>8.3f}"
             f"{x['median_of_ratios']:>11.3f}{x['ratio_of_minima']:>11.3f}  {aim}"
         )
+    c = s.get("start_cpu")
+    if c:
+        lines += [
+            "",
+            "CPU to start (median ms; on a saturated machine, wall time follows CPU)",
+            f"  in the server (start_kernel: provisioner)        plain {c['plain_server_cpu_ms']:>6.0f}"
+            f"   GPU {c['gpu_server_cpu_ms']:>6.0f}",
+            f"  in the kernel process, to its first reply        plain {c['plain_kernel_cpu_ms']:>6.0f}"
+            f"   GPU {c['gpu_kernel_cpu_ms']:>6.0f}",
+            f"  GPU/plain, server + kernel: {c['ratio']:.3f}",
+        ]
     b = data.get("breakdown")
     if b:
         on_start = b["client_ms"] + b["acquire_ms"] + b["launcher_ms"] + b["extension_import_ms"]
