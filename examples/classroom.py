@@ -2,8 +2,8 @@
 
 N students log in through the hub API (a token each) and spawn their servers; once
 all are up, each starts a "Python 3 (GPU 0.02)" kernel and a plain "Python 3" kernel
-(in alternating order, so neither gets the warmer start), all students at once, runs a
-cell in each, and stops. It reports the time
+together (both requests at once, alternating whose leaves first), all students at once,
+runs a cell in each, and stops. It reports the time
 from the first login to the last kernel ready, the GPU leases held at that moment,
 the broker's queue waits, the GPU/plain kernel start times, and the leases left
 after every server stopped (leaks; must be 0)::
@@ -48,7 +48,11 @@ class Student:
     server_s: float = 0.0
     gpu_kernel_s: float = 0.0
     plain_kernel_s: float | None = None
+    gpu_first: bool = True
     ready_at: float = 0.0
+    kernel_ids: list[str] = field(default_factory=list)
+    #: every round's (GPU kernel started first?, GPU kernel s, plain kernel s or None)
+    samples: list[tuple[bool, float, float | None]] = field(default_factory=list)
     lease_id: str = ""
     error: str = ""
 
@@ -64,6 +68,7 @@ class Report:
     gpu_kernel_median_s: float = 0.0
     plain_kernel_median_s: float | None = None
     gpu_over_plain: float | None = None
+    gpu_over_plain_pooled: float | None = None
     server_median_s: float = 0.0
     stop_s: float = 0.0
     leaks: int = 0
@@ -72,8 +77,12 @@ class Report:
 
     def summary(self) -> str:
         plain = (
-            f", plain kernel {self.plain_kernel_median_s:.2f} s (GPU/plain {self.gpu_over_plain:.2f})"
-            if self.plain_kernel_median_s is not None and self.gpu_over_plain is not None
+            f", plain kernel {self.plain_kernel_median_s:.2f} s (GPU/plain: median of each "
+            f"student's pair {self.gpu_over_plain:.2f}, ratio of medians "
+            f"{self.gpu_over_plain_pooled:.2f})"
+            if self.plain_kernel_median_s is not None
+            and self.gpu_over_plain is not None
+            and self.gpu_over_plain_pooled is not None
             else ""
         )
         return (
@@ -96,7 +105,12 @@ class Classroom:
         self.timeout = timeout
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=30.0),
-            limits=httpx.Limits(max_connections=400, max_keepalive_connections=100),
+            # idle connections are dropped before the proxy's own 5 s keep-alive ends: a
+            # request sent on a connection the proxy is closing fails with "Server
+            # disconnected without sending a response" (seen once in 150 kernel starts)
+            limits=httpx.Limits(
+                max_connections=400, max_keepalive_connections=100, keepalive_expiry=2.0
+            ),
         )
 
     async def aclose(self) -> None:
@@ -300,16 +314,25 @@ async def _kernels(
     plain_spec: str | None,
     gpu_first: bool,
 ) -> None:
-    """Start the GPU (and plain) kernel, run a cell in each; GPU kernel must see its lease."""
+    """Start the GPU and the plain kernel at once, run a cell in each; GPU kernel must see its lease.
+
+    Both requests leave together (``gpu_first`` says whose goes first), so the two
+    kernels of one student start under the same load, in the same server: their ratio
+    is a paired comparison.
+    """
+    st.gpu_first = gpu_first
+
+    async def one(spec: str) -> tuple[str, float, str]:
+        t = time.monotonic()
+        kernel = await room.start_kernel(st.name, token, spec)
+        st.kernel_ids.append(kernel["id"])
+        out = await room.run_cell(st.name, token, kernel["id"])
+        return spec, time.monotonic() - t, out
+
     try:
         order = [gpu_spec, plain_spec] if gpu_first else [plain_spec, gpu_spec]
-        for spec in order:
-            if spec is None:
-                continue
-            t = time.monotonic()
-            kernel = await room.start_kernel(st.name, token, spec)
-            out = await room.run_cell(st.name, token, kernel["id"])
-            took = time.monotonic() - t
+        tasks = [asyncio.ensure_future(one(spec)) for spec in order if spec is not None]
+        for spec, took, out in await asyncio.gather(*tasks):
             if spec == gpu_spec:
                 st.gpu_kernel_s = took
                 st.lease_id = out.strip().partition("lease=")[2].strip()
@@ -318,8 +341,33 @@ async def _kernels(
             else:
                 st.plain_kernel_s = took
         st.ready_at = time.monotonic() - t0
+        st.samples.append((gpu_first, st.gpu_kernel_s, st.plain_kernel_s))
     except Exception as exc:
         st.error = f"{st.name}: {exc}"
+
+
+async def _shut_kernels(
+    room: Classroom,
+    students: list[Student],
+    tokens: dict[str, tuple[str, str]],
+    users: set[str],
+) -> None:
+    """Between rounds: every student shuts their kernels down; every GPU lease must end."""
+
+    async def shut(st: Student) -> None:
+        token = tokens[st.name][0]
+        for kernel_id in st.kernel_ids:
+            await room.call(
+                "DELETE", f"{room.hub_url}/user/{st.name}/api/kernels/{kernel_id}", token, ok=(404,)
+            )
+        st.kernel_ids.clear()
+
+    await asyncio.gather(*(shut(st) for st in students if not st.error))
+    deadline = time.monotonic() + 60
+    while await room.leases(users):
+        if time.monotonic() > deadline:
+            raise RuntimeError("GPU leases were still active 60 s after their kernels shut down")
+        await asyncio.sleep(0.5)
 
 
 async def run_classroom(
@@ -333,10 +381,14 @@ async def run_classroom(
     stop: bool = True,
     timeout: float = 300.0,
     before_stop: Callable[[Classroom], Awaitable[Any]] | None = None,
+    rounds: int = 1,
 ) -> Report:
     """Run the classroom; returns the :class:`Report` (``leaks`` must be 0).
 
     ``before_stop(room)`` runs while every kernel is up (a benchmark's extra checks).
+    With ``rounds`` > 1 every student shuts their kernels down (each GPU lease must be
+    released) and the whole class starts them again, in the other order; kernel start
+    times are taken from every round, ``all_ready_s`` from the first.
     """
     names = names or [f"student{i:02d}" for i in range(1, n + 1)]
     room = Classroom(hub_url, token, timeout=timeout)
@@ -350,27 +402,38 @@ async def run_classroom(
         # (a class starting together; kernel start times are not mixed with server starts)
         await asyncio.gather(*(_spawn(room, st, tokens) for st in students))
         report.servers_ready_s = time.monotonic() - t0
-        await asyncio.gather(
-            *(
-                _kernels(room, st, tokens[st.name][0], t0, gpu_spec, plain_spec, i % 2 == 0)
-                for i, st in enumerate(students)
-                if not st.error
-            )
-        )
-        report.all_ready_s = time.monotonic() - t0
         users = set(names)
+        for r in range(rounds):
+            if r:
+                await _shut_kernels(room, students, tokens, users)
+            await asyncio.gather(
+                *(
+                    _kernels(
+                        room, st, tokens[st.name][0], t0, gpu_spec, plain_spec, (i + r) % 2 == 0
+                    )
+                    for i, st in enumerate(students)
+                    if not st.error
+                )
+            )
+            if not r:
+                report.all_ready_s = time.monotonic() - t0
         held = await room.leases(users)
         report.leases_held = len(held)
         queued1, waited1 = await room.queue_metrics()
         report.queued, report.queue_wait_s = queued1 - queued0, waited1 - waited0
         ok = [st for st in students if not st.error]
         if ok:
-            report.gpu_kernel_median_s = statistics.median(st.gpu_kernel_s for st in ok)
+            report.gpu_kernel_median_s = statistics.median(g for st in ok for _, g, _ in st.samples)
             report.server_median_s = statistics.median(st.server_s for st in ok)
-            plain = [st.plain_kernel_s for st in ok if st.plain_kernel_s is not None]
+            plain = [p for st in ok for _, _, p in st.samples if p is not None]
             if plain:
                 report.plain_kernel_median_s = statistics.median(plain)
-                report.gpu_over_plain = report.gpu_kernel_median_s / report.plain_kernel_median_s
+                report.gpu_over_plain_pooled = (
+                    report.gpu_kernel_median_s / report.plain_kernel_median_s
+                )
+                report.gpu_over_plain = statistics.median(
+                    g / p for st in ok for _, g, p in st.samples if p
+                )
         held_ids = {x["id"] for x in held}
         for st in ok:
             if st.lease_id not in held_ids:
