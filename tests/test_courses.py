@@ -144,6 +144,31 @@ async def test_kernel_manager_forgets_refused_starts(tmp_path: Path) -> None:
     await km.shutdown_all()  # the stock manager raises 404 here: "Kernel does not exist"
 
 
+def test_server_introduces_its_token_to_the_broker_at_start(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from provisioner.kernel.server import introduce
+
+    caplog.set_level("DEBUG", logger="provisioner.kernel.server")
+    monkeypatch.delenv("GPU_LEASE_URL", raising=False)
+    assert introduce() is None  # no broker configured: nothing to do
+    monkeypatch.setenv("GPU_LEASE_URL", broker.url)
+    monkeypatch.delenv("GPU_LEASE_TOKEN", raising=False)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", broker.tokens["alice"])  # a server's own token
+    thread = introduce()
+    assert thread is not None
+    thread.join(15)
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "forged")
+    thread = introduce()
+    assert thread is not None
+    thread.join(15)
+    answers = [r.getMessage() for r in caplog.records if "answered" in r.getMessage()]
+    assert answers == [
+        f"GPU lease broker at {broker.url} answered 200",
+        f"GPU lease broker at {broker.url} answered 401",
+    ]
+
+
 def test_refusals_reach_jupyter_server_as_http_errors() -> None:
     from tornado.web import HTTPError
 

@@ -200,8 +200,10 @@ class GPULeaseBroker(Application):
     ).tag(config=True)
 
     hub_cache_max_age = Integer(
-        60,
-        help="Seconds a token's JupyterHub identity is cached (--auth hub). Default: 60.",
+        300,
+        help="Seconds a token's JupyterHub identity (owner, groups, admin) is cached "
+        "(--auth hub): a revoked token or a course membership change reaches the broker "
+        "within this time. Default: 300, as JupyterHub's own HubAuth.",
     ).tag(config=True)
 
     config_file = Unicode(

@@ -287,7 +287,7 @@ class HubTokens:
         self,
         api_url: str | None = None,
         api_token: str | None = None,
-        cache_max_age: int = 60,
+        cache_max_age: int = 300,
         hub_auth: Any = None,
     ) -> None:
         if hub_auth is None:
@@ -389,7 +389,7 @@ class HubTokens:
 def make_hub_oauth(
     base_url: str,
     *,
-    cache_max_age: int = 60,
+    cache_max_age: int = 300,
     api_url: str | None = None,
     api_token: str | None = None,
     service_name: str | None = None,

@@ -15,14 +15,21 @@ the exception and the server never exits, until JupyterHub's spawner SIGKILLs it
 everything down (and after each failed start), so the server stops in seconds.
 
 It also pays the GPU provisioner's one-time costs when the server starts
-(:func:`warm_up`), not inside a student's first GPU kernel start.
+(:func:`warm_up`), not inside a student's first GPU kernel start, and introduces the
+server's token to the broker then (:func:`introduce`), so the broker's question to
+JupyterHub ("whose token is this?") is answered and cached before the first acquire.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any
 
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
+
+log = logging.getLogger(__name__)
 
 
 def warm_up() -> None:
@@ -43,12 +50,44 @@ def warm_up() -> None:
     httpx.AsyncClient(verify=_ssl_context())  # opens nothing; only its one-time set-up
 
 
+def introduce() -> threading.Thread | None:
+    """Ask the broker for this server's quota once, in the background, at server start.
+
+    The broker identifies a hub token by asking JupyterHub, once per token per
+    ``--hub-cache-max-age`` (300 s); without this, that round trip through the hub sits
+    inside the first GPU kernel start, when a whole class starting at once keeps the hub
+    busy. The answer itself is not needed: failures (no broker yet, no GPU_LEASE_URL) are
+    logged at debug level and change nothing. Returns the thread (tests join it).
+    """
+    url = os.environ.get("GPU_LEASE_URL", "").rstrip("/")
+    token = os.environ.get("GPU_LEASE_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
+    if not url or not token:
+        return None
+
+    def hello() -> None:
+        import httpx
+
+        from ..client import _ssl_context
+
+        try:
+            with httpx.Client(verify=_ssl_context(), timeout=10.0) as http:
+                r = http.get(f"{url}/api/v1/quotas/me", headers={"Authorization": f"token {token}"})
+            log.debug("GPU lease broker at %s answered %s", url, r.status_code)
+        except httpx.HTTPError as exc:
+            log.debug("GPU lease broker at %s not reached yet: %s", url, type(exc).__name__)
+
+    thread = threading.Thread(target=hello, name="gpu-lease-introduce", daemon=True)
+    thread.start()
+    return thread
+
+
 class GPULeaseKernelManager(AsyncMappingKernelManager):
     """``AsyncMappingKernelManager`` that forgets kernels whose start failed."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         warm_up()
+        introduce()
 
     def _forget_failed_starts(self) -> None:
         for kernel_id, task in list(self._pending_kernels.items()):
