@@ -43,6 +43,7 @@ service ``gpu-lease-admin``            the demo's operator token (CLI, examples/
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -279,6 +280,16 @@ if KERNEL_TRANSPORT == "ipc":
     c.Spawner.args.append("--KernelManager.transport=ipc")
 if os.getuid() == 0:
     c.Spawner.args.append("--allow-root")
+# JupyterLab's settings defaults for every student: no "Would you like to get notified
+# about official Jupyter news?" toast on first login, and no requests from students'
+# browsers to jupyter.org for news or updates (the hub admin decides about upgrades).
+LAB_DEFAULTS = {
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}
+}
+LAB_SETTINGS = STATE / "lab-settings"
+LAB_SETTINGS.mkdir(exist_ok=True)
+(LAB_SETTINGS / "overrides.json").write_text(json.dumps(LAB_DEFAULTS, indent=1), encoding="utf-8")
+c.Spawner.args.append(f"--LabApp.app_settings_dir={LAB_SETTINGS}")
 # The broker's own address, not the proxy's: every server runs on this machine, so the
 # kernels' lease calls (acquire, renew every ttl/3 s, release) skip a hop and keep working
 # while the proxy restarts. With servers on other machines (KubeSpawner) use the proxy:

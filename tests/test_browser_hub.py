@@ -112,6 +112,15 @@ def test_student_runs_gpu_magic_in_jupyterlab(chromium: Any, hub: Hub, tmp_path:
     assert "fraction:   0.02" in text, text
     (lease,) = hub.leases("student01")
     assert lease["fraction"] == 0.02 and lease["id"] in text
+    # the hub's JupyterLab defaults (hub_config's overrides become the schema's defaults):
+    # no news consent toast over the notebook, no requests to jupyter.org
+    r = page.request.get(
+        f"{hub.url}/user/student01/lab/api/settings/@jupyterlab/apputils-extension:notification"
+    )
+    assert r.ok, r.status
+    defaults = {k: v.get("default") for k, v in r.json()["schema"]["properties"].items()}
+    assert defaults["fetchNews"] == "false" and defaults["checkForUpdates"] is False, defaults
+    assert page.get_by_text("official Jupyter news").count() == 0
     context.close()
 
 
