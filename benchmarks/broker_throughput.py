@@ -46,7 +46,6 @@ import platform
 import pstats
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -63,6 +62,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from provisioner.testing import BrokerProcess  # noqa: E402
+
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 USERS = 64
 PPM = 1_000_000
@@ -77,143 +78,40 @@ AIM_GPU_GROWTH = 2.0
 # --------------------------------------------------------------------------- the broker
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def bench_users(n: int) -> dict[str, tuple[list[str], bool]]:
+    """``u00`` ... ``u<n-1>``: plain users, no groups."""
+    return {f"u{i:02d}": ([], False) for i in range(n)}
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux ``/proc``), in seconds; 0.0 where unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-class BrokerProcess:
-    """``python -m provisioner.broker.app`` on a free port with a static tokens file.
-
-    ``tokens`` maps user -> token. ``profile`` (a file) runs it under cProfile; the
-    profile is written when the broker exits on SIGTERM.
-    """
-
-    def __init__(
-        self,
-        tmp: Path,
-        db_url: str,
-        gpus: str,
-        extra: tuple[str, ...] = (),
-        *,
-        profile: Path | None = None,
-        users: int = USERS,
-    ) -> None:
-        self.tmp = tmp
-        self.db_url = db_url
-        self.gpus = gpus
-        self.extra = extra
-        self.profile = profile
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tokens = {f"u{n:02d}": f"tok-u{n:02d}-{uuid.uuid4().hex}" for n in range(users)}
-        self.tokens_file = tmp / f"tokens-{self.port}.json"
-        self.tokens_file.write_text(
-            json.dumps(
-                {tok: {"user": u, "groups": [], "admin": False} for u, tok in self.tokens.items()}
-            )
-        )
-        self.log_path = tmp / f"broker-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def command(self) -> list[str]:
-        head = [sys.executable]
-        if self.profile is not None:
-            head += ["-m", "cProfile", "-o", str(self.profile)]
-        return [
-            *head,
-            "-m",
-            "provisioner.broker.app",
-            "--port",
-            str(self.port),
-            "--auth",
-            "static",
-            "--tokens-file",
-            str(self.tokens_file),
-            "--db-url",
-            self.db_url,
-            "--gpus",
-            self.gpus,
-            *self.extra,
-        ]
-
-    def start(self, timeout: float = 60.0) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env.pop("JUPYTERHUB_API_TOKEN", None)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                status, _ = http_get(self.port, "/api/v1/health")
-                if status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the broker did not answer /api/v1/health in {timeout} s")
-
-    def health(self) -> dict[str, Any]:
-        status, body = http_get(self.port, "/api/v1/health")
-        if status != 200:
-            raise RuntimeError(f"/api/v1/health answered {status}")
-        return dict(json.loads(body))
-
-    def cpu(self) -> float:
-        return cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30 if self.profile else 10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-3000:]
-        except OSError:
-            return ""
+def broker_process(
+    tmp: Path,
+    db_url: str,
+    gpus: str,
+    extra: tuple[str, ...] = (),
+    *,
+    profile: Path | None = None,
+    users: int = USERS,
+) -> BrokerProcess:
+    """A broker (not started) for the benchmarks; several may share ``tmp``."""
+    return BrokerProcess(
+        tmp,
+        db_url,
+        bench_users(users),
+        gpus=gpus,
+        extra=extra,
+        profile=profile,
+        name=f"broker-{uuid.uuid4().hex[:8]}",
+    )
 
 
 @contextmanager
 def running_broker(*args: Any, **kwargs: Any) -> Iterator[BrokerProcess]:
-    broker = BrokerProcess(*args, **kwargs)
-    broker.start()
+    broker = broker_process(*args, **kwargs)
+    broker.start(60.0)
     try:
         yield broker
     finally:
         broker.stop()
-
-
-def http_get(port: int, path: str) -> tuple[int, bytes]:
-    """One blocking GET with a fresh connection (start-up checks only)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head[9:12]), body
 
 
 @contextmanager

@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from provisioner.testing import free_port  # noqa: E402
 
 
 def _classroom() -> Any:
@@ -54,18 +56,12 @@ def _classroom() -> Any:
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     args = [sys.executable, "-m", "provisioner.demo", "--state-dir", str(state)]
     args += ["--kernels-prefix", str(state / "prefix"), "--gpus", gpus]
     args += ["--server-port-base", str(random.randrange(10000, 24000))]
     for flag in ("--port", "--hub-api-port", "--proxy-api-port", "--broker-port"):
-        args += [flag, str(_free_port())]
+        args += [flag, str(free_port())]
     env = {
         k: v for k, v in os.environ.items() if k not in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_TOKEN")
     }

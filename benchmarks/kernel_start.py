@@ -49,7 +49,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from broker_throughput import BrokerProcess  # noqa: E402
+from provisioner.testing import BrokerProcess, cpu_seconds  # noqa: E402
 
 AIM_RATIO = 1.05
 FRACTION = 0.02
@@ -79,17 +79,6 @@ def write_specs(root: Path) -> None:
         (folder / "kernel.json").write_text(json.dumps(spec, indent=1))
 
 
-def process_cpu(pid: int | None) -> float:
-    """CPU seconds (user + system) a process has used so far, from ``/proc``."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def one_kernel(name: str, log: Any, timeout: float = 120.0) -> dict[str, float]:
     """Start, restart and shut down one kernel; seconds for each. Its output goes to ``log``."""
     from jupyter_client.manager import AsyncKernelManager
@@ -105,7 +94,7 @@ async def one_kernel(name: str, log: Any, timeout: float = 120.0) -> dict[str, f
     try:
         await kc.wait_for_ready(timeout=timeout)
         out["start"] = time.perf_counter() - t0
-        out["kernel_cpu"] = process_cpu(km.provisioner.pid) if km.provisioner else 0.0
+        out["kernel_cpu"] = cpu_seconds(km.provisioner.pid) if km.provisioner else 0.0
     finally:
         kc.stop_channels()
     t0 = time.perf_counter()
@@ -301,8 +290,9 @@ def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")
     for name in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_NODE", "GPU_LEASE_GPU_UUIDS"):
         os.environ.pop(name, None)
-    broker = BrokerProcess(tmp, f"sqlite:///{tmp / 'broker.sqlite'}", "1x81920:A100", users=1)
-    broker.start()
+    db_url = f"sqlite:///{tmp / 'broker.sqlite'}"
+    broker = BrokerProcess(tmp, db_url, {"u00": ([], False)}, gpus="1x81920:A100")
+    broker.start(60.0)
     os.environ["GPU_LEASE_URL"] = broker.url
     os.environ["GPU_LEASE_TOKEN"] = next(iter(broker.tokens.values()))
     try:

@@ -11,14 +11,8 @@ dropped afterwards; skipped if the server cannot be reached).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from provisioner.testing import BrokerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -46,131 +42,21 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Broker(BrokerProcess):
+    """A broker subprocess: ``url``, ``tokens`` (user -> token), ``proc``, ``db_url``.
 
-
-class Broker:
-    """A broker subprocess: ``url``, ``tokens`` (user -> token), ``proc``, ``db_url``."""
+    :class:`provisioner.testing.BrokerProcess` with this module's ``USERS`` and
+    ``--gpus 1x32768:V100`` unless ``extra`` names ``--gpus``.
+    """
 
     def __init__(self, tmp: Path, db_url: str, extra: tuple[str, ...] = (), env: Any = None):
-        self.tmp = tmp
-        self.db_url = db_url
-        self.port = free_port()
-        self.base_url = "/"
-        for i, arg in enumerate(extra):
-            if arg == "--base-url":
-                self.base_url = "/" + extra[i + 1].strip("/") + "/"
-        self.url = f"http://127.0.0.1:{self.port}{self.base_url.rstrip('/')}"
-        self.tokens = {name: f"tok-{name}-{uuid.uuid4().hex}" for name in USERS}
-        self.tokens_file = tmp / "tokens.json"
-        self.tokens_file.write_text(
-            json.dumps(
-                {
-                    self.tokens[name]: {"user": name, "groups": groups, "admin": admin}
-                    for name, (groups, admin) in USERS.items()
-                }
-            )
-        )
-        self.extra = extra
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    # -- life cycle -------------------------------------------------------------
-    def command(self) -> list[str]:
-        args = [
-            sys.executable,
-            "-m",
-            "provisioner.broker.app",
-            "--port",
-            str(self.port),
-            "--auth",
-            "static",
-            "--tokens-file",
-            str(self.tokens_file),
-            "--db-url",
-            self.db_url,
-        ]
-        if "--gpus" not in self.extra:
-            args += ["--gpus", "1x32768:V100"]
-        return args + list(self.extra)
-
-    @property
-    def log_path(self) -> Path:
-        return self.tmp / f"broker-{self.starts}.log"
-
-    def start(self, timeout: float = 20.0) -> None:
-        assert self.proc is None or self.proc.poll() is not None
-        self.starts += 1
-        env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env.pop("JUPYTERHUB_API_TOKEN", None)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(f"{self.url}/api/v1/health", timeout=1.0)
-                if r.status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.kill9()
-        raise RuntimeError(
-            f"the broker did not answer /api/v1/health in {timeout} s:\n{self.log()}"
-        )
-
-    def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
-        """SIGTERM; returns (exit code, seconds it took to exit)."""
-        assert self.proc is not None
-        t0 = time.monotonic()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        return code, time.monotonic() - t0
-
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def restart(self) -> None:
-        """A clean restart (SIGTERM, then start again on the same port and database)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.terminate()
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.terminate()
-            except subprocess.TimeoutExpired:
-                pass
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-5000:]
-        except OSError:
-            return ""
+        super().__init__(tmp, db_url, USERS, extra=extra, env=env)
 
     def problems(self) -> list[str]:
         """Lines of every run's log that show a crash inside the broker."""
         bad = ("Traceback", "Unexpected error", "Task was destroyed", "Exception in callback")
         out = []
-        for n in range(1, self.starts + 1):
-            path = self.tmp / f"broker-{n}.log"
+        for path in self.logs():
             if path.exists():
                 out += [
                     x

@@ -19,7 +19,9 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from .conftest import Broker, free_port
+from provisioner.testing import free_port
+
+from .conftest import Broker
 
 pytestmark = pytest.mark.slow
 

@@ -33,8 +33,9 @@ from provisioner.broker.service import BrokerService
 from provisioner.inventory import parse_gpu_spec
 from provisioner.scheduling import Policy
 from provisioner.store import Store
+from provisioner.testing import free_port
 
-from .conftest import ROOT, Broker, free_port
+from .conftest import ROOT, Broker
 
 sqlite_only = pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
 HTML = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -28,16 +27,12 @@ import httpx
 import psutil
 import pytest
 
+from provisioner.testing import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 6.0
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _classroom() -> Any:
@@ -55,7 +50,7 @@ class Hub:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = tmp / "demo.log"
         args = [
             sys.executable,
@@ -68,11 +63,11 @@ class Hub:
             "--port",
             str(self.port),
             "--hub-api-port",
-            str(_free_port()),
+            str(free_port()),
             "--proxy-api-port",
-            str(_free_port()),
+            str(free_port()),
             "--broker-port",
-            str(_free_port()),
+            str(free_port()),
             "--gpus",
             "1x32768:V100",
             "--ttl",

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from traitlets.config import Config
 from provisioner.errors import BrokerUnavailable, NoCapacity
 from provisioner.kernel.provisioner import GPULeaseProvisioner
 from provisioner.kernelspecs import build_kernelspec, spec_json
+from provisioner.testing import free_port
 
 #: every broker here: TTL 6 s, reaper twice a second
 BROKER = ("--ttl", "6", "--GPULeaseBroker.reap_interval=0.5")
@@ -95,12 +95,6 @@ def server_env(broker: Broker, specs: Specs, monkeypatch: pytest.MonkeyPatch) ->
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 

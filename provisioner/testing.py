@@ -1,0 +1,201 @@
+"""A real broker subprocess for tests and benchmarks.
+
+``tests/conftest.py`` (the ``broker`` fixture) and ``benchmarks/`` (throughput, kernel
+start) start, check and stop the broker the same way through :class:`BrokerProcess`:
+``python -m provisioner.broker.app`` on a free port, with a static tokens file, waiting
+for ``/api/v1/health``. Nothing in the broker or the provisioner imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: the pool the broker declares when the caller's options name none
+DEFAULT_GPUS = "1x32768:V100"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process (Linux ``/proc``), in seconds; 0.0 where unavailable."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class BrokerProcess:
+    """``python -m provisioner.broker.app --auth static`` on a free port, in ``tmp``.
+
+    ``users`` maps user name -> (groups, admin); each gets the token
+    ``tok-<name>-<random>`` (``tokens``: name -> token) in ``tokens_file``. ``extra``
+    are more command-line options (``--gpus`` there replaces ``gpus``; ``--base-url``
+    moves ``url``). Every start logs to its own file, ``<name>-<n>.log`` (``log_path``
+    is the current one). ``profile`` (a file) runs the broker under cProfile; the
+    profile is written when it exits on SIGTERM.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        db_url: str,
+        users: Mapping[str, tuple[Sequence[str], bool]],
+        *,
+        gpus: str = DEFAULT_GPUS,
+        extra: tuple[str, ...] = (),
+        env: Mapping[str, str] | None = None,
+        profile: Path | None = None,
+        name: str = "broker",
+    ) -> None:
+        self.tmp = tmp
+        self.db_url = db_url
+        self.gpus = gpus
+        self.extra = extra
+        self.env = env
+        self.profile = profile
+        self.name = name
+        self.port = free_port()
+        self.base_url = "/"
+        for i, arg in enumerate(extra):
+            if arg == "--base-url":
+                self.base_url = "/" + extra[i + 1].strip("/") + "/"
+        self.url = f"http://127.0.0.1:{self.port}{self.base_url.rstrip('/')}"
+        self.tokens = {user: f"tok-{user}-{uuid.uuid4().hex}" for user in users}
+        self.tokens_file = tmp / f"{name}-tokens.json"
+        self.tokens_file.write_text(
+            json.dumps(
+                {
+                    self.tokens[user]: {"user": user, "groups": list(groups), "admin": admin}
+                    for user, (groups, admin) in users.items()
+                }
+            )
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    # -- life cycle -------------------------------------------------------------------
+    def command(self) -> list[str]:
+        head = [sys.executable]
+        if self.profile is not None:
+            head += ["-m", "cProfile", "-o", str(self.profile)]
+        args = [
+            *head,
+            "-m",
+            "provisioner.broker.app",
+            "--port",
+            str(self.port),
+            "--auth",
+            "static",
+            "--tokens-file",
+            str(self.tokens_file),
+            "--db-url",
+            self.db_url,
+        ]
+        if "--gpus" not in self.extra:
+            args += ["--gpus", self.gpus]
+        return args + list(self.extra)
+
+    @property
+    def log_path(self) -> Path:
+        return self.tmp / f"{self.name}-{self.starts}.log"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start it and wait until ``/api/v1/health`` answers 200."""
+        assert self.proc is None or self.proc.poll() is not None
+        self.starts += 1
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.pop("JUPYTERHUB_API_TOKEN", None)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.kill9()
+        raise RuntimeError(
+            f"the broker did not answer /api/v1/health in {timeout} s:\n{self.log()}"
+        )
+
+    def health(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/api/v1/health", timeout=10.0)
+        if r.status_code != 200:
+            raise RuntimeError(f"/api/v1/health answered {r.status_code}")
+        return dict(r.json())
+
+    def cpu(self) -> float:
+        """CPU seconds the running broker has used."""
+        return cpu_seconds(self.proc.pid if self.proc is not None else None)
+
+    def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
+        """SIGTERM; returns (exit code, seconds it took to exit)."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return code, time.monotonic() - t0
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> None:
+        """A clean restart (SIGTERM, then start again on the same port and database)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate()
+        self.start()
+
+    def stop(self) -> None:
+        """SIGTERM if running (SIGKILL if it does not exit in time)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.terminate(30.0 if self.profile else 10.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def log(self, limit: int = 5000) -> str:
+        """The end of the current start's log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-limit:]
+        except OSError:
+            return ""
+
+    def logs(self) -> list[Path]:
+        """Every start's log file, oldest first."""
+        return [self.tmp / f"{self.name}-{n}.log" for n in range(1, self.starts + 1)]
