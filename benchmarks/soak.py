@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from provisioner.client import BrokerClient  # noqa: E402
 from provisioner.errors import LeaseExpired, NoCapacity  # noqa: E402
-from provisioner.testing import free_port  # noqa: E402
+from provisioner.testing import BrokerProcess  # noqa: E402
 
 FRACTIONS = (0.02, 0.02, 0.02, 0.05, 0.1)
 
@@ -194,55 +194,24 @@ def start_broker(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], dic
     """The broker subprocess on a free port, and what the drivers need to talk to it."""
     tmp = Path(tempfile.mkdtemp(prefix="gpu-lease-soak-"))
     users = [f"s{n:03d}" for n in range(args.students)]
-    tokens = {u: f"tok-{u}-{uuid.uuid4().hex}" for u in [*users, "admin"]}
-    (tmp / "tokens.json").write_text(
-        json.dumps(
-            {tok: {"user": u, "groups": [], "admin": u == "admin"} for u, tok in tokens.items()}
-        )
-    )
-    port = free_port()
     db_url = args.db_url or f"sqlite:///{tmp / 'soak.sqlite'}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "provisioner.broker.app",
-        "--port",
-        str(port),
-        "--auth",
-        "static",
-        "--tokens-file",
-        str(tmp / "tokens.json"),
-        "--db-url",
+    broker = BrokerProcess(
+        tmp,
         db_url,
-        "--gpus",
-        args.gpus,
-        "--ttl",
-        str(args.ttl),
-        "--GPULeaseBroker.reap_interval=0.5",
-        "--GPULeaseBroker.queue_poll_grace=5",
-        "--log-level=WARN",
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("JUPYTERHUB_API_TOKEN", None)
-    with open(tmp / "broker.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_broker(proc)
-            log_text = (tmp / "broker.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the broker did not start:\n{log_text}")
-        try:
-            if httpx.get(f"{url}/api/v1/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    return proc, {"url": url, "db_url": db_url, "users": users, "tokens": tokens, "tmp": tmp}
+        {**{u: ([], False) for u in users}, "admin": ([], True)},
+        gpus=args.gpus,
+        extra=(
+            "--ttl",
+            str(args.ttl),
+            "--GPULeaseBroker.reap_interval=0.5",
+            "--GPULeaseBroker.queue_poll_grace=5",
+            "--log-level=WARN",
+        ),
+    )
+    broker.start(60.0)
+    assert broker.proc is not None
+    info = {"url": broker.url, "db_url": db_url, "users": users, "tokens": broker.tokens}
+    return broker.proc, {**info, "tmp": tmp}
 
 
 def stop_broker(proc: subprocess.Popen[bytes]) -> None:
