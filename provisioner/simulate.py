@@ -22,8 +22,8 @@ and without the same idle reclaim as ours (so that a policy with reclaim can be
 compared with a bound that reclaims too). A *clairvoyant* reference keeps per-GPU
 leases but knows how long every kernel will hold its lease (no broker can): the head
 reserves the GPU where it will fit soonest and smaller requests backfill that GPU only
-if they will end before then (EASY backfilling with exact run times). It bounds what
-better drain prediction could win for a policy that cannot split leases.
+if they will end before then (EASY backfilling with exact run times). It shows what
+better drain prediction could win for this design (a strong reference, not an optimum).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ OURS: tuple[Scheme, ...] = (
         note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
     ),
 )
-#: per-GPU bounds that know every hold time in advance: what drain prediction could win
+#: per-GPU references that know every hold time in advance: what drain prediction could win
 CLAIRVOYANT: tuple[Scheme, ...] = (
     Scheme(
         "clairvoyant",
