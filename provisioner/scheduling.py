@@ -353,13 +353,13 @@ def drain(
     state: PoolState,
     now: float,
     policy: Policy,
-    new_id: Callable[[], str],
     extra: Request | None = None,
 ) -> list[Grant]:
     """Grants for waiting requests that fit now, in queue order, with a reservation for the head.
 
-    ``extra`` is a new request considered as if it were waiting. Does not mutate
-    ``state``; apply the result with ``apply_grants``.
+    ``extra`` is a new request considered as if it were waiting. A granted request's
+    lease takes the request's id. Does not mutate ``state``; apply the result with
+    ``apply_grants``.
     """
     if not state.queue and extra is None:
         return []
@@ -375,7 +375,9 @@ def drain(
         if gpu is not None:
             alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
             sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
-            grants.append(Grant(new_lease(req, gpu, now, policy, new_id()), req))
+            # the lease keeps the request's id: a client that gave up waiting and withdraws
+            # its request by that id (DELETE) releases the lease if it was granted meanwhile
+            grants.append(Grant(new_lease(req, gpu, now, policy, req.id), req))
         elif policy.backfill and not reserved and ok:
             # the head reserves one GPU it could use; nothing else lands there until it fits
             reserved.add(reservation_target(ok, alloc, sizes, req.fraction_ppm, policy).uuid)
@@ -502,7 +504,7 @@ def decide_acquire(
         gpu_uuids=ask.gpu_uuids,
         priority=quota.priority or 0,
     )
-    grants = drain(state, now, policy, new_id, extra=req)
+    grants = drain(state, now, policy, extra=req)
     mine = next((g for g in grants if g.request is req), None)
     if mine is not None:
         mine.request = None  # it never waited: nothing to take out of the queue

@@ -308,7 +308,7 @@ class CoreAllocator:
         return [g.lease.user_kernel for g in grants]
 
     def _drain(self, now: float) -> list[Key]:
-        return self._apply(drain(self.state, now, self.policy, self._new_id))
+        return self._apply(drain(self.state, now, self.policy))
 
     def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
         ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm)

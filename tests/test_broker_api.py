@@ -473,6 +473,24 @@ async def test_queue_positions(broker: Broker) -> None:
             await poll
 
 
+async def test_withdrawing_a_request_granted_meanwhile_releases_its_lease(broker: Broker) -> None:
+    """A client gives up waiting and withdraws its request by the id the 202 carried, but
+    the broker granted it in between: the DELETE releases that lease (it keeps the
+    request's id) instead of missing it and leaving an unrenewed lease until it expires."""
+    async with broker.client("alice") as alice, broker.client("bob") as bob:
+        held = (await acquire(alice, "big", 1)).json()["id"]
+        queued = await acquire(bob, "k", 1)
+        assert queued.status_code == 202
+        request_id = queued.json()["id"]
+        assert (await alice.delete(f"/leases/{held}")).status_code == 204  # bob is granted now
+        lease = (await bob.get(f"/leases/{request_id}")).json()
+        assert lease["state"] == "active" and lease["user"] == "bob", lease
+        assert (await bob.delete(f"/leases/{request_id}")).status_code == 204
+        assert (await bob.get(f"/leases/{request_id}")).json()["state"] == "released"
+        gpus = (await bob.get("/gpus")).json()["gpus"]
+        assert [g["allocated_fraction"] for g in gpus] == [0.0]
+
+
 # -- restarts and crashes ----------------------------------------------------------------
 
 

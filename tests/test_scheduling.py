@@ -262,7 +262,7 @@ def test_head_reservation_prevents_starvation_of_a_large_request():
     for i in range(30):
         victim = min(st.leases.values(), key=lambda x: x.created_at).id
         core.apply_ends(st, [victim])
-        core.apply_grants(st, core.drain(st, t, policy, new_id))
+        core.apply_grants(st, core.drain(st, t, policy))
         acquire(st, Ask(f"late{i}", "k", 100_000), now=t, new_id=new_id)
         core.check_invariants(st, policy)
         t += 1
@@ -407,7 +407,7 @@ def test_fewest_leases_reservation_serves_the_head_despite_a_stream_of_small_req
         assert st.allocated["g1"] <= 750_000  # nothing new lands on the reserved GPU
         victim = min(st.leases.values(), key=lambda x: x.created_at).id
         core.apply_ends(st, [victim])
-        core.apply_grants(st, core.drain(st, t, policy, new_id))
+        core.apply_grants(st, core.drain(st, t, policy))
         core.check_invariants(st, policy)
         t += 1
         if st.lease_for_kernel("big", "k"):

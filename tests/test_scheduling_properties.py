@@ -96,7 +96,7 @@ class Broker(RuleBasedStateMachine):
     def release(self, data):
         lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
         core.apply_ends(self.state, [lease_id])
-        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy, self.new_id))
+        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy))
 
     @precondition(lambda self: self.state.leases)
     @rule(data=st.data(), busy=st.booleans())
@@ -122,7 +122,7 @@ class Broker(RuleBasedStateMachine):
         if victims:
             assert self.state.queue, "idle leases revoked while nobody waited"
         core.apply_ends(self.state, [x.id for x in victims])
-        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy, self.new_id))
+        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy))
 
     @invariant()
     def capacity_and_bookkeeping(self):
@@ -188,6 +188,6 @@ def test_no_starvation_every_waiting_request_is_served_as_leases_end():
             break
         oldest = min(m.state.leases.values(), key=lambda x: x.created_at)
         core.apply_ends(m.state, [oldest.id])
-        core.apply_grants(m.state, core.drain(m.state, m.now, m.policy, m.new_id))
+        core.apply_grants(m.state, core.drain(m.state, m.now, m.policy))
         core.check_invariants(m.state, m.policy)
     assert served == set(waiting)

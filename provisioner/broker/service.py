@@ -549,7 +549,7 @@ class BrokerService:
 
     # -- internals ----------------------------------------------------------------------
     def _drain(self, now: float) -> int:
-        grants = core.drain(self.state, now, self.policy, self.new_id)
+        grants = core.drain(self.state, now, self.policy)
         self._persist_grants(grants)
         return len(grants)
 
