@@ -63,6 +63,8 @@ class Tally:
     overallocated: int = 0
     gpu_samples: int = 0
     rss_kib: list[int] = field(default_factory=list)
+    #: ids of the leases this driver was granted (others were granted as it gave up waiting)
+    seen: set[str] = field(default_factory=set)
 
 
 def rss_kib(pid: int) -> int | None:
@@ -75,8 +77,8 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def lease_states(db_url: str) -> dict[str, int]:
-    """Leases per state, read from the database itself."""
+def lease_states(db_url: str) -> dict[str, str]:
+    """Every lease's state by id, read from the database itself."""
     import sqlalchemy as sa
 
     if db_url.startswith("postgresql://"):
@@ -84,8 +86,8 @@ def lease_states(db_url: str) -> dict[str, int]:
     eng = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
     try:
         with eng.connect() as conn:
-            rows = conn.execute(sa.text("SELECT state, COUNT(*) FROM leases GROUP BY state"))
-            return {str(k): int(v) for k, v in rows}
+            rows = conn.execute(sa.text("SELECT id, state FROM leases"))
+            return {str(k): str(v) for k, v in rows}
     finally:
         eng.dispose()
 
@@ -128,9 +130,11 @@ async def student(
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
                 continue
             t.acquired += 1
+            t.seen.add(lease["id"])
             life = rng.expovariate(1 / (4 * ttl))
             end = last_ok = time.monotonic()
             end += life
+            gone = False
             while time.monotonic() < end and not stop.is_set():
                 await asyncio.sleep(min(ttl / 3, max(0.0, end - time.monotonic())))
                 state = rng.choice(("idle", "busy"))
@@ -144,8 +148,10 @@ async def student(
                     try:
                         lease = await client.acquire(kernel_id, fraction, wait=2.0, queue_timeout=0)
                     except NoCapacity:
+                        gone = True  # the kernel stops; its lease is already counted (expired)
                         break
                     t.acquired += 1
+                    t.seen.add(lease["id"])
                     last_ok = time.monotonic()
                     continue
                 t.max_renew_gap_s = max(t.max_renew_gap_s, time.monotonic() - last_ok)
@@ -155,7 +161,19 @@ async def student(
                     again = await client.acquire(kernel_id, fraction, wait=2.0)
                     t.restarts += 1
                     if again.get("id") != lease["id"]:
-                        t.restart_mismatches += 1
+                        # a new lease is right only if the old one expired meanwhile
+                        if (await client.get_lease(lease["id"])).get("state") == "expired":
+                            t.expired_alive += 1
+                            t.acquired += 1
+                            lease = again
+                            t.seen.add(lease["id"])
+                        else:
+                            t.restart_mismatches += 1
+            if gone:
+                if stop.is_set():
+                    return
+                await asyncio.sleep(rng.uniform(0.0, ttl))
+                continue
             if stop.is_set():
                 # the end of the hour: half shut down cleanly, half just die
                 if rng.random() < 0.5:
@@ -253,7 +271,14 @@ async def soak(
         end_kib = rss_kib(proc.pid)
         if end_kib is not None:
             t.rss_kib.append(end_kib)
-        states = lease_states(db_url)
+        by_id = lease_states(db_url)
+        states: dict[str, int] = {}
+        for lease_id, state in by_id.items():
+            if lease_id in t.seen:
+                states[state] = states.get(state, 0) + 1
+        # granted while their student was giving up waiting: the client's withdrawal (DELETE
+        # of the request's id, which the lease keeps) must have released every one of them
+        withdrawn = [state for lease_id, state in by_id.items() if lease_id not in t.seen]
         leaked = [x for x in leases if x["state"] == "active"]
         rss = t.rss_kib or [0]
         report = {
@@ -261,9 +286,10 @@ async def soak(
             "students": args.students,
             "ttl": args.ttl,
             "gpus": args.gpus,
-            **{k: v for k, v in asdict(t).items() if k not in ("rss_kib", "errors")},
+            **{k: v for k, v in asdict(t).items() if k not in ("rss_kib", "errors", "seen")},
             "errors": t.errors[:10],
             "lease_states": states,
+            "granted_as_given_up": len(withdrawn),
             "leaked_leases": len(leaked),
             "queued_at_end": len(queue),
             "rss_mib": {
@@ -280,6 +306,8 @@ async def soak(
         report["accounted"] = (
             states.get("expired", 0) == t.died + t.expired_alive
             and states.get("released", 0) == t.released
+            and sum(states.values()) == len(t.seen)
+            and all(state == "released" for state in withdrawn)
         )
         report["ok"] = (
             report["accounted"]

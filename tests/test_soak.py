@@ -34,7 +34,7 @@ def test_soak_short() -> None:
     assert report["queued_at_end"] == 0
     assert report["overallocated"] == 0 and report["gpu_samples"] > 0
     assert report["restart_mismatches"] == 0
-    assert report["accounted"], report
+    assert report["accounted"], json.dumps(report)  # a string: shown whole on failure
     assert report["acquired"] > 20 and report["died"] > 0 and report["released"] > 0
     assert report["broker_alive"] and report["ok"]
     assert run.returncode == 0, run.stderr[-3000:]
