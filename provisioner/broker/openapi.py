@@ -248,7 +248,12 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["queued", "id", "position"],
         "properties": {
             "queued": {"type": "boolean", "enum": [True]},
-            "id": {"type": "string", "description": "The queued request's id."},
+            "id": {
+                "type": "string",
+                "description": "The queued request's id; its lease gets the same id when "
+                "granted. DELETE /api/v1/leases/{id} withdraws the request, or releases the "
+                "lease if it was granted meanwhile.",
+            },
             "position": {"type": "integer", "minimum": 1},
             "kernel_id": {"type": "string"},
             "fraction": {**_FRACTION},
