@@ -162,10 +162,10 @@ def test_server_introduces_its_token_to_the_broker_at_start(
     thread = introduce()
     assert thread is not None
     thread.join(15)
-    answers = [r.getMessage() for r in caplog.records if "answered" in r.getMessage()]
+    answers = [r.getMessage() for r in caplog.records if r.name == "provisioner.kernel.server"]
     assert answers == [
-        f"GPU lease broker at {broker.url} answered 200",
-        f"GPU lease broker at {broker.url} answered 401",
+        f"GPU lease broker at {broker.url} knows this server's token",
+        f"GPU lease broker at {broker.url} did not take the introduction: not_authenticated",
     ]
 
 

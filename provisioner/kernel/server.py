@@ -22,6 +22,7 @@ JupyterHub ("whose token is this?") is answered and cached before the first acqu
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -56,25 +57,27 @@ def introduce() -> threading.Thread | None:
     The broker identifies a hub token by asking JupyterHub, once per token per
     ``--hub-cache-max-age`` (300 s); without this, that round trip through the hub sits
     inside the first GPU kernel start, when a whole class starting at once keeps the hub
-    busy. The answer itself is not needed: failures (no broker yet, no GPU_LEASE_URL) are
+    busy. The answer itself is not needed: failures (no broker yet, a refused token) are
     logged at debug level and change nothing. Returns the thread (tests join it).
     """
-    url = os.environ.get("GPU_LEASE_URL", "").rstrip("/")
-    token = os.environ.get("GPU_LEASE_TOKEN") or os.environ.get("JUPYTERHUB_API_TOKEN")
-    if not url or not token:
+    env = os.environ
+    url = env.get("GPU_LEASE_URL")
+    if not url or not (env.get("GPU_LEASE_TOKEN") or env.get("JUPYTERHUB_API_TOKEN")):
         return None
 
     def hello() -> None:
-        import httpx
+        from ..client import BrokerClient
+        from ..errors import GPULeaseError
 
-        from ..client import _ssl_context
+        async def ask() -> None:
+            async with BrokerClient.from_env(retries=0) as client:
+                await client.my_quota()
 
         try:
-            with httpx.Client(verify=_ssl_context(), timeout=10.0) as http:
-                r = http.get(f"{url}/api/v1/quotas/me", headers={"Authorization": f"token {token}"})
-            log.debug("GPU lease broker at %s answered %s", url, r.status_code)
-        except httpx.HTTPError as exc:
-            log.debug("GPU lease broker at %s not reached yet: %s", url, type(exc).__name__)
+            asyncio.run(ask())
+            log.debug("GPU lease broker at %s knows this server's token", url)
+        except GPULeaseError as exc:
+            log.debug("GPU lease broker at %s did not take the introduction: %s", url, exc.code)
 
     thread = threading.Thread(target=hello, name="gpu-lease-introduce", daemon=True)
     thread.start()
