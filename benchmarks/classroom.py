@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -44,16 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.testing import free_port  # noqa: E402
-
-
-def _classroom() -> Any:
-    spec = importlib.util.spec_from_file_location("classroom", ROOT / "examples" / "classroom.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["classroom"] = module
-    spec.loader.exec_module(module)
-    return module
+from provisioner.testing import free_port, load_example  # noqa: E402
 
 
 def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
@@ -112,7 +102,7 @@ async def check_51st(room: Any, name: str, out: dict[str, Any]) -> None:
 async def bench(
     hub_url: str, token: str, n: int, extra_student: str, rounds: int
 ) -> tuple[Any, dict[str, Any]]:
-    classroom = _classroom()
+    classroom = load_example("classroom")
     extra: dict[str, Any] = {}
 
     async def before_stop(room: Any) -> None:

@@ -1,13 +1,15 @@
 """A real broker subprocess for tests and benchmarks.
 
 ``tests/conftest.py`` (the ``broker`` fixture) and ``benchmarks/`` (throughput, kernel
-start) start, check and stop the broker the same way through :class:`BrokerProcess`:
+start) start, check and stop the broker the same way through :class:`BrokerProcess` (and load
+``examples/`` scripts with :func:`load_example`):
 ``python -m provisioner.broker.app`` on a free port, with a static tokens file, waiting
 for ``/api/v1/health``. Nothing in the broker or the provisioner imports this module.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -33,6 +36,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module (registered as ``name``: dataclasses need it)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cpu_seconds(pid: int | None) -> float:

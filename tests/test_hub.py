@@ -10,7 +10,6 @@ and share the hub; the last one stops it with SIGINT and checks nothing survives
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -27,21 +26,12 @@ import httpx
 import psutil
 import pytest
 
-from provisioner.testing import free_port
+from provisioner.testing import free_port, load_example
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 6.0
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
-
-
-def _classroom() -> Any:
-    spec = importlib.util.spec_from_file_location("classroom", ROOT / "examples" / "classroom.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["classroom"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class Hub:
@@ -172,7 +162,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
 def run_cell(hub: Hub, user: str, kernel_id: str) -> str:
     import asyncio
 
-    room = _classroom().Classroom(hub.url, hub.admin)
+    room = load_example("classroom").Classroom(hub.url, hub.admin)
 
     async def go() -> str:
         try:
@@ -287,7 +277,7 @@ def test_killed_server_leases_expire_within_two_ttls(hub: Hub) -> None:
 
 
 async def test_classroom_of_ten_leaks_nothing(hub: Hub) -> None:
-    classroom = _classroom()
+    classroom = load_example("classroom")
     names = [f"student{i:02d}" for i in range(11, 21)]
     report = await classroom.run_classroom(hub.url, hub.admin, len(names), names=names)
     print(report.summary())
