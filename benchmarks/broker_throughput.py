@@ -62,7 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.testing import BrokerProcess  # noqa: E402
+from provisioner.devtools.testing import BrokerProcess  # noqa: E402
 
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 USERS = 64

@@ -1,6 +1,6 @@
 """A 50-student classroom through a real JupyterHub: GPU kernels vs plain kernels.
 
-Starts ``python -m provisioner.demo`` on free ports with a fresh state directory (a
+Starts ``python -m provisioner.devtools.demo`` on free ports with a fresh state directory (a
 declared 1x32768:V100 pool unless ``--gpus`` says otherwise), then runs
 ``examples/classroom.py``'s :func:`run_classroom`: N students log in through the hub
 API, spawn servers, and each starts a "Python 3 (GPU 0.02)" and a plain "Python 3"
@@ -43,11 +43,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.testing import free_port, load_example  # noqa: E402
+from provisioner.devtools.testing import free_port, load_example  # noqa: E402
 
 
 def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    args = [sys.executable, "-m", "provisioner.demo", "--state-dir", str(state)]
+    args = [sys.executable, "-m", "provisioner.devtools.demo", "--state-dir", str(state)]
     args += ["--kernels-prefix", str(state / "prefix"), "--gpus", gpus]
     args += ["--server-port-base", str(random.randrange(10000, 24000))]
     for flag in ("--port", "--hub-api-port", "--proxy-api-port", "--broker-port"):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from provisioner.simulate import PoolSpec, Session, Trace  # noqa: E402
+from provisioner.devtools.simulate import PoolSpec, Session, Trace  # noqa: E402
 
 H = 3600.0
 DAY = 86400.0

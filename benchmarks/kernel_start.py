@@ -49,7 +49,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from provisioner.testing import BrokerProcess, cpu_seconds  # noqa: E402
+from provisioner.devtools.testing import BrokerProcess, cpu_seconds  # noqa: E402
 
 AIM_RATIO = 1.05
 FRACTION = 0.02

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_traces import WORKLOADS  # noqa: E402
 
-from provisioner.simulate import SCHEMES, Metrics, load_trace, simulate  # noqa: E402
+from provisioner.devtools.simulate import SCHEMES, Metrics, load_trace, simulate  # noqa: E402
 
 TRACES = Path(__file__).parent / "traces"
 FULL = ("classroom", "department", "deadline")

@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from provisioner.client import BrokerClient  # noqa: E402
+from provisioner.devtools.testing import BrokerProcess  # noqa: E402
 from provisioner.errors import LeaseExpired, NoCapacity  # noqa: E402
-from provisioner.testing import BrokerProcess  # noqa: E402
 
 FRACTIONS = (0.02, 0.02, 0.02, 0.05, 0.1)
 

@@ -9,11 +9,14 @@ It is the edge where HTTP meets the rest of the package, so it is the one place
 that turns answers back into our exceptions (:mod:`provisioner.errors`):
 
 - a non-2xx answer carrying the broker's JSON error body becomes the matching
-  exception through :func:`errors.from_response`;
+  exception (its ``error`` code, else its HTTP status, picks the class);
 - any other non-2xx answer becomes an exception whose message says what was
   answered and what to check;
 - connection errors, timeouts and 502/503/504 are retried with exponential
-  backoff and jitter, then become :class:`errors.BrokerUnavailable`;
+  backoff and jitter (at least the answer's ``Retry-After``, up to ``max_backoff``),
+  each retry on a new connection, so that a host name is resolved again and a load
+  balancer can send it to the broker that is active now (after a failover); then
+  they become :class:`errors.BrokerUnavailable`;
 - no httpx (or other foreign) exception escapes: ``raise OurError(...) from exc``.
 
 Every call is safe to retry: acquire is idempotent per ``(user, kernel_id)``,
@@ -22,13 +25,25 @@ renew and release are idempotent, and the quota calls are PUT/GET/DELETE.
 The token is sent as ``Authorization: token <token>`` and never appears in a
 message, a ``repr`` or a log line. The HTTP transport is injectable
 (``transport=``), so tests can play the broker with ``httpx.MockTransport``.
-Nothing is read from the environment at import; :meth:`BrokerClient.from_env`
-reads it when called.
+
+One ``BrokerClient`` may be used from several event loops, one after the other or at
+once from several threads: jupyter_client's blocking ``KernelManager`` runs each call
+on whichever loop it finds (the thread's own, or a runner thread's when a loop is
+already running), so a kernel's acquire, renewals and release may each run on another
+loop. An httpx client's connections and locks belong to the loop that made them, so
+there is one ``httpx.AsyncClient`` per loop, made on first use there; ``keep_alive=False``
+closes every connection after its call, so a loop that stops holds no socket.
+
+Nothing is read from the environment at import. :func:`broker_env` is the one place
+that knows which variables name the broker and its token, and in which order; it reads
+them when called (:meth:`BrokerClient.from_env`, the kernel provisioner, the server
+extension's ``introduce`` and the CLI all go through it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -37,16 +52,18 @@ import math
 import os
 import random
 import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 
 from . import errors
 from ._version import __version__
+from .model import QUOTA_LEVEL_PLURALS, QUOTA_LEVELS
 
 log = logging.getLogger("gpu_lease.client")
 
@@ -58,7 +75,6 @@ DEFAULT_USER_AGENT = f"jupyter-gpu-lease/{__version__}"
 #: answers that mean "the broker (or the proxy in front of it) is not ready": retried
 RETRY_STATUSES = frozenset({502, 503, 504})
 
-_QUOTA_LEVELS = {"user": "users", "users": "users", "group": "groups", "groups": "groups"}
 _URL_HINT = (
     "Is the gpu-lease broker running? Check GPU_LEASE_URL (or the provisioner's broker_url): "
     "it should be the broker's base URL, e.g. http://127.0.0.1:10101, or "
@@ -69,6 +85,35 @@ _NOT_JSON = object()
 
 _C = TypeVar("_C", bound="BrokerClient")
 QueuedCallback = Callable[[dict[str, Any]], Awaitable[None] | None]
+
+#: the broker's base URL, in the environment of the Jupyter server and of the CLI
+URL_ENV = "GPU_LEASE_URL"
+#: the broker token, when the caller has one of its own
+TOKEN_ENV = "GPU_LEASE_TOKEN"
+#: a single-user server's own JupyterHub token: the broker token when TOKEN_ENV is unset
+HUB_TOKEN_ENV = "JUPYTERHUB_API_TOKEN"
+
+
+class BrokerEnv(NamedTuple):
+    """What the environment says about the broker; ``None`` where it says nothing."""
+
+    url: str | None
+    token: str | None
+
+
+def broker_env(environ: Mapping[str, str] | None = None) -> BrokerEnv:
+    """The broker URL and token the environment gives, read now (the one home of this rule).
+
+    ``url`` is ``GPU_LEASE_URL``; ``token`` is ``GPU_LEASE_TOKEN``, else
+    ``JUPYTERHUB_API_TOKEN`` (the single-user server's own token). Empty values count
+    as unset. ``environ`` defaults to ``os.environ``. Callers that keep a client read
+    this again before each use: JupyterHub rotates a server's token.
+    """
+    env = os.environ if environ is None else environ
+    return BrokerEnv(
+        url=env.get(URL_ENV) or None,
+        token=env.get(TOKEN_ENV) or env.get(HUB_TOKEN_ENV) or None,
+    )
 
 
 def normalize_url(url: str) -> str:
@@ -115,6 +160,36 @@ def _ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+def no_capacity_message(fraction: float, queue_timeout: float, answer: dict[str, Any]) -> str:
+    """What the student reads when a GPU kernel gave up waiting: once the place in the
+    queue, the broker's ``reason`` (how full the GPUs are, and whether a smaller kernel
+    would fit now), and what to do. Pure: the last ``202`` answer is passed in."""
+    position, length = answer.get("position"), answer.get("queue_length")
+    where = ""
+    if isinstance(position, int) and position > 0:
+        where = f"; it was at position {position}"
+        if isinstance(length, int) and length >= position:
+            where += f" of {length}"
+        where += " in the queue"
+    reason = answer.get("reason")
+    if not isinstance(reason, str):  # an older broker: its message repeats the position
+        reason = ""
+    text = (
+        f"No GPU became free for this kernel ({fraction:g} of a GPU) within "
+        f"{_waited(queue_timeout)}{where}."
+    )
+    if reason.strip():
+        text += " " + reason.strip()
+    return text + " Try again later, or ask your instructor or administrator about GPU capacity."
+
+
+def _waited(seconds: float) -> str:
+    """30 -> "30 s", 600 -> "10 minutes", 90 -> "1.5 minutes"."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    return f"{round(seconds / 60, 1):g} minutes"
+
+
 class BrokerClient:
     """Async client of the gpu-lease broker's REST API v1.
 
@@ -123,7 +198,8 @@ class BrokerClient:
     ``/api/v1/...`` is appended. ``timeout`` (s) bounds each ordinary call; a
     long-poll acquire may read for ``wait + timeout``. Failed calls are retried up
     to ``retries`` times, sleeping ``backoff * 2**n`` seconds (with jitter, at most
-    ``max_backoff``) in between.
+    ``max_backoff``) in between. ``keep_alive=False`` opens a connection per call
+    (for callers whose calls are seconds apart and may run on different event loops).
     """
 
     def __init__(
@@ -137,6 +213,7 @@ class BrokerClient:
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         user_agent: str = DEFAULT_USER_AGENT,
+        keep_alive: bool = True,
     ) -> None:
         self._base = normalize_url(url)
         self.url = _display(self._base)
@@ -148,13 +225,12 @@ class BrokerClient:
         headers = {"User-Agent": user_agent, "Accept": "application/json"}
         if self._token:
             headers["Authorization"] = f"token {self._token}"
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            transport=transport,
-            timeout=httpx.Timeout(self.timeout),
-            follow_redirects=False,
-            verify=_ssl_context(),
-        )
+        self._headers = headers
+        self._transport = transport
+        self._limits = httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0)
+        #: the httpx client of each event loop this client was used on (see the module docstring)
+        self._https: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._https_lock = threading.Lock()
 
     @classmethod
     def from_env(
@@ -167,27 +243,77 @@ class BrokerClient:
     ) -> _C:
         """A client configured from the environment (read now, not at import).
 
-        ``url`` defaults to ``GPU_LEASE_URL``; ``token`` to ``GPU_LEASE_TOKEN``, else
-        ``JUPYTERHUB_API_TOKEN`` (the single-user server's token). Explicit
-        arguments win; ``kw`` goes to the constructor.
+        ``url`` and ``token`` default to what :func:`broker_env` reads (``GPU_LEASE_URL``;
+        ``GPU_LEASE_TOKEN``, else ``JUPYTERHUB_API_TOKEN``). Explicit arguments win;
+        ``kw`` goes to the constructor.
         """
-        env = os.environ if environ is None else environ
-        url = url or env.get("GPU_LEASE_URL") or None
+        found = broker_env(environ)
+        url = url or found.url
         if not url:
             raise errors.InvalidRequest(
                 "No GPU lease broker URL is set: set GPU_LEASE_URL to the broker's base URL, "
                 "e.g. http://127.0.0.1:10101, or http://127.0.0.1:8000/services/gpu-lease "
                 "behind JupyterHub (the hub admin can pass it with c.Spawner.environment)."
             )
-        token = token or env.get("GPU_LEASE_TOKEN") or env.get("JUPYTERHUB_API_TOKEN") or None
-        return cls(url, token, **kw)
+        return cls(url, token or found.token, **kw)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r})"
 
+    def _http(self) -> httpx.AsyncClient:
+        """The httpx client of the running event loop, made there on first use.
+
+        Clients of loops that have been closed are forgotten: their connections went
+        with their loop.
+        """
+        loop = asyncio.get_running_loop()
+        with self._https_lock:
+            http = self._https.get(loop)
+            if http is None:
+                for gone in [x for x in self._https if x.is_closed()]:
+                    del self._https[gone]
+                http = self._https[loop] = httpx.AsyncClient(
+                    headers=self._headers,
+                    transport=self._transport,
+                    limits=self._limits,
+                    timeout=httpx.Timeout(self.timeout),
+                    follow_redirects=False,
+                    verify=_ssl_context(),
+                )
+        return http
+
+    async def _reconnect(self) -> None:
+        """Drop this loop's connections before a retry: the next attempt connects anew.
+
+        A kept-alive connection stays with the broker (or the balancer's backend) that
+        failed; a new one resolves the name again and reaches the active broker.
+        """
+        loop = asyncio.get_running_loop()
+        with self._https_lock:
+            http = self._https.pop(loop, None)
+        if http is not None:
+            await http.aclose()
+
     async def aclose(self) -> None:
-        """Close the connection pool. Called by ``async with`` or by the owner at shutdown."""
-        await self._http.aclose()
+        """Close the connection pools. Called by ``async with`` or by the owner at shutdown.
+
+        The running loop's pool is closed now; another thread's running loop closes its
+        own (awaited here, at most ``timeout`` seconds); a loop that is not running closes
+        its pool the next time it runs.
+        """
+        loop = asyncio.get_running_loop()
+        with self._https_lock:
+            https, self._https = self._https, {}
+        for other, http in https.items():
+            if other is loop:
+                await http.aclose()
+            elif other.is_running():
+                done = asyncio.run_coroutine_threadsafe(http.aclose(), other)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.wrap_future(done), self.timeout)
+            elif not other.is_closed():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile
+                    other.call_soon_threadsafe(_close_there, http)
 
     async def __aenter__(self: _C) -> _C:
         return self
@@ -309,6 +435,41 @@ class BrokerClient:
             await self._send("POST", f"/leases/{_quote(lease_id)}/revoke", body={"reason": reason})
         )
 
+    # -- node agents (``gpu-lease agent``) ------------------------------------------------
+    async def register_node(
+        self, node: str, gpus: list[dict[str, Any]], agent_version: str, enforce: str = "report"
+    ) -> dict[str, Any]:
+        """``PUT /api/v1/nodes/{node}``: register or refresh the node's GPUs; undrains it."""
+        body = {"gpus": gpus, "agent_version": agent_version, "enforce": enforce}
+        return self._dict(await self._send("PUT", f"/nodes/{_quote(node)}", body=body))
+
+    async def node_heartbeat(
+        self, node: str, usage: list[dict[str, Any]], at: float | None = None
+    ) -> dict[str, Any]:
+        """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered."""
+        body: dict[str, Any] = {"usage": usage}
+        if at is not None:
+            body["at"] = at
+        return self._dict(
+            await self._send("POST", f"/nodes/{_quote(node)}/heartbeat", body=body, retries=0)
+        )
+
+    async def drain_node(self, node: str) -> None:
+        """``DELETE /api/v1/nodes/{node}``: no new leases there (a clean agent stop)."""
+        await self._send("DELETE", f"/nodes/{_quote(node)}")
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """``GET /api/v1/nodes``."""
+        return self._items(await self._send("GET", "/nodes"), "nodes")
+
+    async def effective_quota(self, user: str) -> dict[str, Any]:
+        """``GET /api/v1/quotas/users/{name}?effective=1``: ``user``'s effective quota as
+        admission applies it, the source of each value and their own record (admin, or
+        the user themself)."""
+        return self._dict(
+            await self._send("GET", self._quota_path("user", user), params={"effective": "1"})
+        )
+
     async def my_quota(self) -> dict[str, Any]:
         """``GET /api/v1/quotas/me``: the caller's effective quota and what they hold now."""
         return self._dict(await self._send("GET", "/quotas/me"))
@@ -331,6 +492,13 @@ class BrokerClient:
     async def queue(self) -> list[dict[str, Any]]:
         """``GET /api/v1/queue``: waiting requests with their positions."""
         return self._items(await self._send("GET", "/queue"), "queue")
+
+    async def queue_page(self) -> dict[str, Any]:
+        """``GET /api/v1/queue`` whole: ``{"queue": [...], "length": N}`` (N: everyone waiting)."""
+        page = self._dict(await self._send("GET", "/queue"))
+        if not isinstance(page.get("queue"), list):
+            page["queue"] = []
+        return page
 
     async def get_quota(self, level: str, name: str | None = None) -> dict[str, Any]:
         """``GET /api/v1/quotas/default|users/{name}|groups/{name}``."""
@@ -397,10 +565,11 @@ class BrokerClient:
             if attempt:
                 delay = self._delay(attempt - 1, hint)
                 log.debug("%s %s: retrying in %.2f s after %s", method, path, delay, problem)
+                await self._reconnect()
                 await asyncio.sleep(delay)
             started = time.monotonic()
             try:
-                response = await self._http.request(
+                response = await self._http().request(
                     method, url, params=params, content=content, headers=headers, timeout=timeout
                 )
             except httpx.TimeoutException as exc:
@@ -474,9 +643,9 @@ class BrokerClient:
         status = response.status_code
         body = _parse_json(response)
         if isinstance(body, dict) and isinstance(body.get("message"), str):
-            return errors.from_response(status, body)
+            return _from_error_body(status, body)
         # Not the broker's error body: a proxy, a login page, another server, a crash.
-        cls = type(errors.from_response(status, None))
+        cls = _BY_STATUS.get(status, errors.GPULeaseError)
         where = f"The GPU lease broker at {self.url} answered HTTP {status}"
         if 300 <= status < 400:
             location = self._scrub(response.headers.get("Location", "?"))
@@ -505,19 +674,12 @@ class BrokerClient:
     def _no_capacity(
         self, fraction: float, queue_timeout: float, answer: dict[str, Any]
     ) -> errors.NoCapacity:
-        position = answer.get("position")
-        broker_message = answer.get("message")
-        message = (
-            f"No GPU capacity for a {fraction:g} GPU lease became free within {queue_timeout:g} s: "
-            f"the request was still waiting at position {position} in the queue."
+        """The sentence a student reads when the queue timeout ran out (from the last 202)."""
+        return errors.NoCapacity(
+            no_capacity_message(fraction, queue_timeout, answer),
+            position=answer.get("position"),
+            body=answer,
         )
-        if isinstance(broker_message, str) and broker_message:
-            message += f" The broker said: {broker_message.rstrip('.')}."
-        message += (
-            " Try again later, choose a kernel with a smaller GPU fraction, "
-            "or ask an admin about GPU capacity."
-        )
-        return errors.NoCapacity(message, position=position, body=answer)
 
     async def _cancel_queued(self, answer: dict[str, Any]) -> None:
         """Best effort: withdraw a queued request so it stops holding a place."""
@@ -572,14 +734,74 @@ class BrokerClient:
                     "use the level 'user' or 'group'."
                 )
             return "/quotas/default"
-        plural = _QUOTA_LEVELS.get(level)
+        # a named level, in the singular ("user") or as in the URL ("users")
+        plural = QUOTA_LEVEL_PLURALS.get(level) or (
+            level if level in QUOTA_LEVEL_PLURALS.values() else None
+        )
         if plural is None:
+            *others, last = (repr(lv) for lv in QUOTA_LEVELS)
             raise errors.InvalidRequest(
-                f"Unknown quota level {level!r}: use 'default', 'user' or 'group'."
+                f"Unknown quota level {level!r}: use {', '.join(others)} or {last}."
             )
         if not name:
             raise errors.InvalidRequest(f"A {level} quota needs the {level} name.")
         return f"/quotas/{plural}/{_quote(name)}"
+
+
+#: the broker's error ``code`` -> our exception class
+_BY_CODE: dict[str, type[errors.GPULeaseError]] = {
+    cls.code: cls
+    for cls in (
+        errors.InvalidRequest,
+        errors.NotAuthenticated,
+        errors.Forbidden,
+        errors.QuotaExceeded,
+        errors.LeaseNotFound,
+        errors.Conflict,
+        errors.LeaseGone,
+        errors.LeaseRevoked,
+        errors.LeaseExpired,
+        errors.BodyTooLarge,
+        errors.CannotFit,
+        errors.StoreError,
+        errors.BrokerUnavailable,
+    )
+}
+#: HTTP status -> our exception class, for a code this client does not know
+_BY_STATUS: dict[int, type[errors.GPULeaseError]] = {
+    400: errors.InvalidRequest,
+    401: errors.NotAuthenticated,
+    403: errors.Forbidden,
+    404: errors.LeaseNotFound,
+    409: errors.Conflict,
+    410: errors.LeaseGone,
+    413: errors.BodyTooLarge,
+    422: errors.CannotFit,
+    502: errors.BrokerUnavailable,
+    503: errors.BrokerUnavailable,
+    504: errors.BrokerUnavailable,
+}
+
+
+def _from_error_body(status: int, body: dict[str, Any]) -> errors.GPULeaseError:
+    """Rebuild our exception from the broker's error body ``{"error", "message", ...}``."""
+    code = body.get("error")
+    cls = _BY_CODE.get(code) if isinstance(code, str) else None
+    if cls is None:
+        cls = _BY_STATUS.get(status, errors.GPULeaseError)
+    details = {k: v for k, v in body.items() if k not in ("error", "message")}
+    return cls(body["message"], **details)
+
+
+def _close_there(http: httpx.AsyncClient) -> None:
+    """Close ``http`` on the loop that runs this callback (its own; see ``aclose``)."""
+    task = asyncio.ensure_future(http.aclose())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+
+
+#: closes scheduled by ``_close_there``, held until done (the loop keeps only weak references)
+_CLOSING: set[asyncio.Future[None]] = set()
 
 
 def _parse_json(response: httpx.Response) -> Any:

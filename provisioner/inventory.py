@@ -20,13 +20,14 @@ NVML errors are translated here, once, into :class:`InventoryError` /
 
 from __future__ import annotations
 
+import importlib
 import re
 import socket
 import uuid
 from types import ModuleType
 from typing import Any
 
-from .errors import GPULeaseError
+from .errors import InventoryError, NoGPUFound
 from .model import GPU
 
 #: the node of static entries that do not name one
@@ -39,6 +40,8 @@ MAX_GPUS = 10_000
 MAX_MEMORY_MB = 16 * 1024 * 1024
 #: fixed namespace of declared GPU UUIDs; never change it, or restarts lose their GPUs
 GPU_UUID_NAMESPACE = uuid.UUID("5b0f6c1e-7d1c-4c55-9a43-6a1f0e3d2b7a")
+#: the NVML binding of nvidia-ml-py, imported only when NVML is asked
+NVML_MODULE = "pynvml"
 
 EXAMPLE = "--gpus 1x32768:V100 or --gpus gpu-a/2x81920:H100,gpu-b/4x16384:T4"
 
@@ -50,19 +53,6 @@ _ENTRY = re.compile(
 )
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._+()-]{0,63}$")
-
-
-class InventoryError(GPULeaseError):
-    """The GPU inventory cannot be built: a bad ``--gpus`` declaration or NVML failure."""
-
-    code = "inventory_error"
-    status = 500
-
-
-class NoGPUFound(InventoryError):
-    """``--gpus nvml`` found no NVIDIA GPU (no driver, no library, NVML error, zero GPUs)."""
-
-    code = "no_gpu_found"
 
 
 def declared_uuid(node: str, index: int, name: str, memory_mb: int) -> str:
@@ -147,10 +137,9 @@ def parse_gpu_spec(spec: str) -> list[GPU]:
 # -- NVML -------------------------------------------------------------------------------
 
 
-def _import_nvml() -> ModuleType:
-    import pynvml
-
-    return pynvml
+def _nvml_module(nvml: ModuleType | Any) -> ModuleType | Any:
+    """``nvml`` itself, or the module of that name (:data:`NVML_MODULE`) imported now."""
+    return importlib.import_module(nvml) if isinstance(nvml, str) else nvml
 
 
 def _text(value: Any) -> str:
@@ -181,18 +170,18 @@ def _no_gpu(reason: str) -> NoGPUFound:
     )
 
 
-def discover_nvml(node: str | None = None, *, nvml: ModuleType | Any | None = None) -> list[GPU]:
+def discover_nvml(node: str | None = None, *, nvml: ModuleType | Any = NVML_MODULE) -> list[GPU]:
     """The NVIDIA GPUs of this machine, by NVML; raise :class:`NoGPUFound` if there are none.
 
     Called by :func:`load_gpus` for ``--gpus nvml`` when the broker starts. ``node``
-    defaults to this host's name. ``nvml`` is the ``pynvml`` module, imported
-    lazily; a test may pass another object with the same functions instead.
+    defaults to this host's name. ``nvml`` is the NVML binding or its module name
+    (``pynvml``, imported here, not at import); a test may pass another object with
+    the same functions, or the name of a module that is not installed.
     """
-    if nvml is None:
-        try:
-            nvml = _import_nvml()
-        except ImportError as exc:
-            raise _no_gpu("nvidia-ml-py is not installed") from exc
+    try:
+        nvml = _nvml_module(nvml)
+    except ImportError as exc:
+        raise _no_gpu("nvidia-ml-py is not installed") from exc
     error_types = _error_types(nvml)
     host = node or socket.gethostname()
     try:
@@ -224,7 +213,7 @@ def discover_nvml(node: str | None = None, *, nvml: ModuleType | Any | None = No
     return gpus
 
 
-def load_gpus(spec: str, *, nvml: ModuleType | Any | None = None) -> list[GPU]:
+def load_gpus(spec: str, *, nvml: ModuleType | Any = NVML_MODULE) -> list[GPU]:
     """The broker's pool for ``--gpus SPEC``: ``nvml`` discovers, anything else is declared.
 
     Called once when the broker starts; raises :class:`InventoryError` (or its
@@ -235,18 +224,18 @@ def load_gpus(spec: str, *, nvml: ModuleType | Any | None = None) -> list[GPU]:
     return parse_gpu_spec(spec)
 
 
-def process_memory_mb(pid: int, *, nvml: ModuleType | Any | None = None) -> int | None:
+def process_memory_mb(pid: int, *, nvml: ModuleType | Any = NVML_MODULE) -> int | None:
     """GPU memory (MiB) the process ``pid`` uses on all GPUs, or None if NVML cannot say.
 
     Used by ``gpu-lease top`` and the kernel's ``%gpu`` magic. Returns 0 when NVML
     works and the process holds no GPU memory; None when NVML is unavailable or the
     driver does not report per-process memory (e.g. without the right permissions).
+    ``nvml`` as in :func:`discover_nvml`.
     """
-    if nvml is None:
-        try:
-            nvml = _import_nvml()
-        except ImportError:
-            return None
+    try:
+        nvml = _nvml_module(nvml)
+    except ImportError:
+        return None
     error_types = _error_types(nvml)
     try:
         nvml.nvmlInit()
@@ -277,16 +266,40 @@ def process_memory_mb(pid: int, *, nvml: ModuleType | Any | None = None) -> int 
     return total // (1024 * 1024)
 
 
+def running_processes(nvml: ModuleType | Any) -> list[tuple[int, str, int]]:
+    """``(pid, gpu_uuid, used_mb)`` of every compute process on every GPU NVML sees.
+
+    ``nvml`` is an initialized NVML binding (the node agent keeps one open while it
+    runs). A process whose memory the driver does not report (no permission) counts
+    0 MiB. Raises :class:`InventoryError` when NVML fails.
+    """
+    error_types = _error_types(nvml)
+    out: list[tuple[int, str, int]] = []
+    try:
+        for i in range(int(nvml.nvmlDeviceGetCount())):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                used = getattr(proc, "usedGpuMemory", None)
+                out.append((int(proc.pid), uuid, int(used or 0) // (1024 * 1024)))
+    except error_types as exc:
+        raise InventoryError(
+            f"NVML could not list the GPU processes ({_nvml_reason(nvml, exc)}); check the "
+            "driver with nvidia-smi."
+        ) from exc
+    return out
+
+
 __all__ = [
     "DEFAULT_NAME",
     "DEFAULT_NODE",
     "EXAMPLE",
     "MAX_GPUS",
-    "InventoryError",
-    "NoGPUFound",
+    "NVML_MODULE",
     "declared_uuid",
     "discover_nvml",
     "load_gpus",
     "parse_gpu_spec",
     "process_memory_mb",
+    "running_processes",
 ]

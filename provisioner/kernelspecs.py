@@ -1,6 +1,6 @@
 """Publish, list and remove GPU kernelspecs ("Python 3 (GPU 0.02)").
 
-Pure builders (:func:`build_kernelspec`, :func:`default_name`, :func:`validate_fraction`)
+Pure builders (:func:`build_kernelspec`, :func:`default_name`, :func:`validate_name`)
 next to a thin I/O layer over jupyter_client's ``KernelSpecManager`` (:func:`install`,
 :func:`list_gpu_kernelspecs`, :func:`remove`). Called by ``gpu-lease kernelspec …``
 (``cli.py``); the ready specs in the repository's ``kernelspecs/`` folder are this
@@ -25,53 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequest
-from .model import fraction_to_ppm
+from .model import (
+    ENFORCEMENTS,
+    PPM,
+    fraction_to_ppm,
+    memory_cap_mb,
+    min_ppm_for,
+    ppm_to_fraction,
+    reserved_mb,
+    validate_fraction,
+)
 
 PROVISIONER_NAME = "gpu-lease-provisioner"
-ENFORCEMENTS = ("cooperative", "mps")
 READY_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 _KERNEL_NAME = re.compile(r"^[a-z0-9._\-]+$", re.IGNORECASE)
 
 
 # -- pure builders ------------------------------------------------------------
-def validate_fraction(value: Any) -> float:
-    """``value`` as a GPU fraction in (0, 1], or :class:`InvalidRequest` saying what is wrong.
-
-    Accepts numbers and numeric strings (from the command line); refuses booleans,
-    NaN, infinities, 0, negatives, values above 1 and values below one part per million.
-    """
-    number: float
-    if isinstance(value, bool):
-        raise InvalidRequest(f"The GPU fraction must be a number, not {value!r}.")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            raise InvalidRequest(
-                f"The GPU fraction must be a number such as 0.02 or 0.25, not {value!r}."
-            ) from None
-    else:
-        raise InvalidRequest(
-            f"The GPU fraction must be a number such as 0.02 or 0.25, not {type(value).__name__}."
-        )
-    if not math.isfinite(number):
-        raise InvalidRequest(
-            f"The GPU fraction must be a finite number above 0 and at most 1, not {value!r}."
-        )
-    if number <= 0 or number > 1:
-        raise InvalidRequest(
-            f"The GPU fraction must be above 0 and at most 1 (1 is a whole GPU), not {value!r}."
-        )
-    if fraction_to_ppm(number) < 1:
-        raise InvalidRequest(
-            f"The GPU fraction {value!r} is below one millionth of a GPU; use at least 0.000001."
-        )
-    return number
-
-
 def format_fraction(fraction: float) -> str:
     """0.02 -> "0.02", 1.0 -> "1" (at most 6 decimals, never an exponent)."""
     return f"{fraction:.6f}".rstrip("0").rstrip(".") or "0"
@@ -106,7 +77,7 @@ def validate_name(name: str) -> str:
 
 
 def build_kernelspec(
-    fraction: Any,
+    fraction: float,
     *,
     display_name: str | None = None,
     group: str | None = None,
@@ -176,6 +147,56 @@ def gpu_config(spec: dict[str, Any]) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else {}
 
 
+#: MiB every CUDA process takes outside any framework cap (the broker's default)
+DEFAULT_CONTEXT_OVERHEAD_MB = 512
+
+
+def smallest_gpu_mb(fraction: float, context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB) -> int:
+    """The least GPU memory (MiB) on which ``fraction`` leaves the kernel a cap of 1 MiB or more.
+
+    The broker reserves ``floor(f·M)`` and caps the kernel at that minus the context
+    overhead (``model.memory_cap_mb``).
+    """
+    ppm = fraction_to_ppm(validate_fraction(fraction))
+    return math.ceil((context_overhead_mb + 1) * PPM / ppm)
+
+
+def fit_problem(fraction: float, gpus: list[dict[str, Any]]) -> str | None:
+    """Why a kernel of ``fraction`` can never be placed on the broker's pool, else None.
+
+    The broker's own rule (``scheduling.check_can_ever_fit``) over ``gpus``, the list of
+    ``GET /api/v1/gpus`` (``memory_mb``, ``name``, ``capacity_fraction`` and
+    ``context_overhead_mb``; a broker that sends neither of the last two is assumed to
+    use the defaults). Pure: the CLI fetches the pool.
+    """
+    ppm = fraction_to_ppm(validate_fraction(fraction))
+    if not gpus:
+        return "the broker's pool has no GPU"
+
+    def overhead(g: dict[str, Any]) -> int:
+        value = g.get("context_overhead_mb")
+        return value if isinstance(value, int) else DEFAULT_CONTEXT_OVERHEAD_MB
+
+    capacity = max(float(g.get("capacity_fraction") or 1.0) for g in gpus)
+    if ppm > fraction_to_ppm(capacity):
+        return (
+            f"a GPU fraction of {format_fraction(fraction)} is above the "
+            f"{format_fraction(capacity)} of a GPU the broker leases at most"
+        )
+    if any(memory_cap_mb(ppm, int(g.get("memory_mb") or 0), overhead(g)) > 0 for g in gpus):
+        return None
+    biggest = max(gpus, key=lambda g: int(g.get("memory_mb") or 0))
+    memory = int(biggest.get("memory_mb") or 0)
+    least = ppm_to_fraction(min_ppm_for(memory, overhead(biggest))) if memory else None
+    return (
+        f"a GPU fraction of {format_fraction(fraction)} gives at most "
+        f"{reserved_mb(ppm, memory)} MiB on the pool's largest GPU "
+        f"({biggest.get('name') or 'GPU'}, {memory} MiB), not more than the "
+        f"{overhead(biggest)} MiB every CUDA process needs for its context"
+        + (f"; the smallest fraction that works there is {format_fraction(least)}" if least else "")
+    )
+
+
 # -- thin I/O -----------------------------------------------------------------
 def _manager(prefix: str | None = None) -> Any:
     from jupyter_client.kernelspec import KernelSpecManager
@@ -196,6 +217,25 @@ def _python_logos() -> list[Path]:
     return sorted(p for p in Path(RESOURCES).glob("logo-*") if p.is_file())
 
 
+def destination(
+    name: str, *, user: bool = False, prefix: str | None = None, sys_prefix: bool = False
+) -> Path:
+    """The folder :func:`install` writes kernelspec ``name`` to (as ``jupyter kernelspec
+    install`` chooses it): the user's Jupyter data dir, ``PREFIX/share/jupyter/kernels``,
+    this Python's prefix, else the first system-wide Jupyter path."""
+    from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir
+
+    if sys_prefix:
+        prefix = sys.prefix
+    if user:
+        root = Path(jupyter_data_dir())
+    elif prefix:
+        root = Path(os.path.abspath(prefix)) / "share" / "jupyter"
+    else:
+        root = Path(SYSTEM_JUPYTER_PATH[0])
+    return root / "kernels" / name.lower()
+
+
 def install(
     spec: dict[str, Any],
     name: str,
@@ -203,12 +243,15 @@ def install(
     user: bool = False,
     prefix: str | None = None,
     sys_prefix: bool = False,
+    replace: bool = True,
 ) -> str:
     """Install ``spec`` as kernelspec ``name``; returns the folder it was installed in.
 
     Where: ``user`` (the user's Jupyter data dir), ``prefix`` (``PREFIX/share/jupyter/
     kernels``), ``sys_prefix`` (this Python's prefix), else system-wide, as
-    ``jupyter kernelspec install``. An existing spec of that name is replaced. Python
+    ``jupyter kernelspec install`` (:func:`destination`). An existing spec of that name
+    there is replaced, unless ``replace`` is False (``gpu-lease kernelspec install``
+    without ``--replace``): then :class:`InvalidRequest` says what is there. Python
     kernelspecs get ipykernel's logos when ipykernel is installed here.
     """
     validate_name(name)
@@ -216,6 +259,15 @@ def install(
         raise InvalidRequest("Choose one place to install: --user, --sys-prefix or --prefix.")
     if sys_prefix:
         prefix = sys.prefix
+    target = destination(name, user=user, prefix=prefix)
+    if not replace and target.exists():
+        old = _read_spec(str(target)) or {}
+        shown = f" ({old['display_name']})" if isinstance(old.get("display_name"), str) else ""
+        raise InvalidRequest(
+            f"A kernelspec named {name!r}{shown} is already installed in {target}; students "
+            "with a notebook on it would get the new settings. Add --replace to overwrite it, "
+            "or choose another --name."
+        )
     with tempfile.TemporaryDirectory(prefix="gpu-lease-kernelspec-") as tmp:
         source = Path(tmp) / name
         source.mkdir()

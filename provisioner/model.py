@@ -11,17 +11,79 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+
+from .errors import InvalidRequest
 
 PPM = 1_000_000
 
+#: a lease's ``state``: ``active``, then one of the ways it ends
 LeaseState = Literal["active", "revoked", "released", "expired"]
-LEASE_STATES: tuple[str, ...] = ("active", "revoked", "released", "expired")
+LEASE_STATES: tuple[LeaseState, ...] = get_args(LeaseState)
+
+#: quota levels, most general first: a user's own quota wins, else the most generous
+#: of their groups', else the default
+QUOTA_LEVELS: tuple[str, ...] = ("default", "group", "user")
+#: the named levels' plurals, as in ``/api/v1/quotas/users/{name}`` and the keys of
+#: ``GET /api/v1/quotas`` (``{"default": ..., "groups": {...}, "users": {...}}``)
+QUOTA_LEVEL_PLURALS: dict[str, str] = {"group": "groups", "user": "users"}
+#: a quota's fields on the wire (REST API v1, ``gpu-lease quota``), pairwise with
+#: :attr:`Quota.FIELDS`: fractions travel as floats, the budget window as seconds
+QUOTA_FIELDS: tuple[str, ...] = (
+    "max_fraction",
+    "max_leases",
+    "max_lease_fraction",
+    "budget_fraction_hours",
+    "budget_window",
+    "priority",
+)
+#: how a kernel's GPU memory cap is held: by the frameworks' own caps, or also by MPS
+ENFORCEMENTS: tuple[str, ...] = ("cooperative", "mps")
 
 
 def fraction_to_ppm(fraction: float) -> int:
-    """0.02 -> 20000. The caller has validated ``0 < fraction <= 1``."""
+    """0.02 -> 20000. The caller has validated the fraction (:func:`validate_fraction`)."""
     return int(round(fraction * PPM))
+
+
+def validate_fraction(
+    value: object, subject: str = "The GPU fraction", *, upper: float = 1.0
+) -> float:
+    """The one rule for a GPU fraction: ``value`` as a float, or :class:`InvalidRequest`.
+
+    A fraction is a number (not a bool), finite, above 0, at most ``upper`` (1: a whole
+    GPU; a quota's ``max_fraction`` sums over GPUs and passes a larger bound) and at
+    least one part per million. ``subject`` starts each message ("The GPU fraction",
+    "'max_fraction'"). Every fraction passes here: kernel.json (the provisioner's trait),
+    the kernelspec builder, the command line (``cli.fraction_arg`` turns text into a
+    number first) and the broker's JSON (``validation.parse_fraction`` refuses strings
+    first); :func:`fraction_to_ppm` of the result is its exact value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{subject} must be a number such as 0.02, not {brief(value)}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{subject} must be a finite number such as 0.02, not {brief(value)}.")
+    # compare before converting: a huge int would overflow a float
+    if not 0 < value <= upper:
+        raise InvalidRequest(
+            f"{subject} must be greater than 0 and at most {upper:g} (1 is a whole GPU), "
+            f"not {brief(value)}."
+        )
+    if fraction_to_ppm(float(value)) < 1:
+        raise InvalidRequest(
+            f"{subject} of {brief(value)} is below one millionth of a GPU, the smallest "
+            "fraction the broker counts; ask for a larger fraction."
+        )
+    return float(value)
+
+
+def brief(value: object) -> str:
+    """``repr(value)`` for a message, at most 40 characters (a huge int says so instead)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int above sys.get_int_max_str_digits()
+        return "a number with too many digits"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def ppm_to_fraction(ppm: int) -> float:
@@ -43,6 +105,27 @@ def min_ppm_for(memory_mb: int, context_overhead_mb: int) -> int:
     """The smallest fraction (ppm) whose memory cap on this GPU is at least 1 MiB."""
     # smallest p with p*M // PPM >= overhead + 1  <=>  p*M >= (overhead+1)*PPM
     return max(1, math.ceil((context_overhead_mb + 1) * PPM / memory_mb))
+
+
+NO_GROUP = ""
+
+
+def attribution(group: str | None, groups: Iterable[str]) -> dict[str, float]:
+    """The courses one lease's use counts for, each with its share (the shares sum to 1).
+
+    The rule behind ``usage --by group`` and the dashboard's per-course view: a lease
+    of a course kernel (``group`` set) counts wholly for that course; any other lease
+    is split equally among the groups (courses) its user belonged to when it was
+    granted (``Lease.groups``); a user in no group counts under :data:`NO_GROUP` (``""``,
+    shown as "(no group)"). Leases recorded before the broker kept ``groups`` have none.
+    """
+    if group:
+        return {group: 1.0}
+    names = sorted(set(groups))
+    if not names:
+        return {NO_GROUP: 1.0}
+    share = 1.0 / len(names)
+    return dict.fromkeys(names, share)
 
 
 @dataclass(frozen=True)
@@ -71,6 +154,51 @@ class Identity:
     user: str
     groups: frozenset[str] = frozenset()
     admin: bool = False
+    #: set for a node agent's token: the node it speaks for (it may call only the node routes)
+    node: str | None = None
+
+
+#: what ``GET /api/v1/nodes`` says of a node: its agent heartbeats, is silent longer than
+#: the grace, or was stopped cleanly (no new leases there; held ones stay)
+NODE_STATES = ("up", "lost", "drained")
+
+
+@dataclass
+class Node:
+    """A GPU node as its agent registered it (``PUT /api/v1/nodes/{node}``)."""
+
+    name: str
+    gpus: list[GPU]
+    agent_version: str
+    registered_at: float
+    #: the broker's clock at the last registration or heartbeat
+    last_seen: float
+    drained: bool = False
+    #: the agent's ``--enforce`` mode: off | report | revoke | kill
+    enforce: str = "report"
+    #: the last heartbeat's ``(pid, gpu_uuid, used_mb)`` samples
+    usage: list[tuple[int, str, int]] = field(default_factory=list)
+    #: the samples of that heartbeat that belong to no lease
+    unleased: list[tuple[int, str, int]] = field(default_factory=list)
+
+    def summary(self, state: str) -> dict[str, Any]:
+        return {
+            "node": self.name,
+            "state": state,
+            "gpus": len(self.gpus),
+            "last_seen": self.last_seen,
+        }
+
+    def detail(self, state: str) -> dict[str, Any]:
+        return {
+            **self.summary(state),
+            "gpus": [{**g.to_json(), "index": g.index} for g in self.gpus],
+            "agent_version": self.agent_version,
+            "enforce": self.enforce,
+            "registered_at": self.registered_at,
+            "usage": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.usage],
+            "unleased": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.unleased],
+        }
 
 
 @dataclass
@@ -81,7 +209,7 @@ class Lease:
     gpu_uuid: str
     fraction_ppm: int
     memory_limit_mb: int
-    state: str
+    state: LeaseState
     created_at: float
     renewed_at: float
     expires_at: float
@@ -91,6 +219,8 @@ class Lease:
     pid: int | None = None
     execution_state: str | None = None
     last_activity: float | None = None
+    #: the user's groups (courses) when the lease was granted, sorted; see :func:`attribution`
+    groups: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:
@@ -118,6 +248,7 @@ class Lease:
             "pid": self.pid,
             "execution_state": self.execution_state,
             "last_activity": self.last_activity,
+            "groups": list(self.groups),
         }
 
 
@@ -147,6 +278,29 @@ class Request:
         return (self.user, self.kernel_id)
 
 
+#: how a queued request left the queue: granted a lease, withdrawn by its client
+#: (``DELETE``), or dropped because its client stopped polling
+QUEUE_OUTCOMES: tuple[str, ...] = ("granted", "cancelled", "dropped")
+
+
+@dataclass(frozen=True)
+class QueueRecord:
+    """One request's stay in the queue (the store's ``queue_log``), for the broker's history.
+
+    ``left_at`` and ``outcome`` (one of :data:`QUEUE_OUTCOMES`) are ``None`` while it waits.
+    """
+
+    id: str
+    user: str
+    kernel_id: str
+    fraction_ppm: int
+    arrived_at: float
+    group: str | None = None
+    groups: tuple[str, ...] = ()
+    left_at: float | None = None
+    outcome: str | None = None
+
+
 @dataclass(frozen=True)
 class Quota:
     """Limits at one level (default, group or user). ``None`` means "not set here".
@@ -173,21 +327,13 @@ class Quota:
     )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "max_fraction": None
-            if self.max_fraction_ppm is None
-            else ppm_to_fraction(self.max_fraction_ppm),
-            "max_leases": self.max_leases,
-            "max_lease_fraction": None
-            if self.max_lease_fraction_ppm is None
-            else ppm_to_fraction(self.max_lease_fraction_ppm),
-            "budget_fraction_hours": self.budget_fraction_hours,
-            "budget_window": self.budget_window_s,
-            "priority": self.priority,
-        }
-
-    def is_empty(self) -> bool:
-        return all(getattr(self, f) is None for f in self.FIELDS)
+        out: dict[str, Any] = {}
+        for wire, attr in zip(QUOTA_FIELDS, self.FIELDS, strict=True):
+            value = getattr(self, attr)
+            if value is not None and attr.endswith("_ppm"):
+                value = ppm_to_fraction(value)
+            out[wire] = value
+        return out
 
 
 @dataclass
@@ -217,6 +363,9 @@ class PoolState:
     leases_by_user: dict[str, int] = field(default_factory=dict)
     #: uuid -> number of active leases on it
     lease_count: dict[str, int] = field(default_factory=dict)
+    #: uuids of GPUs where nothing new is placed (their node is lost or drained, or the GPU
+    #: vanished from its node while leased); their leases run on until they end
+    closed: set[str] = field(default_factory=set)
     _ordered: list[GPU] | None = field(default=None, repr=False, compare=False)
 
     def ordered_gpus(self) -> list[GPU]:
@@ -243,6 +392,23 @@ class PoolState:
         for req in queue:
             state.queue[req.key] = req
         return state
+
+    # -- GPUs (node agents register and withdraw them) ----------------------------
+    def put_gpu(self, gpu: GPU) -> None:
+        """Add a GPU to the pool, or replace its record (its leases stay)."""
+        self.gpus[gpu.uuid] = gpu
+        self.allocated.setdefault(gpu.uuid, 0)
+        self.lease_count.setdefault(gpu.uuid, 0)
+        self._ordered = None
+
+    def drop_gpu(self, uuid: str) -> None:
+        """Take a GPU without active leases out of the pool."""
+        assert not self.lease_count.get(uuid), "a GPU with active leases stays in the pool"
+        self.gpus.pop(uuid, None)
+        self.allocated.pop(uuid, None)
+        self.lease_count.pop(uuid, None)
+        self.closed.discard(uuid)
+        self._ordered = None
 
     # -- leases ------------------------------------------------------------
     def add_lease(self, lease: Lease) -> None:
@@ -276,9 +442,6 @@ class PoolState:
         lease_id = self.by_kernel.get((user, kernel_id))
         return self.leases.get(lease_id) if lease_id else None
 
-    def user_leases(self, user: str) -> list[Lease]:
-        return [lease for lease in self.leases.values() if lease.user == user]
-
     def copy(self) -> PoolState:
         """A deep-enough copy for simulations and property tests."""
         return PoolState(
@@ -290,4 +453,5 @@ class PoolState:
             held_by_user=dict(self.held_by_user),
             leases_by_user=dict(self.leases_by_user),
             lease_count=dict(self.lease_count),
+            closed=set(self.closed),
         )

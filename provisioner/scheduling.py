@@ -28,18 +28,25 @@ Key rules (see DESIGN.md "Semantics"):
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked.
+* Estimated waits (``estimate_waits``): the future replayed on a copy of the state, each
+  lease ending after its expected remaining hold given its age (from observed hold
+  times), ``drain`` granting as the broker will.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from .errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
+from .errors import CannotFit, Conflict, Forbidden, QuotaExceeded, UnknownGPU
 from .model import (
     GPU,
     PPM,
     Lease,
+    Node,
     PoolState,
     Quota,
     QuotaBook,
@@ -49,9 +56,6 @@ from .model import (
     ppm_to_fraction,
 )
 
-PLACEMENTS = ("best-fit", "spread", "first-fit")
-RESERVATIONS = ("fewest-leases", "emptiest")
-
 
 @dataclass(frozen=True)
 class Policy:
@@ -60,13 +64,19 @@ class Policy:
     ttl: float = 90.0
     context_overhead_mb: int = 512
     reserve_ppm: int = 0
-    placement: str = "best-fit"
+    placement: str = "best-fit"  # or "spread"; "first-fit" is the simulator's baseline
     backfill: bool = True
-    reservation: str = "fewest-leases"
+    reservation: str = "fewest-leases"  # or "emptiest" (the simulator's comparison)
     starvation_after: float = 600.0
     idle_reclaim_after: float | None = None
     queue_poll_grace: float = 30.0
     max_queued_per_user: int = 10
+    #: seconds a node agent may stay silent before its node is lost (nothing new placed there)
+    node_grace: float = 30.0
+    #: MiB a kernel may use above its lease's reservation before it counts as over it
+    overuse_tolerance_mb: int = 256
+    #: seconds a kernel must stay over its lease before an enforcing agent's node revokes it
+    overuse_grace: float = 10.0
 
     @property
     def capacity_ppm(self) -> int:
@@ -133,8 +143,11 @@ def usable_gpus(
     node: str | None = None,
     gpu_uuids: Iterable[str] | None = None,
 ) -> list[GPU]:
-    """GPUs that could ever host ``ppm``: on the node / in the uuid list, cap > 0, within capacity."""
+    """GPUs that could host ``ppm``: on the node / in the uuid list, cap > 0, within capacity,
+    and open (not on a lost or drained node: ``state.closed``)."""
     gpus = candidate_gpus(state, node, gpu_uuids)
+    if state.closed:
+        gpus = [g for g in gpus if g.uuid not in state.closed]
     if ppm > policy.capacity_ppm:
         return []
     return [g for g in gpus if memory_cap_mb(ppm, g.memory_mb, policy.context_overhead_mb) > 0]
@@ -160,9 +173,8 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
     if ask.gpu_uuids is not None:
         unknown = sorted(set(ask.gpu_uuids) - set(state.gpus))
         if unknown:
-            raise InvalidRequest(
-                f"Unknown GPU UUID(s): {', '.join(unknown)}. "
-                "List the broker's GPUs with GET /api/v1/gpus (or `gpu-lease top`)."
+            raise UnknownGPU(
+                f"Unknown GPU UUID(s): {', '.join(unknown)}; they are not in the broker's pool."
             )
     if ask.node is not None and not any(g.node == ask.node for g in state.gpus.values()):
         raise CannotFit(
@@ -181,7 +193,11 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
             "is available to leases. Pick a kernel with a smaller GPU fraction.",
             max_fraction=most,
         )
-    ok = usable_gpus(state, ask.fraction_ppm, policy, ask.node, ask.gpu_uuids)
+    ok = [
+        g
+        for g in cands
+        if memory_cap_mb(ask.fraction_ppm, g.memory_mb, policy.context_overhead_mb) > 0
+    ]
     if not ok:
         overhead = policy.context_overhead_mb
         biggest = max(cands, key=lambda g: g.memory_mb)
@@ -194,7 +210,46 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
             f"{ppm_to_fraction(smallest):g}.",
             min_fraction=ppm_to_fraction(smallest),
         )
-    return ok
+    # a lost or drained node's GPUs could take it later: wait for them, never place there now
+    return [g for g in ok if g.uuid not in state.closed]
+
+
+# -- nodes ----------------------------------------------------------------------
+
+
+def node_state(node: Node, now: float, policy: Policy) -> str:
+    """``drained`` (its agent stopped cleanly), ``lost`` (silent longer than the grace) or ``up``."""
+    if node.drained:
+        return "drained"
+    if now - node.last_seen > policy.node_grace:
+        return "lost"
+    return "up"
+
+
+def closed_gpus(nodes: Iterable[Node], now: float, policy: Policy) -> set[str]:
+    """The uuids of GPUs on nodes that are not up: nothing new is placed there."""
+    return {g.uuid for n in nodes if node_state(n, now, policy) != "up" for g in n.gpus}
+
+
+def over_lease(lease: Lease, used_mb: int, policy: Policy) -> bool:
+    """True when a kernel uses more than its lease: cap + context overhead + tolerance."""
+    allowed = lease.memory_limit_mb + policy.context_overhead_mb + policy.overuse_tolerance_mb
+    return used_mb > allowed
+
+
+def overuse_reason(used_mb: int, lease: Lease, policy: Policy) -> str:
+    """What the student reads: ``used 2.1 GiB of a 655 MiB lease``."""
+    held = lease.memory_limit_mb + policy.context_overhead_mb
+    return (
+        f"the kernel used {_mib(used_mb)} of GPU memory on a {_mib(held)} lease "
+        f"({lease.memory_limit_mb} MiB cap + {policy.context_overhead_mb} MiB CUDA context) for "
+        f"more than {policy.overuse_grace:g} s; start a kernel with a larger GPU fraction or "
+        "use less memory"
+    )
+
+
+def _mib(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
 
 
 # -- placement ----------------------------------------------------------------
@@ -228,21 +283,70 @@ def place(
 # -- quotas -------------------------------------------------------------------
 
 
-def effective_quota(book: QuotaBook, user: str, groups: Iterable[str]) -> Quota:
-    """default -> group -> user: a user's own value wins, else the most generous group's, else default."""
+@dataclass(frozen=True)
+class EffectiveQuota:
+    """A user's effective quota and, per field, the level that set it.
+
+    ``sources`` maps each :attr:`Quota.FIELDS` name to ``"user"``, ``"group NAME"`` or
+    ``"default"`` (also for a value the default leaves unset: unlimited).
+    """
+
+    quota: Quota
+    sources: dict[str, str]
+
+
+def quota_sources(book: QuotaBook, user: str, groups: Iterable[str]) -> EffectiveQuota:
+    """default -> group -> user: a user's own value wins, else the most generous group's, else default.
+
+    The one home of quota precedence: admission (:func:`effective_quota`), ``GET
+    /api/v1/quotas/me`` and the admin's ``gpu-lease quota show --user NAME`` all call it.
+    Groups are taken in name order, so of two groups with the same value the first
+    name is the source.
+    """
     mine = book.users.get(user)
-    group_quotas = [book.groups[g] for g in sorted(groups) if g in book.groups]
-    values = {}
+    group_quotas = [(g, book.groups[g]) for g in sorted(groups) if g in book.groups]
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for name in Quota.FIELDS:
         value = getattr(mine, name) if mine is not None else None
+        source = "user"
         if value is None:
-            set_by_groups = [getattr(q, name) for q in group_quotas if getattr(q, name) is not None]
-            if set_by_groups:
-                value = max(set_by_groups)
+            best: tuple[str, Any] | None = None
+            for group, q in group_quotas:
+                v = getattr(q, name)
+                if v is not None and (best is None or v > best[1]):
+                    best = (group, v)
+            if best is not None:
+                value, source = best[1], f"group {best[0]}"
         if value is None:
-            value = getattr(book.default, name)
+            value, source = getattr(book.default, name), "default"
         values[name] = value
-    return Quota(**values)
+        sources[name] = source
+    return EffectiveQuota(Quota(**values), sources)
+
+
+def effective_quota(book: QuotaBook, user: str, groups: Iterable[str]) -> Quota:
+    """The quota admission applies to ``user`` in ``groups`` (see :func:`quota_sources`)."""
+    return quota_sources(book, user, groups).quota
+
+
+def never_allowed(quota: Quota, ppm: int) -> str | None:
+    """Why ``quota`` can never admit one kernel of ``ppm``, whatever else is held; else None.
+
+    A per-kernel limit below the fraction, a total below it, no leases or no budget at
+    all. Used by the launcher (which kernels to offer) and mirrored by :func:`admit`.
+    """
+    if quota.max_leases is not None and quota.max_leases <= 0:
+        return "max_leases"
+    if quota.max_fraction_ppm is not None and quota.max_fraction_ppm <= 0:
+        return "max_fraction"
+    if quota.max_lease_fraction_ppm is not None and ppm > quota.max_lease_fraction_ppm:
+        return "max_lease_fraction"
+    if quota.max_fraction_ppm is not None and ppm > quota.max_fraction_ppm:
+        return "max_fraction"
+    if quota.budget_fraction_hours is not None and quota.budget_fraction_hours <= 0:
+        return "budget_fraction_hours"
+    return None
 
 
 def check_course(ask: Ask) -> None:
@@ -270,17 +374,38 @@ def admit(
     waiting = [r for r in state.queue.values() if r.user == ask.user]
     held = state.held_by_user.get(ask.user, 0) + sum(r.fraction_ppm for r in waiting)
     count = state.leases_by_user.get(ask.user, 0) + len(waiting)
+    for field_name, value in (
+        ("max_leases", quota.max_leases),
+        ("max_fraction", quota.max_fraction_ppm),
+        ("max_lease_fraction", quota.max_lease_fraction_ppm),
+    ):
+        if value is not None and value <= 0:
+            raise QuotaExceeded(
+                f"Your quota allows no GPU kernels (its {field_name} is 0), so no GPU kernel "
+                "can start. Choose a kernel without a GPU, or ask your instructor or "
+                "administrator for a GPU quota.",
+                quota=field_name,
+                limit=0,
+            )
     if quota.max_lease_fraction_ppm is not None and ask.fraction_ppm > quota.max_lease_fraction_ppm:
         limit = ppm_to_fraction(quota.max_lease_fraction_ppm)
         raise QuotaExceeded(
             f"A GPU fraction of {fraction:g} is above your per-kernel limit of {limit:g}. "
-            "Choose a kernel with a smaller GPU fraction.",
+            f"Choose a kernel with a GPU fraction of at most {limit:g}.",
             quota="max_lease_fraction",
+            limit=limit,
+        )
+    if quota.max_fraction_ppm is not None and ask.fraction_ppm > quota.max_fraction_ppm:
+        limit = ppm_to_fraction(quota.max_fraction_ppm)
+        raise QuotaExceeded(
+            f"A GPU fraction of {fraction:g} is above your limit of {limit:g} of a GPU held "
+            f"at once. Choose a kernel with a GPU fraction of at most {limit:g}.",
+            quota="max_fraction",
             limit=limit,
         )
     if quota.max_leases is not None and count + 1 > quota.max_leases:
         raise QuotaExceeded(
-            f"You already hold or wait for {count} GPU kernel(s), the most your quota allows "
+            f"You already hold or wait for {_kernels(count)}, the most your quota allows "
             f"({quota.max_leases}). Shut down a GPU kernel you no longer use and try again.",
             quota="max_leases",
             limit=quota.max_leases,
@@ -289,9 +414,20 @@ def admit(
         limit = ppm_to_fraction(quota.max_fraction_ppm)
         raise QuotaExceeded(
             f"This kernel would bring your GPU share to {ppm_to_fraction(held + ask.fraction_ppm):g}, "
-            f"above your limit of {limit:g} at once. Shut down a GPU kernel and try again.",
+            f"above your limit of {limit:g} at once; you hold or wait for "
+            f"{ppm_to_fraction(held):g} in {_kernels(count)}. Shut down a GPU kernel you no "
+            "longer use and try again.",
             quota="max_fraction",
             limit=limit,
+        )
+    if quota.budget_fraction_hours is not None and quota.budget_fraction_hours <= 0:
+        raise QuotaExceeded(
+            "Your quota allows no GPU time (a budget of 0 fraction-hours), so no GPU kernel "
+            "can start. Choose a kernel without a GPU, or ask your instructor or "
+            "administrator for a GPU budget.",
+            quota="budget_fraction_hours",
+            limit=quota.budget_fraction_hours,
+            used=round(used_fraction_hours, 6),
         )
     if (
         quota.budget_fraction_hours is not None
@@ -313,6 +449,11 @@ def admit(
             quota="max_queued",
             limit=policy.max_queued_per_user,
         )
+
+
+def _kernels(count: int) -> str:
+    """1 -> "1 GPU kernel", 2 -> "2 GPU kernels"."""
+    return f"{count} GPU kernel" + ("" if count == 1 else "s")
 
 
 # -- queue ------------------------------------------------------------------
@@ -441,6 +582,7 @@ def new_lease(req: Request | Ask, gpu: GPU, now: float, policy: Policy, lease_id
         expires_at=now + policy.ttl,
         group=req.group,
         last_activity=now,
+        groups=tuple(sorted(req.groups)),
     )
 
 
@@ -455,8 +597,8 @@ def decide_acquire(
 ) -> AcquireDecision:
     """Decide one acquire: repeat -> same lease or queue place; else check, admit, place or enqueue.
 
-    Raises ``InvalidRequest``/``CannotFit``/``Forbidden``/``QuotaExceeded``/``Conflict``
-    with nothing decided. A new ask joins the queue's order; if anything is waiting,
+    Raises ``UnknownGPU`` (an ``InvalidRequest``), ``CannotFit``, ``Forbidden``,
+    ``QuotaExceeded`` or ``Conflict`` with nothing decided. A new ask joins the queue's order; if anything is waiting,
     a new ask is granted at once only if the drain (with its head reservation) grants it.
     """
     existing = state.lease_for_kernel(ask.user, ask.kernel_id)
@@ -478,7 +620,7 @@ def decide_acquire(
                 touched,
                 position_of(state, waiting.key, now, policy),
                 new=False,
-                reason=why_waiting(state, ok),
+                reason=why_waiting(state, ok, waiting.fraction_ppm, policy),
             )
         )
 
@@ -510,23 +652,48 @@ def decide_acquire(
         mine.request = None  # it never waited: nothing to take out of the queue
         return AcquireDecision(mine, grants)
     position = position_of(state, req.key, now, policy, extra=req)
-    return AcquireDecision(Queued(req, position, new=True, reason=why_waiting(state, ok)), grants)
+    return AcquireDecision(
+        Queued(req, position, new=True, reason=why_waiting(state, ok, req.fraction_ppm, policy)),
+        grants,
+    )
 
 
-def why_waiting(state: PoolState, ok: list[GPU]) -> str:
-    """A sentence for a student whose request waits: how full the GPUs are."""
+def why_waiting(state: PoolState, ok: list[GPU], ppm: int = 0, policy: Policy | None = None) -> str:
+    """Sentences for a student whose request (of ``ppm``) waits: how full its GPUs are.
+
+    GPUs are named as ``gpu-lease top`` names them (``GPU 0 (V100)``, with the node when
+    the pool has several), never by UUID. When a smaller kernel could be placed right
+    now (some usable GPU has room for at least the smallest fraction that works there,
+    but less than ``ppm``), it says how much is free; otherwise it gives no such advice
+    (a student on the smallest kernel that works has nothing smaller to pick).
+    """
     if not ok:
         return "No GPU can take this request right now."
+    policy = policy or Policy()
+    nodes = {g.node for g in state.gpus.values()}
+
+    def title(g: GPU) -> str:
+        where = f" on node {g.node}" if len(nodes) > 1 else ""
+        return f"GPU {g.index} ({g.name}){where}"
+
     parts = []
     for g in ok[:4]:
         used = ppm_to_fraction(state.allocated.get(g.uuid, 0))
-        parts.append(f"{g.name} {g.uuid[-8:]} is {used:.0%} allocated")
-    more = f" (and {len(ok) - 4} more GPUs)" if len(ok) > 4 else ""
-    waiting = len(state.queue)
-    return (
-        f"All GPUs you may use are full: {'; '.join(parts)}{more}. "
-        f"{waiting} other request(s) are waiting."
-    )
+        parts.append(f"{title(g)} is {used:.0%} allocated")
+    more = f" (and {len(ok) - 4} more)" if len(ok) > 4 else ""
+    roomiest = max(ok, key=lambda g: policy.capacity_ppm - state.allocated.get(g.uuid, 0))
+    free = policy.capacity_ppm - state.allocated.get(roomiest.uuid, 0)
+    if ppm and free >= ppm:  # it fits, but waits behind the queue's head (its reservation)
+        return f"Requests ahead of yours in the queue are served first ({'; '.join(parts)}{more})."
+    subject = "The GPU you may use is full" if len(ok) == 1 else "The GPUs you may use are full"
+    text = f"{subject}: {'; '.join(parts)}{more}."
+    smallest = min_ppm_for(roomiest.memory_mb, policy.context_overhead_mb)
+    if ppm and smallest <= free < ppm:
+        text += (
+            f" {title(roomiest)} has {ppm_to_fraction(free):g} of a GPU free: a kernel with "
+            "a smaller GPU fraction may start sooner."
+        )
+    return text
 
 
 # -- applying decisions -------------------------------------------------------------
@@ -675,3 +842,114 @@ def check_invariants(state: PoolState, policy: Policy) -> None:
     for uuid, total in totals.items():
         assert total <= policy.capacity_ppm, f"GPU {uuid} over-allocated: {total} ppm"
         assert state.allocated.get(uuid, 0) == total, f"allocated map drifted on {uuid}"
+
+
+# -- estimated waits -----------------------------------------------------------------
+
+
+@dataclass
+class HoldTimes:
+    """Observed hold times (seconds from grant to end) of recent leases, for estimated waits.
+
+    The broker's service adds each lease's hold when it ends (released, revoked or
+    expired) and seeds it from the store's recent history at start; the simulator does
+    the same on its clock. ``limit`` bounds memory: the oldest observations go first.
+    """
+
+    limit: int = 1000
+    holds: list[float] = field(default_factory=list)
+    _sorted: list[float] | None = field(default=None, repr=False)
+
+    def add(self, seconds: float) -> None:
+        if seconds >= 0:
+            self.holds.append(float(seconds))
+            if len(self.holds) > self.limit:
+                del self.holds[: len(self.holds) - self.limit]
+            self._sorted = None
+
+    def __len__(self) -> int:
+        return len(self.holds)
+
+    def ordered(self) -> list[float]:
+        if self._sorted is None:
+            self._sorted = sorted(self.holds)
+        return self._sorted
+
+    def mean(self) -> float:
+        return sum(self.holds) / len(self.holds) if self.holds else 0.0
+
+    def remaining(self, age: float, floor: float) -> float:
+        """Expected seconds left for a lease held ``age`` seconds: the mean residual life.
+
+        The mean of ``h - age`` over the observed holds ``h`` longer than ``age`` (leases
+        that lived this long lived that much longer); with fewer than
+        ``MIN_LONGER_HOLDS`` such observations (a lease older than almost all seen),
+        half the mean hold. Never less than ``floor`` (the TTL: a lease ends at the
+        earliest when its kernel stops, and then at once; an unrenewed one takes a TTL).
+        """
+        ordered = self.ordered()
+        longer = ordered[bisect.bisect_right(ordered, age) :]
+        if len(longer) >= MIN_LONGER_HOLDS:
+            left = sum(longer) / len(longer) - age
+        else:
+            left = self.mean() / 2
+        return max(floor, left)
+
+
+#: fewer observed holds than this make no estimate at all
+MIN_HOLDS_FOR_ETA = 5
+#: a lease's residual life is averaged over at least this many longer holds
+MIN_LONGER_HOLDS = 3
+
+
+def expected_end(lease: Lease, now: float, policy: Policy, holds: HoldTimes) -> float:
+    """When ``lease`` is expected to end: after its expected remaining hold, or, with idle
+    reclaim on and its kernel idle now, when it will have been idle for
+    ``idle_reclaim_after`` (someone waits, so the reaper then revokes it), if sooner."""
+    end = now + holds.remaining(now - lease.created_at, policy.ttl)
+    limit = policy.idle_reclaim_after
+    if limit is not None and lease.execution_state != "busy":
+        since = lease.last_activity if lease.last_activity is not None else lease.created_at
+        end = min(end, max(now, since + limit))
+    return end
+
+
+def estimate_waits(
+    state: PoolState, now: float, policy: Policy, holds: HoldTimes
+) -> dict[tuple[str, str], float]:
+    """Estimated seconds until each waiting request gets its lease (by request key).
+
+    Replays the future on a copy of the state: every active lease ends when
+    :func:`expected_end` says (its expected remaining hold given its age, or its idle
+    reclaim, if sooner); after each
+    end, ``drain`` (queue order, placement and the head's reservation, exactly as the
+    broker will) grants what fits, and each grant's lease is expected to last the mean
+    hold. A request's estimate is the time of its grant. New arrivals, idle reclaim and
+    kernels that stop earlier or later than the average are not foreseen: it is an
+    estimate. Requests that no foreseen end makes room for, and every request while
+    fewer than ``MIN_HOLDS_FOR_ETA`` holds were observed, get none.
+    """
+    if not state.queue or len(holds) < MIN_HOLDS_FOR_ETA:
+        return {}
+    sim = state.copy()
+    mean_hold = max(policy.ttl, holds.mean())
+    ends: list[tuple[float, str]] = [
+        (expected_end(lease, now, policy, holds), lease.id) for lease in sim.leases.values()
+    ]
+    heapq.heapify(ends)
+    out: dict[tuple[str, str], float] = {}
+    t = now
+    while sim.queue and ends:
+        t, lease_id = heapq.heappop(ends)
+        # every lease ending at the same moment ends before the drain
+        gone = [lease_id]
+        while ends and ends[0][0] <= t:
+            gone.append(heapq.heappop(ends)[1])
+        apply_ends(sim, gone)
+        grants = drain(sim, t, policy)
+        apply_grants(sim, grants)
+        for grant in grants:
+            if grant.request is not None:
+                out[grant.request.key] = t - now
+            heapq.heappush(ends, (t + mean_hold, grant.lease.id))
+    return out

@@ -13,34 +13,55 @@ fractions on each GPU plus the new ones fit, and that the kernel holds no other
 active lease, all in the transaction that inserts. Two broker processes writing at
 once therefore cannot over-allocate a GPU.
 
-Tables (schema version 1)::
+Tables (schema version 6)::
 
     schema_version  version PK, description, applied_at
     gpus            uuid PK, node, name, memory_mb, idx, capacity_ppm
     leases          id PK, user, kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb,
                     state, grp, created_at, renewed_at, expires_at, ended_at, reason,
-                    pid, execution_state, last_activity
+                    pid, execution_state, last_activity, user_groups (JSON, v2)
                     indexes: (state), (user), (gpu_uuid) WHERE state='active',
-                    UNIQUE (user, kernel_id) WHERE state='active'
+                    UNIQUE (user, kernel_id) WHERE state='active', (ended_at) (v3)
     requests        id PK, user, kernel_id, fraction_ppm, groups (JSON), grp, node,
                     gpu_uuids (JSON or NULL), priority, arrived_at, last_polled_at
                     UNIQUE (user, kernel_id)
+    queue_log       id PK (the request's), user, kernel_id, fraction_ppm, grp,
+                    user_groups (JSON), arrived_at, left_at, outcome (NULL while
+                    waiting | 'granted' | 'cancelled' | 'dropped')        (v3)
     quotas          level ('default'|'group'|'user'), name, max_fraction_ppm,
                     max_leases, max_lease_fraction_ppm, budget_fraction_hours,
                     budget_window_s, priority; PK (level, name)
+    nodes           name PK, gpus (JSON), agent_version, registered_at, drained (v4),
+                    enforce (v5)
+    leadership      id PK (always 1), holder, epoch, acquired_at, renewed_at,
+                    expires_at (v6; used on PostgreSQL with ``--ha-lock``)
 
 Times are float POSIX seconds; fractions are integer parts per million.
 
+Fenced leadership (PostgreSQL, ``--ha-lock``): the one ``leadership`` row names the
+active broker (``holder``), its ``epoch`` (raised by every takeover) and when its
+leadership ends (``expires_at``, by the database's clock, ``now()``). A standby takes
+the row only when it is free or expired (:meth:`Store.take_leadership`), the active
+extends it while the row still names it (:meth:`Store.renew_leadership`), and once
+:meth:`Store.set_fence` is called every write transaction first locks the row
+``FOR SHARE`` and checks holder, epoch and expiry: a deposed broker can never commit
+(:class:`~provisioner.errors.NotActive`, nothing written), and a takeover waits until
+the writes in flight have committed. The fence also stamps the transaction with its
+epoch (``current_setting('gpu_lease.epoch')``) for audit triggers.
+
 Errors: every SQLAlchemy or driver error is translated here into
 :class:`~provisioner.errors.StoreError`; a grant the database refuses raises
-:class:`CapacityConflict` (or its subclass :class:`DuplicateLease`; both are
-:class:`~provisioner.errors.Conflict`), and nothing was changed. An unusable URL or
-setting given to the constructor raises ``StoreError`` too.
+:class:`~provisioner.errors.CapacityConflict` (or its subclass ``DuplicateLease``, so
+``except CapacityConflict`` catches every refused grant: the caller's view of the pool is
+stale), and nothing was changed. An unusable URL or setting given to the constructor
+raises ``StoreError`` too. A write refused by the fence raises
+:class:`~provisioner.errors.NotActive`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,41 +74,39 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from .errors import Conflict, LeaseExpired, LeaseGone, LeaseNotFound, LeaseRevoked, StoreError
-from .model import GPU, LEASE_STATES, PPM, Lease, Quota, QuotaBook, Request
+from .errors import (
+    CapacityConflict,
+    DuplicateLease,
+    DuplicateRequest,
+    LeaseExpired,
+    LeaseGone,
+    LeaseNotFound,
+    LeaseRevoked,
+    NotActive,
+    StoreError,
+)
+from .model import (
+    GPU,
+    LEASE_STATES,
+    PPM,
+    QUEUE_OUTCOMES,
+    QUOTA_LEVELS,
+    Lease,
+    Node,
+    QueueRecord,
+    Quota,
+    QuotaBook,
+    Request,
+    attribution,
+)
 
 __all__ = [
     "MIGRATIONS",
-    "CapacityConflict",
-    "DuplicateLease",
-    "DuplicateRequest",
+    "Fence",
     "Migration",
     "Store",
     "upgrade_schema",
 ]
-
-
-class CapacityConflict(Conflict):
-    """The database refused a grant: it would put more than the GPU's capacity on it.
-
-    Also the base of :class:`DuplicateLease`, so that ``except CapacityConflict``
-    catches every grant the database refuses (the caller's view of the pool is stale).
-    Nothing was written.
-    """
-
-    code = "capacity_conflict"
-
-
-class DuplicateLease(CapacityConflict):
-    """The database refused a grant: the kernel already holds an active lease."""
-
-    code = "duplicate_lease"
-
-
-class DuplicateRequest(Conflict):
-    """The kernel already waits in the queue; nothing was written."""
-
-    code = "duplicate_request"
 
 
 # --------------------------------------------------------------------------- schema
@@ -102,89 +121,161 @@ schema_version = sa.Table(
     sa.Column("applied_at", sa.Double, nullable=False),
 )
 
-gpus = sa.Table(
-    "gpus",
-    metadata,
-    sa.Column("uuid", sa.String(128), primary_key=True),
-    sa.Column("node", sa.String(255), nullable=False),
-    sa.Column("name", sa.String(255), nullable=False),
-    sa.Column("memory_mb", sa.BigInteger, nullable=False),
-    sa.Column("idx", sa.Integer, nullable=False),
-    sa.Column("capacity_ppm", sa.BigInteger, nullable=False),
-)
-
-_gpu_table = gpus  # for methods whose parameter is named ``gpus``
-
 _STATE_IN = "state IN ('active', 'revoked', 'released', 'expired')"
-
-leases = sa.Table(
-    "leases",
-    metadata,
-    sa.Column("id", sa.String(64), primary_key=True),
-    sa.Column("user", sa.String(255), nullable=False),
-    sa.Column("kernel_id", sa.String(255), nullable=False),
-    sa.Column("gpu_uuid", sa.String(128), nullable=False),
-    sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
-    sa.Column("memory_limit_mb", sa.BigInteger, nullable=False),
-    sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("grp", sa.String(255), nullable=True),
-    sa.Column("created_at", sa.Double, nullable=False),
-    sa.Column("renewed_at", sa.Double, nullable=False),
-    sa.Column("expires_at", sa.Double, nullable=False),
-    sa.Column("ended_at", sa.Double, nullable=True),
-    sa.Column("reason", sa.Text, nullable=True),
-    sa.Column("pid", sa.BigInteger, nullable=True),
-    sa.Column("execution_state", sa.String(32), nullable=True),
-    sa.Column("last_activity", sa.Double, nullable=True),
-    sa.CheckConstraint(_STATE_IN, name="ck_leases_state"),
-    sa.CheckConstraint("fraction_ppm > 0", name="ck_leases_fraction"),
-    sa.CheckConstraint("state = 'active' OR ended_at IS NOT NULL", name="ck_leases_ended"),
-)
 _ACTIVE = sa.text("state = 'active'")
-sa.Index("ix_leases_state", leases.c.state)
-sa.Index("ix_leases_user", leases.c.user)
-sa.Index("ix_leases_active_gpu", leases.c.gpu_uuid, sqlite_where=_ACTIVE, postgresql_where=_ACTIVE)
-sa.Index(
-    "uq_leases_active_kernel",
-    leases.c.user,
-    leases.c.kernel_id,
-    unique=True,
-    sqlite_where=_ACTIVE,
-    postgresql_where=_ACTIVE,
-)
 
-requests = sa.Table(
-    "requests",
+
+def _define_v1(md: sa.MetaData) -> tuple[sa.Table, sa.Table, sa.Table, sa.Table]:
+    """The tables and indexes exactly as schema version 1 created them (frozen: never edit).
+
+    Later versions change the module's tables after this (``append_column``, new
+    tables) and say so in their migration, so that an old database is always built the
+    way version 1 built it and then upgraded step by step.
+    """
+    gpus = sa.Table(
+        "gpus",
+        md,
+        sa.Column("uuid", sa.String(128), primary_key=True),
+        sa.Column("node", sa.String(255), nullable=False),
+        sa.Column("name", sa.String(255), nullable=False),
+        sa.Column("memory_mb", sa.BigInteger, nullable=False),
+        sa.Column("idx", sa.Integer, nullable=False),
+        sa.Column("capacity_ppm", sa.BigInteger, nullable=False),
+    )
+
+    leases = sa.Table(
+        "leases",
+        md,
+        sa.Column("id", sa.String(64), primary_key=True),
+        sa.Column("user", sa.String(255), nullable=False),
+        sa.Column("kernel_id", sa.String(255), nullable=False),
+        sa.Column("gpu_uuid", sa.String(128), nullable=False),
+        sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
+        sa.Column("memory_limit_mb", sa.BigInteger, nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("grp", sa.String(255), nullable=True),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("renewed_at", sa.Double, nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
+        sa.Column("ended_at", sa.Double, nullable=True),
+        sa.Column("reason", sa.Text, nullable=True),
+        sa.Column("pid", sa.BigInteger, nullable=True),
+        sa.Column("execution_state", sa.String(32), nullable=True),
+        sa.Column("last_activity", sa.Double, nullable=True),
+        sa.CheckConstraint(_STATE_IN, name="ck_leases_state"),
+        sa.CheckConstraint("fraction_ppm > 0", name="ck_leases_fraction"),
+        sa.CheckConstraint("state = 'active' OR ended_at IS NOT NULL", name="ck_leases_ended"),
+    )
+    sa.Index("ix_leases_state", leases.c.state)
+    sa.Index("ix_leases_user", leases.c.user)
+    sa.Index(
+        "ix_leases_active_gpu", leases.c.gpu_uuid, sqlite_where=_ACTIVE, postgresql_where=_ACTIVE
+    )
+    sa.Index(
+        "uq_leases_active_kernel",
+        leases.c.user,
+        leases.c.kernel_id,
+        unique=True,
+        sqlite_where=_ACTIVE,
+        postgresql_where=_ACTIVE,
+    )
+
+    requests = sa.Table(
+        "requests",
+        md,
+        sa.Column("id", sa.String(64), primary_key=True),
+        sa.Column("user", sa.String(255), nullable=False),
+        sa.Column("kernel_id", sa.String(255), nullable=False),
+        sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
+        sa.Column("groups", sa.Text, nullable=False),
+        sa.Column("grp", sa.String(255), nullable=True),
+        sa.Column("node", sa.String(255), nullable=True),
+        sa.Column("gpu_uuids", sa.Text, nullable=True),
+        sa.Column("priority", sa.Integer, nullable=False),
+        sa.Column("arrived_at", sa.Double, nullable=False),
+        sa.Column("last_polled_at", sa.Double, nullable=False),
+        sa.UniqueConstraint("user", "kernel_id", name="uq_requests_kernel"),
+    )
+
+    quotas = sa.Table(
+        "quotas",
+        md,
+        sa.Column("level", sa.String(16), primary_key=True),
+        sa.Column("name", sa.String(255), primary_key=True),
+        sa.Column("max_fraction_ppm", sa.BigInteger, nullable=True),
+        sa.Column("max_leases", sa.Integer, nullable=True),
+        sa.Column("max_lease_fraction_ppm", sa.BigInteger, nullable=True),
+        sa.Column("budget_fraction_hours", sa.Double, nullable=True),
+        sa.Column("budget_window_s", sa.BigInteger, nullable=True),
+        sa.Column("priority", sa.Integer, nullable=True),
+        sa.CheckConstraint("level IN ('default', 'group', 'user')", name="ck_quotas_level"),
+    )
+    return gpus, leases, requests, quotas
+
+
+gpus, leases, requests, quotas = _define_v1(metadata)
+_gpu_table = gpus  # for methods whose parameter is named ``gpus``
+# version 2: the user's groups (courses) when the lease was granted, a JSON list (NULL:
+# granted before version 2); ``usage --by group`` attributes leases without a course
+# kernel's group to them (model.attribution)
+leases.append_column(sa.Column("user_groups", sa.Text, nullable=True))
+
+# version 3: every request's stay in the queue, for the history of queue length and
+# waits (``requests`` holds only those waiting now); leases by end time for the same
+_OUTCOME_IN = "outcome IS NULL OR outcome IN ('granted', 'cancelled', 'dropped')"
+queue_log = sa.Table(
+    "queue_log",
     metadata,
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("user", sa.String(255), nullable=False),
     sa.Column("kernel_id", sa.String(255), nullable=False),
     sa.Column("fraction_ppm", sa.BigInteger, nullable=False),
-    sa.Column("groups", sa.Text, nullable=False),
     sa.Column("grp", sa.String(255), nullable=True),
-    sa.Column("node", sa.String(255), nullable=True),
-    sa.Column("gpu_uuids", sa.Text, nullable=True),
-    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("user_groups", sa.Text, nullable=False),
     sa.Column("arrived_at", sa.Double, nullable=False),
-    sa.Column("last_polled_at", sa.Double, nullable=False),
-    sa.UniqueConstraint("user", "kernel_id", name="uq_requests_kernel"),
+    sa.Column("left_at", sa.Double, nullable=True),
+    sa.Column("outcome", sa.String(16), nullable=True),
+    sa.CheckConstraint(_OUTCOME_IN, name="ck_queue_log_outcome"),
 )
+_ix_queue_log_arrived = sa.Index("ix_queue_log_arrived", queue_log.c.arrived_at)
+_ix_leases_ended = sa.Index("ix_leases_ended", leases.c.ended_at)
 
-QUOTA_LEVELS = ("default", "group", "user")
 
-quotas = sa.Table(
-    "quotas",
-    metadata,
-    sa.Column("level", sa.String(16), primary_key=True),
-    sa.Column("name", sa.String(255), primary_key=True),
-    sa.Column("max_fraction_ppm", sa.BigInteger, nullable=True),
-    sa.Column("max_leases", sa.Integer, nullable=True),
-    sa.Column("max_lease_fraction_ppm", sa.BigInteger, nullable=True),
-    sa.Column("budget_fraction_hours", sa.Double, nullable=True),
-    sa.Column("budget_window_s", sa.BigInteger, nullable=True),
-    sa.Column("priority", sa.Integer, nullable=True),
-    sa.CheckConstraint("level IN ('default', 'group', 'user')", name="ck_quotas_level"),
-)
+def _define_nodes(md: sa.MetaData) -> sa.Table:
+    """Version 4: the nodes node agents registered (frozen: never edit)."""
+    return sa.Table(
+        "nodes",
+        md,
+        sa.Column("name", sa.String(255), primary_key=True),
+        sa.Column("gpus", sa.Text, nullable=False),  # JSON [{uuid, name, memory_mb, index}]
+        sa.Column("agent_version", sa.String(64), nullable=False),
+        sa.Column("registered_at", sa.Double, nullable=False),
+        sa.Column("drained", sa.Boolean, nullable=False),
+    )
+
+
+nodes = _define_nodes(metadata)
+# version 5: the agent's --enforce mode (NULL: registered before version 5, 'report')
+nodes.append_column(sa.Column("enforce", sa.String(8), nullable=True))
+
+
+def _define_v6_leadership(md: sa.MetaData) -> sa.Table:
+    """The leadership table as schema version 6 created it (frozen: never edit)."""
+    return sa.Table(
+        "leadership",
+        md,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("holder", sa.String(255), nullable=True),
+        sa.Column("epoch", sa.BigInteger, nullable=False),
+        sa.Column("acquired_at", sa.Double, nullable=True),
+        sa.Column("renewed_at", sa.Double, nullable=True),
+        sa.Column("expires_at", sa.Double, nullable=False),
+        sa.CheckConstraint("id = 1", name="ck_leadership_one_row"),
+    )
+
+
+# version 6: fenced leadership of active/standby brokers (one row, see the module docstring)
+leadership = _define_v6_leadership(metadata)
 
 # --------------------------------------------------------------------------- migrations
 
@@ -199,24 +290,54 @@ class Migration:
 
 
 def _v1_initial(conn: Connection) -> None:
-    # Version 1 is the full schema as defined above. When a later version changes a
-    # table, freeze the version-1 definitions in this function first, so that an old
-    # database is always built the way version 1 built it and then upgraded.
-    metadata.create_all(conn, tables=[gpus, leases, requests, quotas], checkfirst=True)
+    md = sa.MetaData()
+    md.create_all(conn, tables=list(_define_v1(md)), checkfirst=True)
 
 
-#: Ordered schema steps; append ``Migration(2, ...)`` to change the schema.
-MIGRATIONS: tuple[Migration, ...] = (Migration(1, "initial schema", _v1_initial),)
+def _v2_lease_groups(conn: Connection) -> None:
+    conn.execute(sa.text("ALTER TABLE leases ADD COLUMN user_groups TEXT"))
+
+
+def _v3_queue_log(conn: Connection) -> None:
+    queue_log.create(conn)  # with its index
+    _ix_leases_ended.create(conn)
+    # the requests waiting now arrived before the log existed: log them too
+    cols = ("id", "user", "kernel_id", "fraction_ppm", "grp", "arrived_at")
+    conn.execute(
+        queue_log.insert().from_select(
+            [*cols, "user_groups"],
+            sa.select(*(requests.c[c] for c in cols), requests.c.groups),
+        )
+    )
+
+
+def _v5_node_enforce(conn: Connection) -> None:
+    conn.execute(sa.text("ALTER TABLE nodes ADD COLUMN enforce VARCHAR(8)"))
+
+
+def _v4_nodes(conn: Connection) -> None:
+    md = sa.MetaData()
+    md.create_all(conn, tables=[_define_nodes(md)], checkfirst=True)
+
+
+def _v6_leadership(conn: Connection) -> None:
+    table = _define_v6_leadership(sa.MetaData())
+    table.create(conn, checkfirst=True)
+    conn.execute(table.insert().values(id=1, holder=None, epoch=0, expires_at=0.0))
+
+
+#: Ordered schema steps; append ``Migration(N + 1, ...)`` to change the schema (and change
+#: the module's tables after ``_define_v1`` to match).
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "initial schema", _v1_initial),
+    Migration(2, "leases record their user's groups", _v2_lease_groups),
+    Migration(3, "the queue's history", _v3_queue_log),
+    Migration(4, "nodes registered by node agents", _v4_nodes),
+    Migration(5, "nodes record their agent's enforcement mode", _v5_node_enforce),
+    Migration(6, "fenced leadership of active/standby brokers", _v6_leadership),
+)
 
 _PG_UPGRADE_LOCK = 0x67_6C_5F_73_74_6F_72  # pg_advisory_xact_lock key ("gl_stor")
-_PG_HA_LOCK = 0x67_6C_68_61  # first key of the HA advisory lock ("glha"); second: the schema
-_HA_TRY_LOCK = sa.text("SELECT pg_try_advisory_lock(:k, hashtext(current_schema()))").bindparams(
-    k=_PG_HA_LOCK
-)
-_HA_HELD = sa.text(
-    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() "
-    "AND granted AND objsubid = 2 AND classid = CAST(:k AS oid)"
-).bindparams(k=_PG_HA_LOCK)
 
 
 def upgrade_schema(
@@ -229,6 +350,10 @@ def upgrade_schema(
     Returns the schema version the database has afterwards.
     """
     if conn.dialect.name == "postgresql":
+        # a migration may take longer than the broker's statement timeout, and may wait
+        # for another process's migration
+        conn.execute(sa.text("SET LOCAL statement_timeout = 0"))
+        conn.execute(sa.text("SET LOCAL lock_timeout = 0"))
         conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_PG_UPGRADE_LOCK)))
     schema_version.create(conn, checkfirst=True)
     current = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar() or 0
@@ -256,7 +381,7 @@ def upgrade_schema(
 # Built once; SQLAlchemy caches their compiled form per dialect.
 
 _LEASE_COLS = (
-    # in the order of Lease's fields, so that ``Lease(*row)`` builds one
+    # in the order of Lease's fields, so that ``_lease_from_row(row)`` builds one
     leases.c.id,
     leases.c.user,
     leases.c.kernel_id,
@@ -273,6 +398,7 @@ _LEASE_COLS = (
     leases.c.pid,
     leases.c.execution_state,
     leases.c.last_activity,
+    leases.c.user_groups,  # a JSON list: see _lease_from_row
 )
 _SELECT_LEASES = sa.select(*_LEASE_COLS)
 _SELECT_ACTIVE = _SELECT_LEASES.where(leases.c.state == "active").order_by(
@@ -352,11 +478,6 @@ _TOUCH_REQUEST = (
     .where(requests.c.id == sa.bindparam("b_id"))
     .values(last_polled_at=sa.bindparam("b_last_polled_at"))
 )
-_GPU_ACTIVE_COUNT = (
-    sa.select(sa.func.count())
-    .select_from(leases)
-    .where(leases.c.state == "active", leases.c.gpu_uuid == sa.bindparam("b_uuid"))
-)
 _UPDATE_GPU = (
     gpus.update()
     .where(gpus.c.uuid == sa.bindparam("b_uuid"))
@@ -375,6 +496,23 @@ _UPDATE_QUOTA = (
     .values({f: sa.bindparam(f) for f in Quota.FIELDS})
 )
 _COUNTS = sa.select(leases.c.state, sa.func.count()).group_by(leases.c.state)
+_LEAVE_QUEUE = (
+    queue_log.update()
+    .where(queue_log.c.id == sa.bindparam("b_id"), queue_log.c.left_at.is_(None))
+    .values(left_at=sa.bindparam("b_left_at"), outcome=sa.bindparam("b_outcome"))
+)
+_QUEUE_LOG_COLS = (
+    # in the order of QueueRecord's fields
+    queue_log.c.id,
+    queue_log.c.user,
+    queue_log.c.kernel_id,
+    queue_log.c.fraction_ppm,
+    queue_log.c.arrived_at,
+    queue_log.c.grp,
+    queue_log.c.user_groups,
+    queue_log.c.left_at,
+    queue_log.c.outcome,
+)
 
 # usage: fraction x overlap of [created_at, end) with [since, until), end = until while active
 _SINCE: sa.BindParameter[float] = sa.bindparam("since", type_=sa.Double())
@@ -387,12 +525,38 @@ _OVERLAP = sa.case((_END_AT < _UNTIL, _END_AT), else_=_UNTIL) - sa.case(
 )
 _PPM_SECONDS = sa.func.sum(leases.c.fraction_ppm * _OVERLAP)
 _IN_WINDOW = (leases.c.created_at < _UNTIL, _END_AT > _SINCE)
-_USAGE_BY = {
-    "user": sa.select(leases.c.user, _PPM_SECONDS).where(*_IN_WINDOW).group_by(leases.c.user),
-    "group": sa.select(leases.c.grp, _PPM_SECONDS).where(*_IN_WINDOW).group_by(leases.c.grp),
-}
+_USAGE_BY_USER = sa.select(leases.c.user, _PPM_SECONDS).where(*_IN_WINDOW).group_by(leases.c.user)
+# per (course kernel's group, user's groups): few rows, split by model.attribution
+_USAGE_BY_GROUP = (
+    sa.select(leases.c.grp, leases.c.user_groups, _PPM_SECONDS)
+    .where(*_IN_WINDOW)
+    .group_by(leases.c.grp, leases.c.user_groups)
+)
 _USER_USAGE = sa.select(_PPM_SECONDS).where(*_IN_WINDOW, leases.c.user == sa.bindparam("b_user"))
 _PPM_HOURS = PPM * 3600.0
+
+# leadership (PostgreSQL): every time by the database's clock
+_DB_NOW = "CAST(EXTRACT(EPOCH FROM now()) AS DOUBLE PRECISION)"
+_TAKE_LEADERSHIP = sa.text(
+    f"UPDATE leadership SET holder = :holder, epoch = epoch + 1, acquired_at = {_DB_NOW}, "
+    f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + :ttl "
+    f"WHERE id = 1 AND (holder IS NULL OR expires_at <= {_DB_NOW}) RETURNING epoch"
+)
+_LEADER = sa.text(f"SELECT holder, epoch, expires_at - {_DB_NOW} FROM leadership WHERE id = 1")
+_RENEW_LEADERSHIP = sa.text(
+    f"UPDATE leadership SET renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + :ttl "
+    "WHERE id = 1 AND holder = :holder AND epoch = :epoch"
+)
+_RELEASE_LEADERSHIP = sa.text(
+    f"UPDATE leadership SET holder = NULL, expires_at = {_DB_NOW} "
+    "WHERE id = 1 AND holder = :holder AND epoch = :epoch"
+)
+# the fence: first statement of every write transaction of an active broker
+_FENCE = sa.text(
+    f"SELECT holder, epoch, expires_at > {_DB_NOW}, "
+    "set_config('gpu_lease.epoch', CAST(epoch AS TEXT), true) "
+    "FROM leadership WHERE id = 1 FOR SHARE"
+)
 
 _SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
@@ -415,7 +579,16 @@ def _lease_row(lease: Lease) -> dict[str, Any]:
         "pid": lease.pid,
         "execution_state": lease.execution_state,
         "last_activity": lease.last_activity,
+        "user_groups": json.dumps(list(lease.groups)),
     }
+
+
+def _lease_from_row(row: Sequence[Any]) -> Lease:
+    *fields, user_groups = row
+    lease = Lease(*fields)
+    if user_groups:  # NULL: granted before schema version 2
+        lease.groups = tuple(json.loads(user_groups))
+    return lease
 
 
 def _request_from_row(row: Sequence[Any]) -> Request:
@@ -438,12 +611,35 @@ def _request_from_row(row: Sequence[Any]) -> Request:
 # --------------------------------------------------------------------------- the store
 
 
+@dataclass(frozen=True)
+class Fence:
+    """Who may write: the leadership's ``holder`` and ``epoch`` (see :meth:`Store.set_fence`)."""
+
+    holder: str
+    epoch: int
+
+
+#: ``on_refused(why, deposed)``: the fence refused a write; ``deposed`` when another
+#: broker holds the leadership now (for good), else it merely expired (renewable)
+FenceRefused = Callable[[str, bool], None]
+
+#: PostgreSQL's SQLSTATE for a lock wait cut by ``lock_timeout``
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
 class Store:
     """The lease database. Created by the broker at start; every method is one transaction.
 
     ``url`` is a SQLAlchemy URL (``sqlite:///gpu-lease.sqlite``,
     ``postgresql://user@host/db``). The engine is built here but nothing connects
     until :meth:`open`. Methods are synchronous and thread-safe (a connection pool).
+
+    PostgreSQL connections are bounded by ``pg_timeout`` seconds: the connect timeout,
+    ``statement_timeout``, ``idle_in_transaction_session_timeout`` (a paused broker's
+    open transaction, and its locks, end after it), TCP keepalives that notice a dead
+    server within about that time, and ``tcp_user_timeout`` (a write into a cut network
+    fails after it). Settings given in the URL's query win. ``application_name`` names
+    the sessions in ``pg_stat_activity``.
     """
 
     def __init__(
@@ -452,6 +648,8 @@ class Store:
         *,
         sqlite_synchronous: str = "NORMAL",
         sqlite_busy_timeout: float = 5.0,
+        pg_timeout: float = 5.0,
+        application_name: str = "gpu-lease",
         echo: bool = False,
     ) -> None:
         sync = sqlite_synchronous.upper()
@@ -465,12 +663,17 @@ class Store:
                 f"sqlite_busy_timeout must be 0 or more seconds (below a day), not "
                 f"{sqlite_busy_timeout!r}; fix the broker's configuration."
             )
+        if not 0.1 <= pg_timeout < 86400:
+            raise StoreError(
+                f"pg_timeout must be at least 0.1 seconds (below a day), not {pg_timeout!r}; "
+                "fix the broker's configuration."
+            )
         try:
             self._url = sa.make_url(url)
         except SQLAlchemyError as exc:
             # not echoed: an unparseable URL may still hold a password
             raise StoreError(
-                "The database URL cannot be parsed; give --db-url as sqlite:///FILE or "
+                "The database URL cannot be parsed; give it as sqlite:///FILE or "
                 "postgresql://USER@HOST/DB."
             ) from exc
         try:
@@ -485,19 +688,51 @@ class Store:
                     kwargs["poolclass"] = StaticPool  # one shared in-memory database
             else:
                 kwargs["pool_pre_ping"] = True
+                kwargs["connect_args"] = self._pg_connect_args(pg_timeout, application_name)
             self._engine: Engine = sa.create_engine(self._url, **kwargs)
         except (SQLAlchemyError, ImportError) as exc:
             raise StoreError(
                 f"Cannot use the database URL {self.url_for_logs!r}: {exc}. "
-                "Give --db-url as sqlite:///FILE or postgresql://USER@HOST/DB."
+                "Give it as sqlite:///FILE or postgresql://USER@HOST/DB."
             ) from exc
         self._dbapi_error: type[Exception] = getattr(
             self._engine.dialect.loaded_dbapi, "Error", SQLAlchemyError
         )
         self._opened = False
-        self._ha_conn: Connection | None = None
+        self._fence: Fence | None = None
+        self._on_refused: FenceRefused | None = None
         if self._is_sqlite:
             self._install_sqlite_hooks(sync, int(sqlite_busy_timeout * 1000))
+        else:
+            self._install_pg_hooks(pg_timeout)
+
+    def _pg_connect_args(self, timeout: float, application_name: str) -> dict[str, Any]:
+        """libpq connection parameters bounding every wait on the server (URL query wins)."""
+        wanted: dict[str, Any] = {
+            "connect_timeout": max(2, math.ceil(timeout)),  # libpq: whole seconds, >= 2
+            "keepalives": 1,
+            "keepalives_idle": max(1, int(timeout / 2)),
+            "keepalives_interval": 1,
+            "keepalives_count": 3,
+            "tcp_user_timeout": int(timeout * 1000),
+            "application_name": application_name,
+        }
+        return {k: v for k, v in wanted.items() if k not in self._url.query}
+
+    def _install_pg_hooks(self, timeout: float) -> None:
+        ms = int(timeout * 1000)
+
+        @event.listens_for(self._engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            autocommit = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute(f"SET statement_timeout = {ms}")
+                cur.execute(f"SET idle_in_transaction_session_timeout = {ms}")
+            finally:
+                cur.close()
+                dbapi_conn.autocommit = autocommit
 
     def _install_sqlite_hooks(self, synchronous: str, busy_timeout_ms: int) -> None:
         # pysqlite's own transaction control neither emits BEGIN for reads nor lets us
@@ -527,13 +762,19 @@ class Store:
         return self._url.render_as_string(hide_password=True)
 
     @contextmanager
-    def _tx(self, what: str, *, write: bool = True) -> Iterator[Connection]:
-        """One transaction; foreign errors become :class:`StoreError` naming ``what``."""
+    def _tx(self, what: str, *, write: bool = True, fenced: bool = True) -> Iterator[Connection]:
+        """One transaction; foreign errors become :class:`StoreError` naming ``what``.
+
+        A write transaction (unless ``fenced=False``) first passes the fence, if one is
+        set: :class:`NotActive` when this broker may not write any more.
+        """
         try:
             with self._engine.connect() as conn:
                 if write:
                     conn.execution_options(gpu_lease_write=True)
                 with conn.begin():
+                    if write and fenced and self._fence is not None:
+                        self._check_fence(conn, self._fence)
                     yield conn
         except (SQLAlchemyError, self._dbapi_error) as exc:
             raise StoreError(
@@ -550,81 +791,102 @@ class Store:
         self._opened = True
 
     def close(self) -> None:
-        """Close every pooled connection (and give up the HA lock). Called at broker shutdown."""
-        self._drop_ha_conn()
+        """Close every pooled connection. Called at broker shutdown."""
         try:
             self._engine.dispose()
         except (SQLAlchemyError, self._dbapi_error) as exc:
             raise StoreError(f"Closing the lease database failed: {exc}") from exc
         self._opened = False
 
-    # -- high availability (PostgreSQL) ---------------------------------------------
+    # -- fenced leadership (PostgreSQL) -----------------------------------------------
     @property
     def supports_ha_lock(self) -> bool:
-        """Whether :meth:`try_ha_lock` works here (PostgreSQL only)."""
+        """Whether leadership (``--ha-lock``) works here: PostgreSQL only."""
         return self._url.get_backend_name() == "postgresql"
 
-    def try_ha_lock(self) -> bool:
-        """Try once to become the active broker; True if this store now holds the HA lock.
-
-        Called by ``app.py`` before loading state, every second while standing by. The
-        lock is a PostgreSQL session-level advisory lock (``pg_try_advisory_lock``) on a
-        connection kept out of the pool for the broker's life, keyed by the database
-        schema, so brokers on different schemas of one database do not block each other.
-        It is released when that session ends: at :meth:`close`, or by the server when
-        the broker's process dies or its connection breaks.
-        """
+    def _require_pg(self) -> None:
         if not self.supports_ha_lock:
             raise StoreError(
-                "The HA lock (--ha-lock) needs a PostgreSQL database; with SQLite run one "
-                "broker only, or use --db-url postgresql://USER@HOST/DB."
+                "Broker leadership (--ha-lock) needs a PostgreSQL database "
+                "(postgresql://USER@HOST/DB); with SQLite run one broker only."
             )
-        if self._ha_conn is not None:
-            return self.ha_lock_held()
-        try:
-            conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        except (SQLAlchemyError, self._dbapi_error) as exc:
-            raise StoreError(
-                f"Cannot connect to the lease database at {self.url_for_logs} to take the HA "
-                f"lock ({type(exc).__name__}); check that the database is reachable."
-            ) from exc
-        try:
-            got = bool(conn.execute(_HA_TRY_LOCK).scalar())
-        except (SQLAlchemyError, self._dbapi_error) as exc:
-            conn.close()
-            raise StoreError(
-                f"Taking the HA lock in the lease database at {self.url_for_logs} failed "
-                f"({type(exc).__name__}); check that the database is reachable."
-            ) from exc
-        if got:
-            self._ha_conn = conn
-        else:
-            conn.close()
-        return got
 
-    def ha_lock_held(self) -> bool:
-        """Whether the HA lock's session is alive and still holds it (one round trip).
+    def take_leadership(
+        self, holder: str, ttl: float, *, lock_wait: float = 0.5
+    ) -> tuple[int | None, str | None, float]:
+        """Try once to become the active broker for ``ttl`` seconds (database clock).
 
-        Called by the broker's reaper on every pass; False means another broker may have
-        become active, so this one must stop serving.
+        Called by a standby (``broker/leadership.py``) until it succeeds. The row is taken
+        only when it is free or its leadership has expired; the epoch goes up by one.
+        Returns ``(epoch or None, the holder now, seconds until its leadership expires)``.
+        A takeover waits at most ``lock_wait`` s for write transactions in flight (their
+        fence holds the row ``FOR SHARE``); then it is "not yet", not an error.
         """
-        if self._ha_conn is None:
-            return False
+        self._require_pg()
         try:
-            held = bool(self._ha_conn.execute(_HA_HELD).scalar())
-        except (SQLAlchemyError, self._dbapi_error):
-            held = False
-        if not held:
-            self._drop_ha_conn()
-        return held
+            with self._tx("take the broker leadership", fenced=False) as conn:
+                conn.execute(sa.text(f"SET LOCAL lock_timeout = {max(1, int(lock_wait * 1000))}"))
+                epoch = conn.execute(_TAKE_LEADERSHIP, {"holder": holder, "ttl": ttl}).scalar()
+                now_holder, _, remaining = conn.execute(_LEADER).one()
+        except StoreError as exc:
+            if getattr(getattr(exc.__cause__, "orig", None), "pgcode", "") == _LOCK_NOT_AVAILABLE:
+                return None, None, lock_wait  # a write in flight: try again soon
+            raise
+        return (None if epoch is None else int(epoch)), now_holder, max(0.0, float(remaining))
 
-    def _drop_ha_conn(self) -> None:
-        conn, self._ha_conn = self._ha_conn, None
-        if conn is not None:
-            try:
-                conn.close()  # ends the session, and with it the advisory lock
-            except (SQLAlchemyError, self._dbapi_error):
-                pass
+    def renew_leadership(self, holder: str, epoch: int, ttl: float) -> bool:
+        """Extend this broker's leadership to ``ttl`` s from now (database clock).
+
+        Called by the active broker every ``ttl / 3`` seconds. False when the row no
+        longer names ``holder`` with ``epoch``: another broker took over (for good).
+        Renewing after an expiry nobody used is allowed: no other broker has written.
+        """
+        self._require_pg()
+        params = {"holder": holder, "epoch": epoch, "ttl": ttl}
+        with self._tx("renew the broker leadership", fenced=False) as conn:
+            return bool(conn.execute(_RENEW_LEADERSHIP, params).rowcount)
+
+    def release_leadership(self, holder: str, epoch: int) -> None:
+        """Give the leadership up now (clean shutdown): a standby takes it at once."""
+        self._require_pg()
+        params = {"holder": holder, "epoch": epoch}
+        with self._tx("give up the broker leadership", fenced=False) as conn:
+            conn.execute(_RELEASE_LEADERSHIP, params)
+
+    def leadership(self) -> tuple[str | None, int, float]:
+        """``(holder, epoch, seconds until it expires)`` as the database has it now."""
+        self._require_pg()
+        with self._tx("read the broker leadership", write=False) as conn:
+            holder, epoch, remaining = conn.execute(_LEADER).one()
+        return holder, int(epoch), float(remaining)
+
+    def set_fence(self, fence: Fence | None, on_refused: FenceRefused | None = None) -> None:
+        """From now on every write transaction checks ``fence`` first (``None``: stop).
+
+        Called by the broker right after it took the leadership, before it loads or
+        writes anything. ``on_refused(why, deposed)`` is told about every refusal.
+        """
+        if fence is not None:
+            self._require_pg()
+        self._fence, self._on_refused = fence, on_refused
+
+    def _check_fence(self, conn: Connection, fence: Fence) -> None:
+        row = conn.execute(_FENCE).first()
+        if row is None or row[0] != fence.holder or int(row[1]) != fence.epoch:
+            who = "nobody" if row is None or row[0] is None else "another broker"
+            why = f"{who} holds the leadership now (this broker had epoch {fence.epoch})"
+            deposed = True
+        elif not row[2]:
+            why = "its leadership expired before it could renew it"
+            deposed = False
+        else:
+            return
+        if self._on_refused is not None:
+            self._on_refused(why, deposed)
+        raise NotActive(
+            f"This broker is not the active one now: {why}. Nothing was changed; "
+            "retry, and the active broker will answer."
+        )
 
     def upgrade(self, migrations: Sequence[Migration] | None = None) -> int:
         """Apply missing schema migrations in one transaction; returns the version now."""
@@ -680,7 +942,7 @@ class Store:
     def load_active(self) -> tuple[list[Lease], list[Request]]:
         """Active leases and queued requests (in arrival order), read at broker start."""
         with self._tx("load the active leases and the queue", write=False) as conn:
-            active = [Lease(*row) for row in conn.execute(_SELECT_ACTIVE)]
+            active = [_lease_from_row(row) for row in conn.execute(_SELECT_ACTIVE)]
             queued = [_request_from_row(row) for row in conn.execute(_SELECT_REQUESTS)]
         return active, queued
 
@@ -704,7 +966,7 @@ class Store:
         """Persist one grant, re-checking capacity and uniqueness in the same transaction.
 
         ``drop_request_id`` (a queued request this grant serves) is deleted in that
-        transaction too. Raises :class:`CapacityConflict` or :class:`DuplicateLease`
+        transaction too, and its stay in the queue logged as granted. Raises :class:`CapacityConflict` or :class:`DuplicateLease`
         when the database refuses; nothing is written then.
         """
         self.insert_leases([lease], capacity_ppm, [drop_request_id] if drop_request_id else [])
@@ -734,6 +996,14 @@ class Store:
                     ) from exc
             if drop_request_ids:
                 conn.execute(_DELETE_REQUEST, [{"b_id": rid} for rid in drop_request_ids])
+                left_at = max((x.created_at for x in new), default=time.time())
+                conn.execute(
+                    _LEAVE_QUEUE,
+                    [
+                        {"b_id": rid, "b_left_at": left_at, "b_outcome": "granted"}
+                        for rid in drop_request_ids
+                    ],
+                )
 
     @staticmethod
     def _check_grants(conn: Connection, new: list[Lease], capacity_ppm: int) -> None:
@@ -837,7 +1107,7 @@ class Store:
         """One lease in any state (history included), or ``None``."""
         with self._tx("read a lease", write=False) as conn:
             row = conn.execute(_GET_LEASE, {"lid": lease_id}).first()
-        return None if row is None else Lease(*row)
+        return None if row is None else _lease_from_row(row)
 
     def list_leases(
         self,
@@ -854,7 +1124,7 @@ class Store:
             stmt = stmt.where(leases.c.state.in_(states))
         stmt = stmt.order_by(leases.c.created_at.desc(), leases.c.id).limit(limit)
         with self._tx("list leases", write=False) as conn:
-            return [Lease(*row) for row in conn.execute(stmt)]
+            return [_lease_from_row(row) for row in conn.execute(stmt)]
 
     # -- queue ----------------------------------------------------------------------
     def insert_request(self, req: Request) -> None:
@@ -872,9 +1142,14 @@ class Store:
             "arrived_at": req.arrived_at,
             "last_polled_at": req.last_polled_at,
         }
+        log_row = {
+            k: row[k] for k in ("id", "user", "kernel_id", "fraction_ppm", "grp", "arrived_at")
+        }
+        log_row["user_groups"] = row["groups"]
         with self._tx("queue a request") as conn:
             try:
                 conn.execute(requests.insert(), row)
+                conn.execute(queue_log.insert(), log_row)
             except IntegrityError as exc:
                 raise DuplicateRequest(
                     f"Kernel {req.kernel_id} of {req.user} is already waiting for a GPU; "
@@ -886,12 +1161,34 @@ class Store:
         with self._tx("refresh a queued request") as conn:
             conn.execute(_TOUCH_REQUEST, {"b_id": request_id, "b_last_polled_at": last_polled_at})
 
-    def delete_requests(self, request_ids: list[str]) -> None:
-        """Drop queued requests (granted elsewhere, abandoned or cancelled)."""
+    def delete_requests(
+        self, request_ids: list[str], *, outcome: str = "cancelled", at: float | None = None
+    ) -> None:
+        """Take queued requests out of the queue without a lease, logging how and when.
+
+        ``outcome`` is ``"cancelled"`` (its client withdrew it) or ``"dropped"`` (its
+        client stopped polling); ``at`` defaults to now.
+        """
+        if outcome not in QUEUE_OUTCOMES or outcome == "granted":
+            raise ValueError(
+                f"a request leaves without a lease cancelled or dropped, not {outcome!r}"
+            )
         if not request_ids:
             return
+        left_at = time.time() if at is None else at
         with self._tx("drop queued requests") as conn:
             conn.execute(_DELETE_REQUEST, [{"b_id": rid} for rid in request_ids])
+            conn.execute(
+                _LEAVE_QUEUE,
+                [{"b_id": rid, "b_left_at": left_at, "b_outcome": outcome} for rid in request_ids],
+            )
+
+    def get_request(self, request_id: str) -> Request | None:
+        """One queued request by id, or ``None``."""
+        stmt = sa.select(*_REQUEST_COLS).where(requests.c.id == request_id)
+        with self._tx("read a queued request", write=False) as conn:
+            row = conn.execute(stmt).first()
+        return None if row is None else _request_from_row(row)
 
     # -- quotas ---------------------------------------------------------------------
     def load_quotas(self) -> QuotaBook:
@@ -936,18 +1233,26 @@ class Store:
 
     # -- accounting -----------------------------------------------------------------
     def usage(self, since: float, until: float, by: str = "user") -> dict[str, float]:
-        """Fraction-hours used in ``[since, until)`` per user or per group (``grp``; none -> ``""``).
+        """Fraction-hours used in ``[since, until)`` per user or per group.
 
-        Active leases count up to ``until``.
+        Active leases count up to ``until``. By group, each lease counts as
+        :func:`~provisioner.model.attribution` says: wholly for its course kernel's
+        group, else split equally among its user's groups, else under ``""``.
         """
-        if by not in _USAGE_BY:
+        if by not in ("user", "group"):
             raise ValueError(f"usage is by 'user' or 'group', not {by!r}")
-        with self._tx("compute usage", write=False) as conn:
-            rows = conn.execute(_USAGE_BY[by], {"since": since, "until": until}).all()
+        params = {"since": since, "until": until}
         out: dict[str, float] = {}
-        for key, ppm_s in rows:
-            k = key or ""
-            out[k] = out.get(k, 0.0) + float(ppm_s or 0) / _PPM_HOURS
+        with self._tx("compute usage", write=False) as conn:
+            if by == "user":
+                for user, ppm_s in conn.execute(_USAGE_BY_USER, params):
+                    out[user] = out.get(user, 0.0) + float(ppm_s or 0) / _PPM_HOURS
+                return out
+            rows = conn.execute(_USAGE_BY_GROUP, params).all()
+        for grp, user_groups, ppm_s in rows:
+            hours = float(ppm_s or 0) / _PPM_HOURS
+            for name, share in attribution(grp, json.loads(user_groups or "[]")).items():
+                out[name] = out.get(name, 0.0) + hours * share
         return out
 
     def user_usage(self, user: str, since: float, until: float) -> float:
@@ -958,10 +1263,90 @@ class Store:
             ).scalar()
         return float(ppm_s or 0) / _PPM_HOURS
 
+    def history(
+        self, since: float, until: float, *, user: str | None = None
+    ) -> tuple[list[Lease], list[QueueRecord]]:
+        """Leases held and requests queued at some time in ``[since, until)``.
+
+        Read for :func:`provisioner.history.compute` (``GET /api/v1/history``); an active
+        lease or a request still waiting counts as lasting up to ``until``. ``user``:
+        only that user's.
+        """
+        stmt = _SELECT_LEASES.where(
+            leases.c.created_at < until,
+            sa.or_(leases.c.state == "active", leases.c.ended_at >= since),
+        )
+        qstmt = sa.select(*_QUEUE_LOG_COLS).where(
+            queue_log.c.arrived_at < until,
+            sa.or_(queue_log.c.left_at.is_(None), queue_log.c.left_at >= since),
+        )
+        if user is not None:
+            stmt = stmt.where(leases.c.user == user)
+            qstmt = qstmt.where(queue_log.c.user == user)
+        with self._tx("read the history", write=False) as conn:
+            held = [_lease_from_row(row) for row in conn.execute(stmt)]
+            queued = [
+                QueueRecord(rid, u, k, ppm, arrived, grp, tuple(json.loads(ug)), left, outcome)
+                for (rid, u, k, ppm, arrived, grp, ug, left, outcome) in conn.execute(qstmt)
+            ]
+        return held, queued
+
     def counts(self) -> dict[str, int]:
         """Number of leases in each state (every state present, zero included)."""
-        out = dict.fromkeys(LEASE_STATES, 0)
+        out: dict[str, int] = dict.fromkeys(LEASE_STATES, 0)
         with self._tx("count leases", write=False) as conn:
             for state, n in conn.execute(_COUNTS):
                 out[state] = int(n)
         return out
+
+    # -- nodes (registered by node agents) ------------------------------------------
+    def put_node(self, node: Node) -> None:
+        """Record a node's registration (insert or replace); ``last_seen`` stays in memory."""
+        row = {
+            "gpus": json.dumps(
+                [
+                    {"uuid": g.uuid, "name": g.name, "memory_mb": g.memory_mb, "index": g.index}
+                    for g in node.gpus
+                ]
+            ),
+            "agent_version": node.agent_version,
+            "registered_at": node.registered_at,
+            "drained": node.drained,
+            "enforce": node.enforce,
+        }
+        with self._tx(f"record node {node.name}") as conn:
+            done = conn.execute(nodes.update().where(nodes.c.name == node.name).values(**row))
+            if not done.rowcount:
+                conn.execute(nodes.insert().values(name=node.name, **row))
+
+    def set_node_drained(self, name: str, drained: bool) -> None:
+        with self._tx(f"drain node {name}") as conn:
+            conn.execute(nodes.update().where(nodes.c.name == name).values(drained=drained))
+
+    def load_nodes(self, seen_at: float) -> list[Node]:
+        """The registered nodes, each seen at ``seen_at`` (a restart gives agents a grace)."""
+        stmt = sa.select(
+            nodes.c.name,
+            nodes.c.gpus,
+            nodes.c.agent_version,
+            nodes.c.registered_at,
+            nodes.c.drained,
+            nodes.c.enforce,
+        ).order_by(nodes.c.name)
+        with self._tx("load the nodes", write=False) as conn:
+            rows = list(conn.execute(stmt))
+        return [
+            Node(
+                name=name,
+                gpus=[
+                    GPU(g["uuid"], name, g["name"], int(g["memory_mb"]), int(g["index"]))
+                    for g in json.loads(gpus_json)
+                ],
+                agent_version=version,
+                registered_at=float(registered),
+                last_seen=seen_at,
+                drained=bool(drained),
+                enforce=enforce or "report",
+            )
+            for name, gpus_json, version, registered, drained, enforce in rows
+        ]

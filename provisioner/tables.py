@@ -13,6 +13,8 @@ import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from .model import QUOTA_LEVEL_PLURALS
+
 #: quota fields in the order the CLI shows them, with their column titles
 QUOTA_COLUMNS: tuple[tuple[str, str], ...] = (
     ("max_fraction", "MAX FRACTION"),
@@ -98,12 +100,21 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]], indent: str = ""
 LEASE_HEADER = ("USER", "KERNEL", "FRACTION", "MEMORY", "IDLE", "AGE", "LEASE")
 
 
+def memory(lease: Mapping[str, Any]) -> str:
+    """The lease's cap, or ``used/cap MiB`` where a node agent reports what the kernel uses."""
+    used = lease.get("used_mb")
+    cap = lease.get("memory_limit_mb")
+    if used is None or cap is None:
+        return mib(cap)
+    return f"{int(used)}/{int(cap)} MiB"
+
+
 def lease_row(lease: Mapping[str, Any], now: float) -> list[str]:
     return [
         str(lease.get("user", "?")),
         short(lease.get("kernel_id")),
         fraction(lease.get("fraction")),
-        mib(lease.get("memory_limit_mb")),
+        memory(lease),
         idle(lease, now),
         duration(now - float(lease["created_at"])) if lease.get("created_at") else "-",
         short(lease.get("id"), 10),
@@ -211,7 +222,7 @@ def quota_cells(quota: Mapping[str, Any] | None) -> list[str]:
 def format_quota_list(book: Mapping[str, Any]) -> str:
     """``gpu-lease quota list``: the default, then groups, then users ("-": not set)."""
     rows = [["default", "-", *quota_cells(book.get("default"))]]
-    for level, key in (("group", "groups"), ("user", "users")):
+    for level, key in QUOTA_LEVEL_PLURALS.items():
         for name, quota in sorted((book.get(key) or {}).items()):
             rows.append([level, name, *quota_cells(quota)])
     header = ("LEVEL", "NAME", *(title for _, title in QUOTA_COLUMNS))
@@ -227,6 +238,38 @@ def format_quota(title: str, quota: Mapping[str, Any]) -> str:
         lines.append("effective (default -> groups -> user):")
         for (_key, label), cell in zip(QUOTA_COLUMNS, quota_cells(quota["effective"]), strict=True):
             lines.append(f"  {label.lower():<20}{cell}")
+    return "\n".join(lines)
+
+
+def format_effective_quota(body: Mapping[str, Any]) -> str:
+    """``gpu-lease quota show --user NAME``: the user's own record, then the effective quota
+    exactly as the broker's admission applies it, each value with its source.
+
+    ``body`` is ``GET /api/v1/quotas/users/{name}?effective=1``'s answer.
+    """
+    user = str(body.get("user", "?"))
+    own = body.get("own")
+    if isinstance(own, Mapping):
+        lines = [format_quota(f"Quota of user {user}:", own)]
+    else:
+        lines = [f"Quota of user {user}: none set (`gpu-lease quota set --user {user}` sets one)"]
+    groups = [str(g) for g in body.get("groups") or []]
+    where = body.get("groups_from")
+    in_groups = f"groups {', '.join(groups)}" if groups else "no group"
+    lines.append(
+        f"effective (default -> groups -> user), as the broker applies it to {user} in "
+        f"{in_groups}" + (f" (from {where}):" if where else ":")
+    )
+    sources = body.get("sources") or {}
+    cells = quota_cells(body.get("effective"))
+    width = max(len(c) for c in cells)
+    for (key, label), cell in zip(QUOTA_COLUMNS, cells, strict=True):
+        lines.append(f"  {label.lower():<20}{cell:<{width}}  {sources.get(key, '?')}")
+    lines.append(
+        "  (-: unlimited; a user value wins, else the most generous group's, else the default)"
+    )
+    held = fraction(body.get("held_fraction") or 0.0)
+    lines.append(f"holding now: {held} of a GPU in {body.get('leases', 0)} lease(s)")
     return "\n".join(lines)
 
 
@@ -267,6 +310,7 @@ def usage_csv(usage: Mapping[str, Any], by: str = "user") -> str:
 __all__ = [
     "bar",
     "duration",
+    "format_effective_quota",
     "format_leases",
     "format_my_quota",
     "format_queue",

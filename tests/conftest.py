@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner.testing import BrokerProcess
+from provisioner.devtools.testing import BrokerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 class Broker(BrokerProcess):
     """A broker subprocess: ``url``, ``tokens`` (user -> token), ``proc``, ``db_url``.
 
-    :class:`provisioner.testing.BrokerProcess` with this module's ``USERS`` and
+    :class:`provisioner.devtools.testing.BrokerProcess` with this module's ``USERS`` and
     ``--gpus 1x32768:V100`` unless ``extra`` names ``--gpus``.
     """
 

@@ -15,14 +15,12 @@ import pytest
 from tornado.web import HTTPError
 
 from provisioner.broker.auth import (
-    AuthUnavailable,
     HubTokens,
     StaticTokens,
-    TokensFileError,
     identity_from_hub_model,
     token_from_header,
 )
-from provisioner.errors import NotAuthenticated
+from provisioner.errors import AuthUnavailable, NotAuthenticated, TokensFileError
 from provisioner.model import Identity
 
 SECRET = "s3cret-token-0123456789"

@@ -91,6 +91,20 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("PUT", "/api/v1/quotas/groups/{name}"): ADMIN_ONLY,
     ("DELETE", "/api/v1/quotas/groups/{name}"): tuple(204 if s == 200 else s for s in ADMIN_ONLY),
     ("GET", "/api/v1/usage"): USERS_200,
+    ("GET", "/api/v1/history"): USERS_200,
+    # nodes: anyone may read the summary; only an admin (or the node's own agent token)
+    # registers, heartbeats or drains a node
+    ("GET", "/api/v1/nodes"): USERS_200,
+    ("PUT", "/api/v1/nodes/{node}"): ADMIN_ONLY,
+    ("POST", "/api/v1/nodes/{node}/heartbeat"): ADMIN_ONLY,
+    ("DELETE", "/api/v1/nodes/{node}"): tuple(204 if s == 200 else s for s in ADMIN_ONLY),
+}
+
+#: the node the matrix registers (as an admin) before each cell
+NODE = "authz-node"
+NODE_BODY = {
+    "gpus": [{"uuid": "GPU-authz-0", "name": "T4", "memory_mb": 16384, "index": 0}],
+    "agent_version": "authz-test",
 }
 
 BODIES: dict[tuple[str, str], Any] = {
@@ -100,6 +114,8 @@ BODIES: dict[tuple[str, str], Any] = {
     ("PUT", "/api/v1/quotas/default"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/users/{name}"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/groups/{name}"): {"max_leases": 100},
+    ("PUT", "/api/v1/nodes/{node}"): NODE_BODY,
+    ("POST", "/api/v1/nodes/{node}/heartbeat"): {"usage": []},
 }
 
 
@@ -146,7 +162,9 @@ def test_authorization_matrix(broker: Broker) -> None:
                 assert lease.status_code == 201, lease.text
                 for path in ("/api/v1/quotas/users/alice", "/api/v1/quotas/groups/ml101"):
                     assert as_("admin", "PUT", path, {"max_leases": 100}).status_code == 200
-                path = template.format(lease_id=lease.json()["id"], name="_")
+                node = as_("admin", "PUT", f"/api/v1/nodes/{NODE}", NODE_BODY)
+                assert node.status_code == 200, node.text
+                path = template.format(lease_id=lease.json()["id"], name="_", node=NODE)
                 path = path.replace("/users/_", "/users/alice").replace(
                     "/groups/_", "/groups/ml101"
                 )

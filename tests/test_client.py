@@ -7,8 +7,11 @@ broker round trips are covered by the integration tests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +124,13 @@ async def test_acquire_queued_twice_then_granted(async_callback: bool) -> None:
 
 
 async def test_acquire_queue_timeout_raises_no_capacity_and_cancels() -> None:
-    queued = {"queued": True, "position": 4, "id": "R 7", "message": "4 requests wait for a GPU."}
+    queued = {
+        "queued": True,
+        "position": 4,
+        "id": "R 7",
+        "message": "Your request waits at position 4.",
+        "reason": "The GPU you may use is full: GPU 0 (V100) is 100 percent allocated.",
+    }
     broker = Broker(
         lambda r: httpx.Response(202, json=queued) if r.method == "POST" else httpx.Response(204)
     )
@@ -133,7 +142,9 @@ async def test_acquire_queue_timeout_raises_no_capacity_and_cancels() -> None:
             )
     exc = info.value
     assert "position 4" in exc.message
-    assert "4 requests wait for a GPU" in exc.message
+    # the broker's reason is quoted; its message (which repeats the place) is not (issue 13)
+    assert "GPU 0 (V100) is 100 percent allocated" in exc.message
+    assert "waits at position 4" not in exc.message
     assert exc.details["position"] == 4
     assert exc.details["body"] == queued
     assert positions == [4]
@@ -556,3 +567,53 @@ def test_from_env_without_url_says_what_to_set(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.delenv("GPU_LEASE_URL", raising=False)
     with pytest.raises(errors.InvalidRequest, match="set GPU_LEASE_URL"):
         BrokerClient.from_env()
+
+
+# -- failover: Retry-After and a new connection per retry (a real socket) ---------------------
+async def test_a_503_is_retried_after_its_retry_after_on_a_new_connection() -> None:
+    """The first answer (a broker that is not the active one) is a kept-alive 503 with
+    ``Retry-After: 0.3``; the client waits that long and retries on a NEW connection,
+    which a load balancer may send to the active broker (or a name may resolve anew)."""
+    connections: list[asyncio.StreamWriter] = []
+    answered = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        connections.append(writer)
+        while True:
+            try:
+                await reader.readuntil(b"\r\n\r\n")  # GET: no body
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            answered += 1
+            if answered == 1:
+                body = json.dumps({"error": "not_active", "message": "Not the active broker."})
+                status, extra = "503 Service Unavailable", "Retry-After: 0.3\r\n"
+            else:
+                body, status, extra = json.dumps({"status": "ok"}), "200 OK", ""
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}"
+                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+            )
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with BrokerClient(
+            f"http://127.0.0.1:{port}", TOKEN, backoff=0.001, max_backoff=5.0
+        ) as c:
+            t0 = time.monotonic()
+            assert (await c.health())["status"] == "ok"
+            waited = time.monotonic() - t0
+    finally:
+        server.close()
+        await server.wait_closed()  # before Python 3.12 this does not wait for handlers:
+        for writer in connections:  # close the server's side of each connection here, or
+            writer.close()  # a handler still pending when the loop ends leaves its socket
+            with contextlib.suppress(ConnectionError):  # to the garbage collector
+                await writer.wait_closed()  # (a ResourceWarning in a later test)
+    assert answered == 2
+    assert len(connections) == 2, "the retry reused the connection of the failed answer"
+    assert waited >= 0.3

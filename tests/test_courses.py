@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker.courses import CoursesFileError, load_courses, parse_courses
+from provisioner.broker.courses import load_courses, parse_courses
+from provisioner.errors import CoursesFileError
 from provisioner.model import Quota
 
 from .conftest import Broker
@@ -173,9 +174,9 @@ def test_refusals_reach_jupyter_server_as_http_errors() -> None:
     from tornado.web import HTTPError
 
     from provisioner.errors import Forbidden, QuotaExceeded
-    from provisioner.kernel.provisioner import _for_jupyter_server
+    from provisioner.kernel.refusals import for_jupyter_server
 
-    exc = _for_jupyter_server(QuotaExceeded("You run 2 GPU kernels (2).", quota="max_leases"))
+    exc = for_jupyter_server(QuotaExceeded("You run 2 GPU kernels (2).", quota="max_leases"))
     assert isinstance(exc, QuotaExceeded) and isinstance(exc, Forbidden)
     assert isinstance(exc, HTTPError) and exc.status_code == 403
     assert str(exc) == exc.message == "You run 2 GPU kernels (2)."

@@ -138,7 +138,7 @@ def _runner(
     return run
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)  # 17 operations (the node routes added 4) on a loaded machine
 @pytest.mark.broker_args(
     "--debug",
     "--gpus",

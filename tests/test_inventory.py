@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 
 from provisioner import inventory
-from provisioner.errors import GPULeaseError
+from provisioner.errors import GPULeaseError, InventoryError, NoGPUFound
 from provisioner.inventory import (
-    InventoryError,
-    NoGPUFound,
     declared_uuid,
     discover_nvml,
     load_gpus,
@@ -236,14 +234,13 @@ def test_discover_failures_name_gpus_option(nvml: FakeNVML, reason: str) -> None
         assert nvml.shutdowns == 0
 
 
-def test_discover_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing() -> Any:
-        raise ImportError("No module named 'pynvml'")
-
-    monkeypatch.setattr(inventory, "_import_nvml", missing)
+def test_discover_without_pynvml() -> None:
+    missing = "pynvml_is_not_installed_here"  # imported for real: ModuleNotFoundError
     with pytest.raises(NoGPUFound, match=r"nvidia-ml-py is not installed.*--gpus 1x32768:V100"):
-        discover_nvml()
-    assert process_memory_mb(1) is None
+        discover_nvml(nvml=missing)
+    with pytest.raises(NoGPUFound, match=r"nvidia-ml-py is not installed"):
+        load_gpus("nvml", nvml=missing)
+    assert process_memory_mb(1, nvml=missing) is None
 
 
 def test_discover_with_real_nvml_of_this_machine() -> None:

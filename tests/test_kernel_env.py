@@ -17,6 +17,7 @@ from provisioner.kernel.env import (
     lease_environment,
     xla_mem_fraction,
 )
+from provisioner.kernel.lease import GrantedLease
 
 UUID = "GPU-0f6c3a2e-1b2c-4d5e-8f90-123456789abc"
 
@@ -33,7 +34,7 @@ def make_lease(**over):
         "expires_at": 1000.0,
     }
     lease.update(over)
-    return lease
+    return GrantedLease.from_json(lease)
 
 
 def test_full_lease_environment():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from provisioner import kernelspecs as ks
+from provisioner.cli import fraction_arg
 from provisioner.errors import InvalidRequest
+from provisioner.model import validate_fraction
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,12 +25,23 @@ def isolated_jupyter(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
 
 
+def validate(value):
+    """Text comes through the command line's edge (cli.fraction_arg), anything else from
+    kernel.json straight to the rule (model.validate_fraction)."""
+    if not isinstance(value, str):
+        return validate_fraction(value)
+    try:
+        return fraction_arg(value)
+    except argparse.ArgumentTypeError as exc:
+        raise InvalidRequest(str(exc)) from exc
+
+
 @pytest.mark.parametrize(
     "value, expected",
     [(0.02, 0.02), (1, 1.0), ("0.5", 0.5), (" 0.25 ", 0.25), ("1", 1.0), (1e-6, 1e-6)],
 )
 def test_valid_fractions(value, expected):
-    assert ks.validate_fraction(value) == expected
+    assert validate(value) == expected
 
 
 @pytest.mark.parametrize(
@@ -37,21 +51,21 @@ def test_valid_fractions(value, expected):
         ("nan", "finite number"),
         (math.inf, "finite number"),
         ("-inf", "finite number"),
-        (0, "above 0 and at most 1"),
-        (-0.1, "above 0 and at most 1"),
-        (1.01, "above 0 and at most 1"),
-        ("2", "above 0 and at most 1"),
+        (0, "greater than 0 and at most 1"),
+        (-0.1, "greater than 0 and at most 1"),
+        (1.01, "greater than 0 and at most 1"),
+        ("2", "greater than 0 and at most 1"),
         (1e-7, "below one millionth"),
         ("abc", "must be a number such as 0.02"),
         ("", "must be a number such as 0.02"),
         (None, "must be a number such as 0.02"),
         ([0.1], "must be a number such as 0.02"),
-        (True, "must be a number, not True"),
+        (True, "must be a number such as 0.02, not True"),
     ],
 )
 def test_invalid_fractions(value, words):
     with pytest.raises(InvalidRequest, match=words):
-        ks.validate_fraction(value)
+        validate(value)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +105,7 @@ def test_build_kernelspec_is_the_design_shape():
 
 def test_build_kernelspec_with_every_option():
     spec = ks.build_kernelspec(
-        "0.05",
+        0.05,
         display_name="ML 101 (GPU)",
         group="ml101",
         python="/opt/conda/envs/tf/bin/python",

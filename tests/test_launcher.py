@@ -22,16 +22,19 @@ from pathlib import Path
 import pytest
 
 from provisioner.kernel.env import LAUNCHER, STARTUP_DIR, kernel_argv, lease_environment
+from provisioner.kernel.lease import GrantedLease
 from provisioner.kernelspecs import build_kernelspec
 
 UUID = "GPU-0f6c3a2e-1b2c-4d5e-8f90-123456789abc"
-LEASE = {
-    "id": "lease-abc",
-    "fraction": 0.02,
-    "gpu": {"uuid": UUID, "node": "gpu-a", "name": "NVIDIA H100", "memory_mb": 81920},
-    "memory_limit_mb": 1126,
-    "state": "active",
-}
+LEASE = GrantedLease.from_json(
+    {
+        "id": "lease-abc",
+        "fraction": 0.02,
+        "gpu": {"uuid": UUID, "node": "gpu-a", "name": "NVIDIA H100", "memory_mb": 81920},
+        "memory_limit_mb": 1126,
+        "state": "active",
+    }
+)
 FRAMEWORKS = ("tensorflow", "torch", "jax", "cupy")
 
 

@@ -10,6 +10,7 @@ expiry happen within seconds.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -27,14 +28,15 @@ from typing import Any
 import httpx
 import pytest
 from jupyter_client.ioloop import AsyncIOLoopKernelManager
-from jupyter_client.manager import AsyncKernelManager
+from jupyter_client.manager import AsyncKernelManager, KernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
+from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
+from provisioner.devtools.testing import free_port
 from provisioner.errors import BrokerUnavailable, NoCapacity
 from provisioner.kernel.provisioner import GPULeaseProvisioner
 from provisioner.kernelspecs import build_kernelspec, spec_json
-from provisioner.testing import free_port
 
 #: every broker here: TTL 6 s, reaper twice a second
 BROKER = ("--ttl", "6", "--GPULeaseBroker.reap_interval=0.5")
@@ -237,7 +239,7 @@ def test_kernel_json_config_wins_and_env_defaults(
     assert prov.node == "gpu-a"
     assert prov.gpu_uuids == ["GPU-1", "GPU-2"]
     assert prov.enforcement == "cooperative"
-    with pytest.raises(Exception, match="above 0 and at most 1"):
+    with pytest.raises(Exception, match="greater than 0 and at most 1"):
         GPULeaseProvisioner(kernel_id="k2", fraction=1.5)
 
 
@@ -410,8 +412,12 @@ async def test_queue_timeout_says_where_it_waited(
         await km.start_kernel()
     message = str(info.value)
     assert "position 1" in message
-    assert "The broker said: Your request waits at position 1" in message, message
-    assert "smaller GPU fraction" in message
+    # the place is said once (issue 13: the broker's message repeated it), the GPU by its
+    # index as `gpu-lease top` names it (not a UUID), and no advice to pick a smaller kernel
+    # while nothing smaller could start either (the GPU is fully held)
+    assert message.count("position") == 1, message
+    assert "GPU 0 (V100) is 100 percent allocated" in message, message  # as the dialog shows it
+    assert "smaller GPU fraction" not in message, message
     assert [x["user"] for x in leases(broker)] == ["bob"]
     assert queue(broker) == []  # the request was withdrawn
 
@@ -484,17 +490,158 @@ async def test_expired_lease_is_taken_back(server_env: Broker, tmp_path: Path) -
         assert isinstance(prov, GPULeaseProvisioner)
         old = lease_of(broker, km.kernel_id)
         assert old is not None
-        task = prov._renew_task
+        task = prov.lease_keeper.renew_task
         assert task is not None
         task.cancel()  # the server stops renewing (suspended, cut off)
         await wait_for(lambda: lease_of(broker, km.kernel_id) is None, timeout=20, what="expiry")
-        assert await prov._renew_once()
+        assert await prov.lease_keeper.renew_once()
         new = lease_of(broker, km.kernel_id)
         assert new is not None and new["id"] != old["id"]
         assert new["gpu"]["uuid"] == old["gpu"]["uuid"]
         assert await km.is_alive()
         await km.shutdown_kernel()
     assert leases(broker) == []
+
+
+# -- jupyter_client's blocking API ------------------------------------------------------------
+# ``KernelManager`` (not Async) runs each call on an event loop it picks: this thread's own,
+# or, when a loop is already running here, a runner thread's. A kernel's acquire, renewals
+# and release may so run on different loops, in different threads.
+def blocking(name: str, tmp_path: Path) -> KernelManager:
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(exist_ok=True)
+    return KernelManager(
+        kernel_name=name, connection_file=str(runtime / f"kernel-{uuid.uuid4()}.json")
+    )
+
+
+def in_threads(*calls: Callable[[], Any]) -> list[Any]:
+    """Each call at once in a thread of its own, where jupyter_client runs that thread's
+    own loop, closed when the call returns (as a thread pool's owner would)."""
+
+    def then_close(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        finally:
+            ensure_event_loop().close()
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        running = [pool.submit(then_close, call) for call in calls]
+        return [x.result(timeout=60) for x in running]
+
+
+def wait_until(cond: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
+    """``wait_for`` for tests without a running loop (the blocking API's)."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or cond}")
+        time.sleep(0.1)
+    return value
+
+
+def under_running_loop(call: Callable[[], Any]) -> Any:
+    """``call()`` from a coroutine, as in a notebook cell: jupyter_client runs a blocking
+    call on a runner thread's loop then."""
+
+    async def main() -> Any:
+        return call()
+
+    return asyncio.run(main())
+
+
+def shut_down(*kms: KernelManager) -> None:
+    for km in kms:
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
+
+
+@pytest.mark.slow
+def test_blocking_manager_on_any_loop_releases(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    km = blocking("gpu-0.02", tmp_path)
+    km.start_kernel()  # this thread's loop
+    try:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None and lease["user"] == "alice"
+        in_threads(km.restart_kernel)  # another thread's loop: the same lease
+        after = lease_of(broker, km.kernel_id)
+        assert after is not None and after["id"] == lease["id"]
+        under_running_loop(km.restart_kernel)  # a runner thread's loop: the same lease
+        assert km.is_alive()
+        after = lease_of(broker, km.kernel_id)
+        assert after is not None and after["id"] == lease["id"]
+        under_running_loop(km.shutdown_kernel)
+        assert not km.has_kernel
+    finally:
+        shut_down(km)
+    assert leases(broker) == []
+    assert lease_state(broker, lease["id"]) == "released"
+
+
+@pytest.mark.slow
+def test_blocking_manager_renews_between_calls(server_env: Broker, tmp_path: Path) -> None:
+    """Between blocking calls no loop of jupyter_client runs, yet the lease lives on."""
+    broker = server_env
+    km = blocking("gpu-0.02", tmp_path)
+    km.start_kernel()
+    try:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None
+        ttl = lease["expires_at"] - lease["renewed_at"]
+        renewed = wait_until(
+            lambda: (
+                (x := lease_of(broker, km.kernel_id))
+                and x["renewed_at"] > lease["renewed_at"] + ttl
+                and x
+            ),
+            timeout=ttl * 3,
+            what="renewals past the first TTL",
+        )
+        assert renewed["id"] == lease["id"] and renewed["pid"] == km.provisioner.pid
+        km.shutdown_kernel()
+    finally:
+        shut_down(km)
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+def test_blocking_manager_started_in_a_thread_stopped_here(
+    server_env: Broker, tmp_path: Path
+) -> None:
+    broker = server_env
+    km = blocking("gpu-0.02", tmp_path)
+    in_threads(km.start_kernel)
+    try:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None
+        km.restart_kernel()
+        after = lease_of(broker, km.kernel_id)
+        assert after is not None and after["id"] == lease["id"]
+        km.shutdown_kernel()
+    finally:
+        shut_down(km)
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+def test_two_blocking_managers_in_two_threads(server_env: Broker, tmp_path: Path) -> None:
+    broker = server_env
+    kms = [blocking("gpu-0.02", tmp_path) for _ in range(2)]
+    in_threads(*(km.start_kernel for km in kms))
+    try:
+        held = {x["kernel_id"]: x["id"] for x in leases(broker)}
+        assert set(held) == {km.kernel_id for km in kms}
+        kms[0].restart_kernel()  # here, not in the thread that started it
+        after = lease_of(broker, kms[0].kernel_id)
+        assert after is not None and after["id"] == held[kms[0].kernel_id]
+        in_threads(kms[1].shutdown_kernel)
+        assert [x["kernel_id"] for x in leases(broker)] == [kms[0].kernel_id]
+        under_running_loop(kms[0].shutdown_kernel)
+    finally:
+        shut_down(*kms)
+    assert leases(broker) == []
+    assert {lease_state(broker, x) for x in held.values()} == {"released"}
 
 
 # -- through jupyter_server ------------------------------------------------------------------
@@ -602,8 +749,8 @@ async def test_jupyter_server_sessions(server_env: Broker, jupyter_server: str) 
 )
 def test_refusals_are_shown_one_sentence_per_line(message, lines):
     """JupyterLab's "Error Starting Kernel" shows the message unwrapped: keep lines short."""
-    from provisioner.kernel.provisioner import _for_dialog
+    from provisioner.kernel.refusals import for_dialog
 
-    shown = _for_dialog(message)
+    shown = for_dialog(message)
     assert [line.rstrip() for line in shown.split("\n")] == [line.rstrip() for line in lines]
     assert all(len(line) <= 100 for line in shown.split("\n"))

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from provisioner.model import PPM
-from provisioner.scheduling import Policy
-from provisioner.simulate import (
+from provisioner.devtools.simulate import (
     SCHEMES,
     PoolSpec,
     Scheme,
@@ -20,6 +18,8 @@ from provisioner.simulate import (
     metrics,
     percentile,
 )
+from provisioner.model import PPM
+from provisioner.scheduling import Policy
 
 SMALL = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "small.jsonl"
 BY_NAME = {s.name: s for s in SCHEMES}

@@ -26,19 +26,21 @@ import sqlalchemy as sa
 
 import provisioner
 from provisioner.errors import (
+    CapacityConflict,
     Conflict,
+    DuplicateLease,
+    DuplicateRequest,
     LeaseExpired,
     LeaseGone,
     LeaseNotFound,
     LeaseRevoked,
+    NotActive,
     StoreError,
 )
 from provisioner.model import GPU, PPM, Lease, Quota, QuotaBook, Request
 from provisioner.store import (
     MIGRATIONS,
-    CapacityConflict,
-    DuplicateLease,
-    DuplicateRequest,
+    Fence,
     Migration,
     Store,
     upgrade_schema,
@@ -71,6 +73,7 @@ def _lease(
     created: float = 1000.0,
     group: str | None = None,
     state: str = "active",
+    groups: tuple[str, ...] = (),
 ) -> Lease:
     return Lease(
         id=lid,
@@ -84,6 +87,7 @@ def _lease(
         renewed_at=created,
         expires_at=created + 90.0,
         group=group,
+        groups=groups,
     )
 
 
@@ -165,7 +169,8 @@ def test_open_is_idempotent_and_records_the_version(db_url: str) -> None:
     with eng.connect() as conn:
         rows = conn.exec_driver_sql("SELECT version, description FROM schema_version").all()
     eng.dispose()
-    assert [tuple(r) for r in rows] == [(1, "initial schema")]
+    assert [tuple(r) for r in rows] == [(m.version, m.description) for m in MIGRATIONS]
+    assert tuple(rows[0]) == (1, "initial schema")
 
 
 @pytest.mark.parametrize(
@@ -267,6 +272,11 @@ def test_lease_round_trip(store: Store) -> None:
     store.insert_lease(lease, PPM)
     assert store.get_lease("a") == lease
     assert store.get_lease("missing") is None
+    both = _lease("b", kernel="k-b", groups=("cs50", "ml101"))
+    store.insert_lease(both, PPM)
+    assert store.get_lease("b") == both
+    assert store.get_lease("b").groups == ("cs50", "ml101")  # type: ignore[union-attr]
+    assert [x.groups for x in store.load_active()[0]] == [(), ("cs50", "ml101")]
 
 
 def test_insert_lease_drops_the_request_it_serves(store: Store) -> None:
@@ -505,6 +515,58 @@ def test_requests(store: Store) -> None:
     store.insert_request(_request("r2", kernel="k1"))  # the place is free again
 
 
+def test_queue_log_records_each_stay_in_the_queue(store: Store) -> None:
+    store.insert_request(
+        _request("r1", user="alice", kernel="k-a", arrived_at=1000.0, groups=frozenset({"ml101"}))
+    )
+    store.insert_request(_request("r2", kernel="k-b", arrived_at=1001.0, group="ml101"))
+    store.insert_request(_request("r3", kernel="k-c", arrived_at=1002.0))
+    with pytest.raises(DuplicateRequest):  # refused: logged neither
+        store.insert_request(_request("r4", kernel="k-c", arrived_at=1003.0))
+    # a grant from the queue keeps the request's id; withdrawn and abandoned ones
+    store.insert_lease(_lease("r1", kernel="k-a", created=1010.0), PPM, drop_request_id="r1")
+    store.delete_requests(["r2"], outcome="cancelled", at=1020.0)
+    store.delete_requests(["r3"], outcome="dropped", at=1030.0)
+    store.delete_requests(["r2"], outcome="dropped", at=1100.0)  # again: nothing changes
+    with pytest.raises(ValueError):
+        store.delete_requests(["r3"], outcome="granted")
+    held, queued = store.history(0, 2000)
+    assert [x.id for x in held] == ["r1"]
+    by_id = {q.id: q for q in queued}
+    assert sorted(by_id) == ["r1", "r2", "r3"]
+    assert [(by_id[i].arrived_at, by_id[i].left_at, by_id[i].outcome) for i in sorted(by_id)] == [
+        (1000.0, 1010.0, "granted"),
+        (1001.0, 1020.0, "cancelled"),
+        (1002.0, 1030.0, "dropped"),
+    ]
+    assert by_id["r1"].groups == ("ml101",) and by_id["r1"].user == "alice"
+    assert by_id["r2"].group == "ml101" and by_id["r2"].fraction_ppm == 500_000
+    # the period: arrived before until, left (or still waiting) at or after since
+    assert sorted(q.id for q in store.history(1025, 2000)[1]) == ["r3"]
+    assert sorted(q.id for q in store.history(0, 1000.5)[1]) == ["r1"]
+    store.insert_request(_request("r5", kernel="k-d", arrived_at=1500.0))
+    assert sorted(q.id for q in store.history(1900, 2000)[1]) == ["r5"]  # still waiting
+    assert [q.id for q in store.history(0, 2000, user="alice")[1]] == ["r1"]
+    assert [x.id for x in store.history(0, 2000, user="bob")[0]] == []
+
+
+def test_history_leases_in_the_period(store: Store) -> None:
+    store.insert_leases(
+        [
+            _lease("old", created=0.0),
+            _lease("mid", kernel="k2", created=100.0),
+            _lease("live", kernel="k3", created=200.0),
+            _lease("late", kernel="k4", user="bob", created=900.0),
+        ],
+        PPM,
+        [],
+    )
+    store.end_leases([("old", "released", 50.0, None), ("mid", "expired", 300.0, "ttl")])
+    assert sorted(x.id for x in store.history(60, 800)[0]) == ["live", "mid"]
+    assert sorted(x.id for x in store.history(0, 1000)[0]) == ["late", "live", "mid", "old"]
+    assert sorted(x.id for x in store.history(0, 1000, user="bob")[0]) == ["late"]
+
+
 # --------------------------------------------------------------------------- quotas
 
 
@@ -588,6 +650,42 @@ def test_user_usage_and_counts(history: Store) -> None:
     assert history.counts() == {"active": 1, "revoked": 0, "released": 1, "expired": 1}
 
 
+@pytest.fixture
+def courses(store: Store) -> Store:
+    """One hour each: dan (ml101) 0.5 and eve (cs50 + ml101) 0.4 on generic kernels, eve 0.1
+    on a cs50 course kernel, frank (no course) 0.3; a lease from before v2 (no groups)."""
+    store.insert_leases(
+        [
+            _lease("d", user="dan", ppm=500_000, created=0.0, groups=("ml101",)),
+            _lease("e", user="eve", ppm=400_000, created=0.0, groups=("cs50", "ml101")),
+            _lease("ec", user="eve", ppm=100_000, group="cs50", groups=("cs50", "ml101")),
+            _lease("f", user="frank", ppm=300_000, created=0.0, gpu="GPU-1"),
+        ],
+        PPM,
+        [],
+    )
+    store.end_leases([(x, "released", 3600.0, None) for x in ("d", "e", "f")])
+    store.end_leases([("ec", "released", 1000.0 + 3600.0, None)])
+    return store
+
+
+@pytest.mark.parametrize(
+    ("by", "expected"),
+    [
+        # a student in two courses is split equally; a course kernel counts for its course
+        ("group", {"ml101": 0.5 + 0.2, "cs50": 0.2 + 0.1, "": 0.3}),
+        ("user", {"dan": 0.5, "eve": 0.5, "frank": 0.3}),
+    ],
+)
+def test_usage_by_group_attributes_to_the_users_courses(
+    courses: Store, by: str, expected: dict[str, float]
+) -> None:
+    got = courses.usage(0, 10 * 3600, by=by)
+    assert got == pytest.approx(expected)
+    assert set(got) == set(expected)
+    assert sum(got.values()) == pytest.approx(1.3)  # splitting creates no usage
+
+
 # --------------------------------------------------------------------------- migrations
 
 
@@ -608,15 +706,19 @@ def _columns(db_url: str) -> set[str]:
     return cols
 
 
+LATEST = MIGRATIONS[-1].version
+NEXT = LATEST + 1  # a version this code does not know
+
+
 def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str) -> None:
     store.insert_leases([_lease("a"), _lease("b", user="bob")], PPM, [])
     store.end_leases([("b", "released", 1010.0, None)])
     store.put_quota("group", "ml101", Quota(max_leases=4))
     store.insert_request(_request("r1"))
     before = (store.list_leases(), store.load_quotas(), store.load_active())
-    v2 = (*MIGRATIONS, Migration(2, "lease notes", _add_note_column))
-    assert store.upgrade(v2) == 2
-    assert store.upgrade(v2) == 2  # safe to repeat
+    v2 = (*MIGRATIONS, Migration(NEXT, "lease notes", _add_note_column))
+    assert store.upgrade(v2) == NEXT
+    assert store.upgrade(v2) == NEXT  # safe to repeat
     assert "note" in _columns(db_url)
     assert (store.list_leases(), store.load_quotas(), store.load_active()) == before
     eng = _raw_engine(db_url)
@@ -625,18 +727,76 @@ def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str) -> None:
             "migrated"
         ]
     with eng.begin() as conn:  # the module-level function works in a caller's transaction
-        assert upgrade_schema(conn, v2) == 2
+        assert upgrade_schema(conn, v2) == NEXT
     eng.dispose()
-    # code that knows only version 1 refuses a newer database rather than damage it
+    # code that knows only the older versions refuses a newer database rather than damage it
     with pytest.raises(StoreError, match="newer"):
         store.upgrade()
+
+
+def test_version_1_database_upgrades_and_old_leases_have_no_groups(db_url: str) -> None:
+    old = Store(db_url)
+    assert old.upgrade(MIGRATIONS[:1]) == 1
+    old.sync_gpus([GPU0], PPM)
+    assert "user_groups" not in _columns(db_url)
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:  # a lease as version 1 wrote it
+        conn.execute(
+            sa.text(
+                'INSERT INTO leases (id, "user", kernel_id, gpu_uuid, fraction_ppm, '
+                "memory_limit_mb, state, grp, created_at, renewed_at, expires_at, ended_at) "
+                "VALUES ('v1', 'dan', 'k', 'GPU-0', 500000, 15872, 'released', NULL, "
+                "0, 0, 90, 3600)"
+            )
+        )
+    eng.dispose()
+    old.close()
+    store = Store(db_url)
+    store.open()
+    try:
+        assert store.upgrade() == LATEST
+        assert "user_groups" in _columns(db_url)
+        lease = store.get_lease("v1")
+        assert lease is not None and lease.groups == () and lease.user == "dan"
+        assert store.usage(0, 3600, by="group") == pytest.approx({"": 0.5})
+        store.insert_lease(_lease("new", user="dan", groups=("ml101",), created=0.0), PPM)
+        assert store.usage(0, 3600, by="group") == pytest.approx({"": 0.5, "ml101": 0.02})
+    finally:
+        store.close()
+
+
+def test_version_2_database_logs_the_requests_waiting_at_the_upgrade(db_url: str) -> None:
+    old = Store(db_url)
+    assert old.upgrade(MIGRATIONS[:2]) == 2
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:  # a request waiting, as version 2 wrote it
+        conn.execute(
+            sa.text(
+                'INSERT INTO requests (id, "user", kernel_id, fraction_ppm, groups, grp, node, '
+                "gpu_uuids, priority, arrived_at, last_polled_at) VALUES ('w', 'dan', 'k', "
+                """500000, '["ml101"]', NULL, NULL, NULL, 0, 100, 100)"""
+            )
+        )
+    eng.dispose()
+    old.close()
+    store = Store(db_url)
+    store.open()
+    try:
+        assert store.upgrade() == LATEST
+        (rec,) = store.history(0, 200)[1]
+        assert (rec.id, rec.user, rec.arrived_at, rec.groups) == ("w", "dan", 100, ("ml101",))
+        assert rec.left_at is None and rec.outcome is None
+        store.delete_requests(["w"], outcome="cancelled", at=150.0)
+        assert store.history(0, 200)[1][0].left_at == 150.0
+    finally:
+        store.close()
 
 
 def test_failed_migration_changes_nothing(store: Store, db_url: str) -> None:
     store.insert_lease(_lease("a"), PPM)
     with pytest.raises(StoreError, match="schema up to date"):
-        store.upgrade((*MIGRATIONS, Migration(2, "broken", _broken_migration)))
-    assert store.upgrade() == 1
+        store.upgrade((*MIGRATIONS, Migration(NEXT, "broken", _broken_migration)))
+    assert store.upgrade() == LATEST
     assert "note" not in _columns(db_url)  # DDL rolled back with the transaction
     assert store.get_lease("a") == _lease("a")
 
@@ -772,3 +932,144 @@ def test_killed_writer_leaves_a_consistent_database(store: Store, db_url: str) -
         reopened.insert_lease(_lease("after", ppm=PPM), PPM)
     finally:
         reopened.close()
+
+
+# --------------------------------------------------------------------------- leadership
+
+PG_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
+)
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _two_brokers(db_url: str, **kw: Any) -> Iterator[tuple[Store, Store]]:
+    a, b = Store(db_url, **kw), Store(db_url, **kw)
+    a.open()
+    b.open()
+    a.sync_gpus([GPU0, GPU1], PPM)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+@PG_ONLY
+def test_leadership_is_taken_once_and_fences_a_deposed_writer(db_url: str) -> None:
+    """One holder at a time; once its leadership expires another takes it with the next
+    epoch; the deposed one can neither renew nor write (its fence says why), and its
+    refused write left nothing behind."""
+    refused: list[tuple[str, bool]] = []
+    with _two_brokers(db_url) as (a, b):
+        epoch, holder, remaining = a.take_leadership("a", 0.6)
+        assert epoch is not None and holder == "a" and 0 < remaining <= 0.6
+        a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append((why, deposed)))
+        assert b.take_leadership("b", 0.6)[:2] == (None, "a")
+        a.insert_lease(_lease("by-a"), PPM)
+        _wait_for(lambda: b.take_leadership("b", 30.0)[0] is not None, 10, "the takeover")
+        assert b.leadership()[:2] == ("b", epoch + 1)
+        assert not a.renew_leadership("a", epoch, 0.6)
+        with pytest.raises(NotActive, match="another broker holds the leadership"):
+            a.insert_lease(_lease("late", user="bob"), PPM)
+        with pytest.raises(NotActive):
+            a.end_leases([("by-a", "released", 2000.0, None)])
+        assert refused and all(deposed for _, deposed in refused)
+        assert b.get_lease("late") is None and b.get_lease("by-a").state == "active"  # type: ignore[union-attr]
+        b.set_fence(Fence("b", epoch + 1))
+        b.end_leases([("by-a", "released", 2000.0, None)])
+        assert b.get_lease("by-a").state == "released"  # type: ignore[union-attr]
+
+
+@PG_ONLY
+def test_a_lapsed_leadership_nobody_took_is_renewed(db_url: str) -> None:
+    """Expired but not taken over: writes are refused as lapsed (not deposed) until the
+    holder renews, which it may: nobody else has written."""
+    refused: list[bool] = []
+    with _two_brokers(db_url) as (a, _):
+        epoch, _, _ = a.take_leadership("a", 0.3)
+        assert epoch is not None
+        a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append(deposed))
+        _wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to lapse")
+        with pytest.raises(NotActive, match="expired"):
+            a.insert_lease(_lease("x"), PPM)
+        assert refused == [False] and a.get_lease("x") is None
+        assert a.renew_leadership("a", epoch, 30.0)
+        a.insert_lease(_lease("x"), PPM)
+        assert a.leadership()[:2] == ("a", epoch)
+
+
+@PG_ONLY
+def test_a_takeover_waits_for_a_write_in_flight_but_not_for_a_paused_one(db_url: str) -> None:
+    """A takeover does not overtake a write transaction that passed the fence (it holds
+    the row FOR SHARE): it returns "not yet" after its short lock wait, never an error.
+    A writer that stops mid-transaction (SIGSTOP) is ended by the server's
+    idle-in-transaction timeout, so the takeover happens soon after."""
+    with _two_brokers(db_url, pg_timeout=1.0) as (a, b):
+        epoch, _, _ = a.take_leadership("a", 0.3)
+        assert epoch is not None
+        with a._engine.connect() as raw:  # a write of "a" between its fence and its commit
+            raw.begin()
+            raw.execute(sa.text("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE"))
+            _wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to expire")
+            t0 = time.monotonic()
+            assert b.take_leadership("b", 30.0, lock_wait=0.2) == (None, None, 0.2)
+            assert time.monotonic() - t0 < 5
+            # "a" is paused here: the server ends its transaction after pg_timeout
+            _wait_for(lambda: b.take_leadership("b", 30.0)[0] == epoch + 1, 20, "takeover")
+            with pytest.raises(sa.exc.OperationalError):
+                raw.execute(sa.text("SELECT 1"))
+
+
+@PG_ONLY
+def test_a_released_leadership_is_taken_at_once(db_url: str) -> None:
+    with _two_brokers(db_url) as (a, b):
+        epoch, _, _ = a.take_leadership("a", 60.0)
+        assert epoch is not None
+        a.set_fence(Fence("a", epoch))
+        a.release_leadership("a", epoch)
+        assert b.take_leadership("b", 60.0)[0] == epoch + 1
+        with pytest.raises(NotActive):
+            a.put_quota("default", "", Quota(max_leases=1))
+
+
+@PG_ONLY
+def test_postgres_sessions_are_bounded(db_url: str) -> None:
+    """Connect timeout, TCP keepalives and user timeout, statement and idle-in-transaction
+    timeouts on every connection; the URL's own settings win."""
+    store = Store(db_url, pg_timeout=1.5, application_name="gl-test-bounded")
+    try:
+        with store._engine.connect() as conn:
+            params = conn.connection.dbapi_connection.get_dsn_parameters()  # type: ignore[union-attr]
+            assert conn.exec_driver_sql("SHOW statement_timeout").scalar() == "1500ms"
+            assert (
+                conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+                == "1500ms"
+            )
+            assert conn.exec_driver_sql("SHOW application_name").scalar() == "gl-test-bounded"
+        assert params["keepalives"] == "1" and params["tcp_user_timeout"] == "1500"
+        assert params["connect_timeout"] == "2" and params["keepalives_count"] == "3"
+    finally:
+        store.close()
+    store = Store(f"{db_url}&connect_timeout=7")
+    try:
+        with store._engine.connect() as conn:
+            params = conn.connection.dbapi_connection.get_dsn_parameters()  # type: ignore[union-attr]
+        assert params["connect_timeout"] == "7"
+    finally:
+        store.close()
+
+
+def test_leadership_needs_postgres(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'x.sqlite'}")
+    assert not store.supports_ha_lock
+    with pytest.raises(StoreError, match="PostgreSQL"):
+        store.take_leadership("a", 1.0)
+    with pytest.raises(StoreError, match="PostgreSQL"):
+        store.set_fence(Fence("a", 1))

@@ -2,17 +2,23 @@
 
 The handlers (``handlers.py``) take the token from the ``Authorization`` header
 (:func:`token_from_header`) and ask the app's :class:`Authenticator` for the
-identity; ``app.py`` builds the authenticator from ``--auth``:
+identity. Authenticators are traitlets ``Configurable`` classes; the broker builds
+the one its ``authenticator_class`` names (``--auth hub|static`` are short names of
+the two built in here, :data:`AUTHENTICATORS`) with :meth:`Authenticator.for_broker`:
 
 - :class:`HubTokens` (``--auth hub``): JupyterHub's API identifies the token's
   owner (``jupyterhub.services.auth.HubAuth``); admins are hub admins or holders of
-  the ``custom:gpu-lease:admin`` scope; groups are the user's hub groups.
+  the ``custom:gpu-lease:admin`` scope; groups are the user's hub groups. As a hub
+  service with an OAuth client it also logs browsers in to the dashboard.
 - :class:`StaticTokens` (``--auth static``): a JSON file
   ``{"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}``; an entry
   may add ``"expires_at"`` (POSIX seconds or ISO 8601, no zone = UTC), after which
-  the token is refused with 401.
+  the token is refused with 401. A node agent's entry is ``{"agent": true, "node":
+  "gpu-a"}``: that token may call only the node routes, and only for its node.
 
-A token never appears in a log line, an error message or a ``repr``.
+jupyterhub is imported only by :class:`HubTokens` (and ``hub_login.py``), so a
+broker with static tokens starts without it. A token never appears in a log line,
+an error message or a ``repr``.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from urllib.parse import quote
 
-from ..errors import GPULeaseError, NotAuthenticated
+from traitlets.config import LoggingConfigurable
+
+from ..errors import AuthUnavailable, NotAuthenticated, TokensFileError
 from ..model import Identity
 
 log = logging.getLogger("gpu_lease.broker.auth")
@@ -35,6 +44,11 @@ log = logging.getLogger("gpu_lease.broker.auth")
 #: the scope that makes a JupyterHub user a GPU lease admin
 ADMIN_SCOPE = "custom:gpu-lease:admin"
 MAX_TOKEN_CHARS = 4096
+#: seconds a token's JupyterHub identity is cached (as JupyterHub's own HubAuth)
+HUB_CACHE_MAX_AGE = 300
+
+if TYPE_CHECKING:
+    from tornado.web import RequestHandler
 
 _HOW = (
     "Send your JupyterHub API token (or the token your administrator gave you) "
@@ -42,29 +56,72 @@ _HOW = (
 )
 
 
-class AuthUnavailable(GPULeaseError):
-    """503: the identity provider (JupyterHub's API) could not be asked; retry later."""
-
-    code = "auth_unavailable"
-    status = 503
-
-
-class TokensFileError(GPULeaseError):
-    """The static tokens file is missing or malformed (a start-up error)."""
-
-    code = "invalid_tokens_file"
-    status = 500
-
-
-class Authenticator(Protocol):
+class Authenticator(LoggingConfigurable):
     """Turns a bearer token into a verified :class:`~provisioner.model.Identity`.
 
-    Called by the handlers' base class once per authenticated request.
+    Subclass it and name the subclass in ``c.GPULeaseBroker.authenticator_class`` to
+    identify callers another way; its own traits are configured as ``c.<ClassName>.*``.
     """
 
+    #: the ``--auth`` value that selects this class (built-in authenticators only)
+    auth_name: ClassVar[str] = ""
+
+    @classmethod
+    def for_broker(
+        cls,
+        *,
+        parent: Any = None,
+        tokens_file: str = "",
+        cache_max_age: int = HUB_CACHE_MAX_AGE,
+        base_url: str = "/",
+    ) -> Authenticator:
+        """The authenticator the broker uses, built from its settings.
+
+        Called once by ``GPULeaseBroker.make_authenticator()`` at start, with the
+        broker's ``tokens_file``, ``hub_cache_max_age`` and ``base_url``; each class
+        takes what it needs. Raises :class:`~provisioner.errors.GPULeaseError` (the
+        broker exits 2 with its message) when a setting is missing or wrong.
+        """
+        return cls(parent=parent)
+
+    @property
+    def browser_login(self) -> bool:
+        """Whether browsers log in (to the dashboard) without a token. Default: False."""
+        return False
+
     async def identify(self, token: str) -> Identity:
-        """The token's owner; raises :class:`~provisioner.errors.NotAuthenticated`."""
-        ...
+        """The token's owner; raises :class:`~provisioner.errors.NotAuthenticated`.
+
+        Called by the handlers' base class once per authenticated request.
+        """
+        raise NotImplementedError
+
+    async def identify_browser(self, handler: RequestHandler) -> Identity | None:
+        """The logged-in user of a browser request without a token, or None.
+
+        Called by the handlers' base class only when :attr:`browser_login` is true.
+        """
+        return None
+
+    def wrap_handler(self, handler: type[RequestHandler]) -> type[RequestHandler]:
+        """The handler class to serve ``handler``'s route (with browser login: one that
+        also reads the login cookie). Called by ``routes.make_app`` for each route."""
+        return handler
+
+    def login_routes(self, base_url: str) -> list[tuple[str, type[RequestHandler]]]:
+        """Extra URL patterns browser login needs (e.g. an OAuth callback); called by
+        ``routes.make_app``."""
+        return []
+
+    async def groups_of(self, user: str) -> tuple[frozenset[str], str]:
+        """The groups ``user`` acquires with, and where they come from (for a sentence).
+
+        Called for an admin's ``GET /api/v1/quotas/users/{name}?effective=1``: the
+        effective quota of someone else depends on their groups, which the broker
+        otherwise learns only from that user's own token. An authenticator that
+        cannot tell says so in the source (no groups).
+        """
+        return frozenset(), f"{type(self).__name__} cannot list a user's groups"
 
 
 def token_from_header(value: str | None) -> str | None:
@@ -146,12 +203,19 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Stat
                 f"{where} must map the token to an object such as "
                 '{"user": "alice", "groups": ["ml101"], "admin": false}.'
             )
-        unknown = sorted(set(entry) - {"user", "groups", "admin", "expires_at"})
+        unknown = sorted(set(entry) - {"user", "groups", "admin", "expires_at", "agent", "node"})
         if unknown:
             raise TokensFileError(
                 f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
-                "allowed are user, groups, admin and expires_at."
+                "allowed are user, groups, admin, expires_at, agent and node."
             )
+        if entry.get("agent", False) is not False or "node" in entry:
+            out_agent = _agent_entry(entry, where)
+            digest = _digest(token)
+            if digest in out:
+                raise TokensFileError(f"The token of {where} is listed twice.")
+            out[digest] = StaticToken(out_agent, parse_expiry(entry.get("expires_at"), where))
+            continue
         user = entry.get("user")
         if not isinstance(user, str) or not user.strip():
             raise TokensFileError(f"{where} needs a non-empty string 'user'.")
@@ -173,7 +237,25 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Stat
     return out
 
 
-class StaticTokens:
+def _agent_entry(entry: Mapping[str, Any], where: str) -> Identity:
+    """``{"agent": true, "node": "gpu-a"}``: a node agent's token (node routes of that node only)."""
+    node = entry.get("node")
+    if entry.get("agent") is not True or not isinstance(node, str) or not node.strip():
+        raise TokensFileError(
+            f'{where} is a node agent\'s token: write {{"agent": true, "node": "NODE"}} '
+            "with the node's name (as the agent's --node gives it)."
+        )
+    if entry.get("admin") or entry.get("groups"):
+        raise TokensFileError(
+            f"{where} is a node agent's token; it cannot also be an admin or in groups."
+        )
+    user = entry.get("user", f"agent:{node}")
+    if not isinstance(user, str) or not user.strip():
+        raise TokensFileError(f"{where} needs a non-empty string 'user' (or none).")
+    return Identity(user=user, node=node)
+
+
+class StaticTokens(Authenticator):
     """``--auth static``: identities from a JSON tokens file.
 
     The file is read at start (errors raise :class:`TokensFileError`) and again
@@ -184,11 +266,24 @@ class StaticTokens:
     ``expires_at`` is checked against ``clock()`` on every request.
     """
 
-    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+    auth_name = "static"
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time, **traits: Any) -> None:
+        super().__init__(**traits)
         self.path = path
         self.clock = clock
         self._mtime: float | None = None
         self._tokens = self._load()
+
+    @classmethod
+    def for_broker(cls, *, parent: Any = None, tokens_file: str = "", **_: Any) -> StaticTokens:
+        """Needs ``tokens_file`` (``--tokens-file``)."""
+        if not tokens_file:
+            raise TokensFileError(
+                "--auth static needs a tokens file: give --tokens-file FILE with "
+                '{"TOKEN": {"user": "alice", "groups": [], "admin": false}}.'
+            )
+        return cls(tokens_file, parent=parent)
 
     def __repr__(self) -> str:
         return f"StaticTokens({self.path!r}, {len(self._tokens)} token(s))"
@@ -255,6 +350,23 @@ class StaticTokens:
             )
         return entry.identity
 
+    async def groups_of(self, user: str) -> tuple[frozenset[str], str]:
+        """The groups of ``user``'s unexpired tokens in the file (their union, should the
+        entries differ: each token acquires with its own entry's groups)."""
+        self._maybe_reload()
+        now = self.clock()
+        entries = [
+            e.identity.groups
+            for e in self._tokens.values()
+            if e.identity.user == user and not _expired(e, now)
+        ]
+        if not entries:
+            return frozenset(), "the tokens file has no valid token for this user"
+        union = frozenset().union(*entries)
+        if any(groups != union for groups in entries):
+            return union, "the tokens file (the union: this user's tokens list different groups)"
+        return union, "the tokens file"
+
 
 def _expired(entry: StaticToken, now: float) -> bool:
     return entry.expires_at is not None and now >= entry.expires_at
@@ -273,7 +385,7 @@ def identity_from_hub_model(model: Mapping[str, Any]) -> Identity:
     )
 
 
-class HubTokens:
+class HubTokens(Authenticator):
     """``--auth hub``: ask JupyterHub who owns the token (cached ``cache_max_age`` s).
 
     ``api_url`` and ``api_token`` default to ``JUPYTERHUB_API_URL`` and
@@ -283,13 +395,17 @@ class HubTokens:
     ``read:users:groups`` on itself so the model lists the user's groups.
     """
 
+    auth_name = "hub"
+
     def __init__(
         self,
         api_url: str | None = None,
         api_token: str | None = None,
-        cache_max_age: int = 300,
+        cache_max_age: int = HUB_CACHE_MAX_AGE,
         hub_auth: Any = None,
+        **traits: Any,
     ) -> None:
+        super().__init__(**traits)
         if hub_auth is None:
             from jupyterhub.services.auth import HubAuth
 
@@ -307,6 +423,19 @@ class HubTokens:
             hub_auth = HubAuth(**kwargs)
         self.hub_auth = hub_auth
 
+    @classmethod
+    def for_broker(
+        cls,
+        *,
+        parent: Any = None,
+        cache_max_age: int = HUB_CACHE_MAX_AGE,
+        base_url: str = "/",
+        **_: Any,
+    ) -> HubTokens:
+        """As a hub service with a URL, browsers also log in to the dashboard (hub OAuth)."""
+        oauth = make_hub_oauth(base_url, cache_max_age=cache_max_age)
+        return cls(cache_max_age=cache_max_age, hub_auth=oauth, parent=parent)
+
     def __repr__(self) -> str:
         return f"HubTokens({getattr(self.hub_auth, 'api_url', '?')!r})"
 
@@ -317,7 +446,21 @@ class HubTokens:
 
         return isinstance(self.hub_auth, HubOAuth)
 
-    async def identify_browser(self, handler: Any) -> Identity | None:
+    def wrap_handler(self, handler: type[RequestHandler]) -> type[RequestHandler]:
+        """``handler`` with JupyterHub's ``HubOAuthenticated`` (login URL, XSRF, cookie)."""
+        from .hub_login import with_hub_login
+
+        return with_hub_login(handler, self.hub_auth)
+
+    def login_routes(self, base_url: str) -> list[tuple[str, type[RequestHandler]]]:
+        """The OAuth callback ``{base_url}oauth_callback`` (with browser login only)."""
+        if not self.browser_login:
+            return []
+        from .hub_login import oauth_callback_route
+
+        return [oauth_callback_route(base_url, self.hub_auth)]
+
+    async def identify_browser(self, handler: RequestHandler) -> Identity | None:
         """The user of a browser request without ``Authorization``, from the hub OAuth cookie.
 
         Called by the handlers' base class when ``--auth hub`` and the request has no
@@ -385,11 +528,55 @@ class HubTokens:
             )
         return identity_from_hub_model(model)
 
+    async def groups_of(self, user: str) -> tuple[frozenset[str], str]:
+        """The user's hub groups, from ``GET /hub/api/users/{name}`` with the service's own
+        token, which needs ``read:users:groups`` (hub_config grants it to the broker)."""
+        import httpx
+
+        from ..errors import Forbidden, LeaseNotFound
+
+        api_url = str(getattr(self.hub_auth, "api_url", "")).rstrip("/")
+        token = str(getattr(self.hub_auth, "api_token", ""))
+        url = f"{api_url}/users/{quote(user, safe='')}"
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as http:
+                r = await http.get(url, headers={"Authorization": f"token {token}"})
+        except httpx.HTTPError as exc:
+            raise AuthUnavailable(
+                "JupyterHub's API cannot be reached to look up the user's groups; retry in a "
+                "moment, and if this persists check that the hub is running."
+            ) from exc
+        if r.status_code == 404:
+            raise LeaseNotFound(f"JupyterHub has no user named {user!r}.")
+        if r.status_code == 403:
+            raise Forbidden(
+                "The broker may not read users' groups from JupyterHub: give the service "
+                "gpu-lease the scope read:users:groups (hub_config/jupyterhub_config.py's "
+                "role gpu-lease-broker does)."
+            )
+        try:
+            model = r.json() if r.status_code == 200 else None
+        except ValueError:
+            model = None
+        if not isinstance(model, dict):
+            raise AuthUnavailable(
+                f"JupyterHub answered HTTP {r.status_code} when asked for a user's groups; "
+                "retry in a moment."
+            )
+        groups = model.get("groups")
+        if not isinstance(groups, list):
+            raise Forbidden(
+                "JupyterHub did not list the user's groups: give the service gpu-lease the "
+                "scope read:users:groups (hub_config/jupyterhub_config.py's role "
+                "gpu-lease-broker does)."
+            )
+        return frozenset(g for g in groups if isinstance(g, str)), "JupyterHub"
+
 
 def make_hub_oauth(
     base_url: str,
     *,
-    cache_max_age: int = 300,
+    cache_max_age: int = HUB_CACHE_MAX_AGE,
     api_url: str | None = None,
     api_token: str | None = None,
     service_name: str | None = None,
@@ -397,7 +584,7 @@ def make_hub_oauth(
 ) -> Any:
     """A ``jupyterhub.services.auth.HubOAuth`` for the dashboard's browser login, or None.
 
-    Called by ``app.py`` for ``--auth hub``. It needs what JupyterHub gives a managed
+    Called by :meth:`HubTokens.for_broker` (``--auth hub``). It needs what JupyterHub gives a managed
     service that has a URL: ``JUPYTERHUB_API_TOKEN`` and ``JUPYTERHUB_CLIENT_ID`` (and
     ``JUPYTERHUB_OAUTH_CALLBACK_URL``, else ``{base_url}oauth_callback``). Without a
     client id there is no browser login (None) and the API still takes tokens.
@@ -426,10 +613,17 @@ def make_hub_oauth(
     return oauth
 
 
+#: the built-in authenticators by their ``--auth`` names
+AUTHENTICATORS: dict[str, type[Authenticator]] = {
+    cls.auth_name: cls for cls in (HubTokens, StaticTokens)
+}
+
 __all__ = [
     "ADMIN_SCOPE",
+    "AUTHENTICATORS",
     "AuthUnavailable",
     "Authenticator",
+    "HUB_CACHE_MAX_AGE",
     "HubTokens",
     "StaticToken",
     "StaticTokens",

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import GPULeaseError
+from ..errors import CoursesFileError, GPULeaseError
 from ..model import Quota
 from .validation import parse_quota
 
@@ -47,13 +47,6 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+\-]{0,254}$")
-
-
-class CoursesFileError(GPULeaseError):
-    """The courses file is missing or malformed (a start-up error)."""
-
-    code = "invalid_courses_file"
-    status = 500
 
 
 @dataclass

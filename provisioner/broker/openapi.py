@@ -1,10 +1,13 @@
 """The OpenAPI 3.0.3 document of REST API v1, served at ``GET /api/v1/openapi.json``.
 
-:func:`build_openapi` is a pure builder (no I/O); :data:`ROUTES` lists every
-``(METHOD, path template)`` the document describes, so a test can check that the
-handlers register exactly these. Paths are relative to the server URL: behind
-JupyterHub the broker passes its ``JUPYTERHUB_SERVICE_PREFIX`` as ``base_url``
-(e.g. ``/services/gpu-lease/``) and the paths stay ``/api/v1/...``.
+:func:`build_openapi` is a pure builder (no I/O): the schemas and error responses
+live here, the paths and their operations come from the route table
+(:data:`provisioner.broker.routes.TABLE`), which also gives tornado its URL patterns,
+so the document and the served routes cannot drift apart. :data:`ROUTES` and
+:data:`PUBLIC_ROUTES` (re-exported from there) list the documented
+``(METHOD, path template)`` pairs and those that need no token. Paths are relative to
+the server URL: behind JupyterHub the broker passes its ``JUPYTERHUB_SERVICE_PREFIX``
+as ``base_url`` (e.g. ``/services/gpu-lease/``) and the paths stay ``/api/v1/...``.
 """
 
 from __future__ import annotations
@@ -13,38 +16,9 @@ import copy
 from typing import Any
 
 from .._version import __version__
-
-#: every (method, path template) of REST API v1 that the document describes
-ROUTES: tuple[tuple[str, str], ...] = (
-    ("GET", "/api/v1/health"),
-    ("GET", "/api/v1/openapi.json"),
-    ("GET", "/metrics"),
-    ("GET", "/api/v1/gpus"),
-    ("GET", "/api/v1/leases"),
-    ("POST", "/api/v1/leases"),
-    ("GET", "/api/v1/leases/{lease_id}"),
-    ("DELETE", "/api/v1/leases/{lease_id}"),
-    ("POST", "/api/v1/leases/{lease_id}/renew"),
-    ("POST", "/api/v1/leases/{lease_id}/revoke"),
-    ("GET", "/api/v1/queue"),
-    ("GET", "/api/v1/quotas"),
-    ("GET", "/api/v1/quotas/me"),
-    ("GET", "/api/v1/quotas/default"),
-    ("PUT", "/api/v1/quotas/default"),
-    ("DELETE", "/api/v1/quotas/default"),
-    ("GET", "/api/v1/quotas/users/{name}"),
-    ("PUT", "/api/v1/quotas/users/{name}"),
-    ("DELETE", "/api/v1/quotas/users/{name}"),
-    ("GET", "/api/v1/quotas/groups/{name}"),
-    ("PUT", "/api/v1/quotas/groups/{name}"),
-    ("DELETE", "/api/v1/quotas/groups/{name}"),
-    ("GET", "/api/v1/usage"),
-)
-
-#: routes that answer without a token (everything else needs ``Authorization``)
-PUBLIC_ROUTES: frozenset[tuple[str, str]] = frozenset(
-    {("GET", "/api/v1/health"), ("GET", "/api/v1/openapi.json"), ("GET", "/metrics")}
-)
+from .routes import PUBLIC_ROUTES, ROUTES, openapi_paths
+from .routes import json_response as _json
+from .routes import schema_ref as _ref
 
 _ERROR_TEXT = {
     "400": "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction, "
@@ -58,18 +32,6 @@ _ERROR_TEXT = {
     "422": "Can never fit: above the largest GPU, or below the CUDA context overhead.",
     "503": "The broker's database is unavailable; nothing was changed.",
 }
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _errors(*codes: str) -> dict[str, Any]:
-    return {code: {"$ref": f"#/components/responses/E{code}"} for code in codes}
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +137,17 @@ _SCHEMAS: dict[str, Any] = {
             "allocated_fraction": {"type": "number", "minimum": 0, "maximum": 1},
             "allocated_mb": {"type": "integer", "minimum": 0},
             "capacity_fraction": {"type": "number", "minimum": 0, "maximum": 1},
+            "min_fraction": {
+                "type": "number",
+                "minimum": 0,
+                "description": "The smallest fraction whose memory cap on this GPU is above "
+                "0 (its share must exceed the CUDA context overhead).",
+            },
+            "context_overhead_mb": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "MiB every kernel's CUDA context takes outside its cap.",
+            },
             "leases": {"type": "integer", "minimum": 0},
         },
     },
@@ -234,8 +207,26 @@ _SCHEMAS: dict[str, Any] = {
             "ended_at": _nullable(_TIME),
             "reason": _nullable({"type": "string"}),
             "pid": _nullable({"type": "integer"}),
+            "used_mb": _nullable(
+                {
+                    "type": "integer",
+                    "description": "GPU memory the kernel's processes use, as its node agent "
+                    "last reported (null: no agent reports this GPU).",
+                }
+            ),
+            "enforcement": {
+                "type": "string",
+                "description": "The layer that holds the memory cap: 'cooperative' (framework "
+                "caps only), or 'agent-off' / 'agent-report' / 'agent-revoke' / 'agent-kill'.",
+            },
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
+            "groups": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The user's groups (courses) when the lease was granted; "
+                "usage by group counts a lease without `group` for these, split equally.",
+            },
         },
     },
     "LeaseList": {
@@ -258,7 +249,23 @@ _SCHEMAS: dict[str, Any] = {
             "kernel_id": {"type": "string"},
             "fraction": {**_FRACTION},
             "queue_length": {"type": "integer", "minimum": 1},
-            "message": {"type": "string", "description": "Why it waits, for the student."},
+            "reason": {
+                "type": "string",
+                "description": "Why it waits: how full the GPUs it may use are (named as "
+                "`gpu-lease top` names them), and how much is free when a smaller kernel "
+                "could start sooner.",
+            },
+            "eta_seconds": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Estimated seconds until the lease is granted, when the broker "
+                "can estimate one: the future replayed from the hold times of recent leases "
+                '(docs/developers.md, "Estimated waits"). Absent without enough history.',
+            },
+            "message": {
+                "type": "string",
+                "description": "The place in the queue and the reason, for the student.",
+            },
         },
     },
     "Heartbeat": {
@@ -297,14 +304,34 @@ _SCHEMAS: dict[str, Any] = {
             "kernel_id": {"type": "string"},
             "fraction": {**_FRACTION},
             "group": _nullable({"type": "string"}),
+            "groups": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The user's groups (courses), as on a lease.",
+            },
             "priority": {"type": "integer"},
             "waiting_s": {"type": "number", "minimum": 0},
+            "eta_seconds": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Estimated seconds until the lease is granted, when the broker "
+                "can estimate one: the future replayed from the hold times of recent leases "
+                '(docs/developers.md, "Estimated waits"). Absent without enough history.',
+            },
         },
     },
     "QueueList": {
         "type": "object",
         "required": ["queue"],
-        "properties": {"queue": {"type": "array", "items": _ref("QueueEntry")}},
+        "properties": {
+            "queue": {"type": "array", "items": _ref("QueueEntry")},
+            "length": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "How many requests wait in all (a student's list shows "
+                "only their own).",
+            },
+        },
     },
     "Quota": {
         "type": "object",
@@ -318,12 +345,40 @@ _SCHEMAS: dict[str, Any] = {
         "description": "A stored quota; a user's record also carries the effective quota.",
         "properties": {**_QUOTA_PROPS, "effective": _ref("Quota")},
     },
+    "QuotaSources": {
+        "type": "object",
+        "description": "Per quota field, the level that set the effective value: "
+        "`default` (also when unlimited), `group NAME` or `user`.",
+        "additionalProperties": False,
+        "properties": {k: {"type": "string"} for k in _QUOTA_PROPS},
+    },
+    "EffectiveQuota": {
+        "type": "object",
+        "description": "A user's effective quota as admission applies it, with the source of "
+        "each value (GET /api/v1/quotas/users/{name}?effective=1).",
+        "required": ["user", "groups", "effective", "sources"],
+        "properties": {
+            "user": {"type": "string"},
+            "groups": {"type": "array", "items": {"type": "string"}},
+            "groups_from": {
+                "type": "string",
+                "description": "Where the groups came from: JupyterHub, the tokens file, or "
+                "the caller's own token.",
+            },
+            "effective": _ref("Quota"),
+            "sources": _ref("QuotaSources"),
+            "own": _nullable(_ref("Quota")),
+            "held_fraction": {"type": "number", "minimum": 0},
+            "leases": {"type": "integer", "minimum": 0},
+        },
+    },
     "MyQuota": {
         "type": "object",
         "required": ["user", "effective"],
         "properties": {
             "user": {"type": "string"},
             "effective": _ref("Quota"),
+            "sources": _ref("QuotaSources"),
             "held_fraction": {"type": "number", "minimum": 0},
             "leases": {"type": "integer", "minimum": 0},
             "groups": {"type": "array", "items": {"type": "string"}},
@@ -345,276 +400,147 @@ _SCHEMAS: dict[str, Any] = {
         "additionalProperties": {"type": "number", "minimum": 0},
         "example": {"alice": 1.25, "bob": 0.5},
     },
-}
-
-_LEASE_ID = {
-    "name": "lease_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "The lease id.",
-}
-_NAME = {
-    "name": "name",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-}
-
-
-def _quota_ops(level: str, params: list[dict[str, Any]]) -> dict[str, Any]:
-    who = "admin (a user may read their own and their groups' quotas)"
-    return {
-        "get": {
-            "tags": ["quotas"],
-            "summary": f"Read the {level} quota; {who}.",
-            "operationId": f"get_{level}_quota",
-            "parameters": params,
-            "responses": {
-                "200": _json(_ref("QuotaRecord"), f"The {level} quota."),
-                **_errors("400", "401", "403", "404"),
+    "HistoryPoint": {
+        "type": "object",
+        "description": "One bucket [t, t + step). Fractions in GPUs (the sum of lease "
+        "fractions), waits in seconds; means over the bucket (the last one: over the part "
+        "that has passed).",
+        "required": [
+            "t",
+            "allocated",
+            "allocated_max",
+            "queue",
+            "queue_max",
+            "grants",
+            "waited",
+            "wait_mean_s",
+            "wait_max_s",
+            "withdrawn",
+        ],
+        "properties": {
+            "t": _TIME,
+            "allocated": {"type": "number", "minimum": 0, "description": "Mean allocation."},
+            "allocated_max": {"type": "number", "minimum": 0, "description": "Peak allocation."},
+            "queue": {"type": "number", "minimum": 0, "description": "Mean queue length."},
+            "queue_max": {"type": "integer", "minimum": 0, "description": "Peak queue length."},
+            "grants": {"type": "integer", "minimum": 0, "description": "Leases granted."},
+            "waited": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Grants that had waited in the queue.",
+            },
+            "wait_mean_s": _nullable({"type": "number", "minimum": 0}),
+            "wait_max_s": _nullable({"type": "number", "minimum": 0}),
+            "withdrawn": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Requests that left the queue without a lease.",
             },
         },
-        "put": {
-            "tags": ["quotas"],
-            "summary": f"Set the {level} quota (admin).",
-            "operationId": f"put_{level}_quota",
-            "parameters": params,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref("Quota")}},
+    },
+    "History": {
+        "type": "object",
+        "required": ["since", "until", "step", "capacity", "points"],
+        "properties": {
+            "since": {**_TIME, "description": "The first bucket's start (a multiple of step)."},
+            "until": _TIME,
+            "step": {"type": "number", "minimum": 1},
+            "user": _nullable({"type": "string"}),
+            "group": _nullable({"type": "string"}),
+            "capacity": {
+                "type": "number",
+                "minimum": 0,
+                "description": "The pool's capacity now, in GPUs (for the plot's scale).",
             },
-            "responses": {
-                "200": _json(_ref("Quota"), "The quota as stored."),
-                **_errors("400", "401", "403", "413", "503"),
+            "points": {"type": "array", "items": _ref("HistoryPoint")},
+        },
+    },
+    "NodeGPU": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["uuid", "name", "memory_mb", "index"],
+        "properties": {
+            "uuid": {"type": "string", "minLength": 1, "maxLength": 128},
+            "name": {"type": "string", "minLength": 1, "maxLength": 255, "example": "H100"},
+            "memory_mb": {"type": "integer", "minimum": 1, "maximum": 16777216},
+            "index": {"type": "integer", "minimum": 0, "maximum": 1023},
+        },
+    },
+    "NodeRegistration": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["gpus", "agent_version"],
+        "properties": {
+            "gpus": {"type": "array", "maxItems": 64, "items": _ref("NodeGPU")},
+            "agent_version": {"type": "string", "minLength": 1, "maxLength": 64},
+            "enforce": {"type": "string", "enum": ["off", "report", "revoke", "kill"]},
+        },
+    },
+    "UsageSample": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["pid", "gpu_uuid", "used_mb"],
+        "properties": {
+            "pid": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+            "gpu_uuid": {"type": "string", "minLength": 1, "maxLength": 128},
+            "used_mb": {"type": "integer", "minimum": 0, "maximum": 16777216},
+        },
+    },
+    "NodeHeartbeat": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "usage": {"type": "array", "maxItems": 4096, "items": _ref("UsageSample")},
+            "at": {**_TIME, "minimum": 0, "maximum": 100000000000},
+        },
+    },
+    "NodeBeat": {
+        "type": "object",
+        "required": ["node", "state"],
+        "properties": {
+            "node": {"type": "string"},
+            "state": {"type": "string", "enum": ["up", "lost", "drained"]},
+            "at": _TIME,
+            "watch": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "Kernel pids of the node's leases: report their processes' "
+                "memory (children included) under these pids.",
+            },
+            "kill": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "description": "Kernel pids whose GPU processes to kill (--enforce kill).",
             },
         },
-        "delete": {
-            "tags": ["quotas"],
-            "summary": f"Remove the {level} quota (admin).",
-            "operationId": f"delete_{level}_quota",
-            "parameters": params,
-            "responses": {
-                "204": {"description": "Removed (or there was none)."},
-                **_errors("400", "401", "403", "503"),
-            },
-        },
-    }
-
-
-def _paths() -> dict[str, Any]:
-    open_: dict[str, Any] = {"security": []}
-    lease_resp = _json(_ref("Lease"), "The lease.")
-    return {
-        "/api/v1/health": {
-            "get": {
-                **open_,
-                "tags": ["broker"],
-                "summary": "Status, version, GPU count and active leases (no token needed).",
-                "operationId": "health",
-                "responses": {"200": _json(_ref("Health"), "The broker is up.")},
-            }
-        },
-        "/api/v1/openapi.json": {
-            "get": {
-                **open_,
-                "tags": ["broker"],
-                "summary": "This OpenAPI document (no token needed).",
-                "operationId": "openapi",
-                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.0 document.")},
-            }
-        },
-        "/metrics": {
-            "get": {
-                **open_,
-                "tags": ["broker"],
-                "summary": "Prometheus metrics (text exposition format).",
-                "operationId": "metrics",
-                "responses": {
-                    "200": {
-                        "description": "Metrics, all named gpu_lease_*.",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    },
-                    **_errors("401", "403"),
-                },
-            }
-        },
-        "/api/v1/gpus": {
-            "get": {
-                "tags": ["gpus"],
-                "summary": "The pool: every GPU with its allocation.",
-                "operationId": "list_gpus",
-                "responses": {"200": _json(_ref("GPUList"), "The GPUs."), **_errors("401")},
-            }
-        },
-        "/api/v1/leases": {
-            "get": {
-                "tags": ["leases"],
-                "summary": "The caller's leases; admins may ask for anyone's or all.",
-                "operationId": "list_leases",
-                "parameters": [
-                    {
-                        "name": "user",
-                        "in": "query",
-                        "schema": {"type": "string"},
-                        "description": "Only this user's leases (another user: admin only).",
-                    },
-                    {
-                        "name": "all",
-                        "in": "query",
-                        "schema": {"type": "string", "enum": ["0", "1"]},
-                        "description": "1: every user's leases (admin only).",
-                    },
-                    {
-                        "name": "history",
-                        "in": "query",
-                        "schema": {"type": "string", "enum": ["0", "1"]},
-                        "description": "1: include ended leases.",
-                    },
+    },
+    "Node": {
+        "type": "object",
+        "required": ["node", "state", "gpus", "last_seen"],
+        "properties": {
+            "node": {"type": "string"},
+            "state": {"type": "string", "enum": ["up", "lost", "drained"]},
+            "gpus": {
+                "description": "A count (users), or the GPUs (admins and registrations).",
+                "oneOf": [
+                    {"type": "integer", "minimum": 0},
+                    {"type": "array", "items": {"type": "object"}},
                 ],
-                "responses": {
-                    "200": _json(_ref("LeaseList"), "The leases."),
-                    **_errors("400", "401", "403"),
-                },
             },
-            "post": {
-                "tags": ["leases"],
-                "summary": "Acquire a lease for a kernel (idempotent per user and kernel_id).",
-                "description": "201: a new lease. 200: this kernel already holds it. 202: "
-                "queued after waiting `wait` seconds; post the same body again to keep "
-                "the place.",
-                "operationId": "acquire",
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": _ref("AcquireRequest")}},
-                },
-                "responses": {
-                    "200": _json(_ref("Lease"), "The lease this kernel already holds."),
-                    "201": {
-                        **_json(_ref("Lease"), "A new lease."),
-                        "headers": {
-                            "Location": {
-                                "schema": {"type": "string"},
-                                "description": "The lease's URL.",
-                            }
-                        },
-                    },
-                    "202": _json(_ref("Queued"), "Waiting in the queue."),
-                    **_errors("400", "401", "403", "409", "413", "422", "503"),
-                },
-            },
+            "last_seen": _TIME,
+            "agent_version": {"type": "string"},
+            "registered_at": _TIME,
+            "enforce": {"type": "string"},
+            "usage": {"type": "array", "items": _ref("UsageSample")},
+            "unleased": {"type": "array", "items": _ref("UsageSample")},
         },
-        "/api/v1/leases/{lease_id}": {
-            "parameters": [_LEASE_ID],
-            "get": {
-                "tags": ["leases"],
-                "summary": "One lease (owner or admin).",
-                "operationId": "get_lease",
-                "responses": {"200": lease_resp, **_errors("400", "401", "403", "404")},
-            },
-            "delete": {
-                "tags": ["leases"],
-                "summary": "Release the lease (owner or admin); idempotent.",
-                "operationId": "release",
-                "responses": {
-                    "204": {"description": "Released (or already ended)."},
-                    **_errors("400", "401", "403", "404", "503"),
-                },
-            },
-        },
-        "/api/v1/leases/{lease_id}/renew": {
-            "parameters": [_LEASE_ID],
-            "post": {
-                "tags": ["leases"],
-                "summary": "Heartbeat: renew the lease's TTL and report the kernel's activity.",
-                "operationId": "renew",
-                "requestBody": {
-                    "required": False,
-                    "content": {"application/json": {"schema": _ref("Heartbeat")}},
-                },
-                "responses": {
-                    "200": _json(_ref("Lease"), "The renewed lease."),
-                    **_errors("400", "401", "403", "404", "410", "413", "503"),
-                },
-            },
-        },
-        "/api/v1/leases/{lease_id}/revoke": {
-            "parameters": [_LEASE_ID],
-            "post": {
-                "tags": ["leases"],
-                "summary": "End someone's lease (admin); its kernel is shut down and its "
-                "owner sees the reason.",
-                "operationId": "revoke",
-                "requestBody": {
-                    "required": True,
-                    "content": {"application/json": {"schema": _ref("Revoke")}},
-                },
-                "responses": {
-                    "200": _json(_ref("Lease"), "The revoked lease."),
-                    **_errors("400", "401", "403", "404", "410", "413", "503"),
-                },
-            },
-        },
-        "/api/v1/queue": {
-            "get": {
-                "tags": ["leases"],
-                "summary": "Waiting requests with positions (own; admin: all).",
-                "operationId": "list_queue",
-                "responses": {"200": _json(_ref("QueueList"), "The queue."), **_errors("401")},
-            }
-        },
-        "/api/v1/quotas": {
-            "get": {
-                "tags": ["quotas"],
-                "summary": "Every quota (admin).",
-                "operationId": "list_quotas",
-                "responses": {
-                    "200": _json(_ref("QuotaList"), "Default, group and user quotas."),
-                    **_errors("401", "403"),
-                },
-            }
-        },
-        "/api/v1/quotas/me": {
-            "get": {
-                "tags": ["quotas"],
-                "summary": "The caller's effective quota and what they hold now.",
-                "operationId": "my_quota",
-                "responses": {"200": _json(_ref("MyQuota"), "Your quota."), **_errors("401")},
-            }
-        },
-        "/api/v1/quotas/default": _quota_ops("default", []),
-        "/api/v1/quotas/users/{name}": _quota_ops(
-            "user", [{**_NAME, "description": "The user name."}]
-        ),
-        "/api/v1/quotas/groups/{name}": _quota_ops(
-            "group", [{**_NAME, "description": "The group (course) name."}]
-        ),
-        "/api/v1/usage": {
-            "get": {
-                "tags": ["usage"],
-                "summary": "Fraction-hours used (admin: everyone; a user: their own and "
-                "their groups').",
-                "operationId": "usage",
-                "parameters": [
-                    {
-                        "name": "since",
-                        "in": "query",
-                        "schema": {"type": "string"},
-                        "description": "Start of the period, POSIX seconds (e.g. 1735689600).",
-                    },
-                    {
-                        "name": "by",
-                        "in": "query",
-                        "schema": {"type": "string", "enum": ["user", "group"], "default": "user"},
-                    },
-                ],
-                "responses": {
-                    "200": _json(_ref("Usage"), "Fraction-hours per name."),
-                    **_errors("400", "401", "403"),
-                },
-            }
-        },
-    }
+    },
+    "NodeList": {
+        "type": "object",
+        "required": ["nodes"],
+        "properties": {"nodes": {"type": "array", "items": _ref("Node")}},
+    },
+}
 
 
 def build_openapi(base_url: str = "/") -> dict[str, Any]:
@@ -641,8 +567,9 @@ def build_openapi(base_url: str = "/") -> dict[str, Any]:
             {"name": "leases"},
             {"name": "quotas"},
             {"name": "usage"},
+            {"name": "nodes"},
         ],
-        "paths": _paths(),
+        "paths": openapi_paths(),
         "components": {
             "schemas": _SCHEMAS,
             "responses": {

@@ -17,7 +17,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import BodyTooLarge, InvalidRequest
-from ..model import PPM, Identity, Quota, fraction_to_ppm
+from ..model import (
+    GPU,
+    PPM,
+    QUOTA_FIELDS,
+    Identity,
+    Quota,
+    fraction_to_ppm,
+    validate_fraction,
+)
+from ..model import brief as _show
 from ..scheduling import Ask
 
 #: the longest long-poll (s) an acquire may ask for
@@ -35,14 +44,6 @@ MAX_WINDOW_S = 10 * 366 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait")
 HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
-QUOTA_FIELDS = (
-    "max_fraction",
-    "max_leases",
-    "max_lease_fraction",
-    "budget_fraction_hours",
-    "budget_window",
-    "priority",
-)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -185,34 +186,13 @@ def _optional_text(body: dict[str, Any], name: str) -> str | None:
 
 
 def parse_fraction(value: Any, name: str = "fraction", *, upper: float = 1.0) -> int:
-    """A JSON number in ``(0, upper]`` -> ppm (at least 1 ppm)."""
+    """A JSON number in ``(0, upper]`` -> ppm: ``model.validate_fraction``'s rule, no strings."""
     if not _is_number(value):
         hint = " (without quotes)" if isinstance(value, str) else ""
         raise InvalidRequest(
             f"{name!r} must be a number such as 0.02{hint}, not a JSON {_json_type(value)}."
         )
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(f"{name!r} must be a finite number such as 0.02.")
-    # compare before converting: a huge int would overflow a float
-    if not 0 < value <= upper:
-        raise InvalidRequest(
-            f"{name!r} must be greater than 0 and at most {upper:g} (of one GPU), not {_show(value)}.",
-        )
-    ppm = fraction_to_ppm(float(value))
-    if ppm < 1:
-        raise InvalidRequest(
-            f"{name!r} of {_show(value)} is below the smallest fraction the broker counts "
-            f"(1e-06 of a GPU); ask for a larger fraction."
-        )
-    return ppm
-
-
-def _show(value: Any) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # an int above sys.get_int_max_str_digits()
-        return "a number with too many digits"
-    return text if len(text) <= 40 else text[:37] + "..."
+    return fraction_to_ppm(validate_fraction(value, repr(name), upper=upper))
 
 
 def _int(value: Any, name: str, *, low: int, high: int) -> int:
@@ -424,6 +404,19 @@ def parse_since(value: str | None, now: float) -> float:
     return when.timestamp()
 
 
+#: ``GET /api/v1/history``: the default period, and the default step's bucket count
+DEFAULT_HISTORY_WINDOW = "24h"
+DEFAULT_HISTORY_POINTS = 120
+
+
+def parse_step(value: str | None, span: float) -> int:
+    """``?step=``: whole seconds or a duration (``5m``, ``1h``); default: ``span`` in about
+    120 buckets (at least a minute)."""
+    if value is None or not value.strip():
+        return max(60, math.ceil(span / DEFAULT_HISTORY_POINTS))
+    return parse_duration(value, "step")
+
+
 def parse_path_arg(value: str) -> str:
     """A lease id, user or group name from the URL path: printable text, at most 255 characters.
 
@@ -476,3 +469,96 @@ __all__ = [
     "parse_revoke",
     "parse_since",
 ]
+
+
+# -- node agents -------------------------------------------------------------------
+
+NODE_FIELDS = ("gpus", "agent_version", "enforce")
+ENFORCE_MODES = ("off", "report", "revoke", "kill")
+NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
+NODE_HEARTBEAT_FIELDS = ("usage", "at")
+USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
+#: the most GPUs one node may register
+MAX_NODE_GPUS = 64
+#: the most per-process samples one heartbeat may carry
+MAX_USAGE_SAMPLES = 4096
+#: the largest GPU memory (MiB) a node may declare: 16 TiB
+MAX_GPU_MEMORY_MB = 16 * 1024 * 1024
+#: the largest pid accepted (Linux: at most 2**22; leave room for other systems)
+MAX_PID = 2**31 - 1
+MAX_UUID_CHARS = 128
+MAX_VERSION_CHARS = 64
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"Each entry of {what} must be a JSON object, not a {_json_type(value)}."
+        )
+    return value
+
+
+def _list(body: dict[str, Any], name: str, most: int) -> list[Any]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name!r} must be a JSON array, not a JSON {_json_type(value)}.")
+    if len(value) > most:
+        raise InvalidRequest(f"{name!r} has {len(value)} entries; send at most {most}.")
+    return value
+
+
+def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU], str, str]:
+    """``PUT /api/v1/nodes/{node}`` body -> the node's GPUs, the agent's version, its mode.
+
+    ``gpus``: 0 to 64 ``{uuid, name, memory_mb, index}`` with distinct uuids and indexes;
+    ``enforce`` (optional, default ``report``): off | report | revoke | kill.
+    """
+    check_fields(body, NODE_FIELDS, "node registration")
+    version = _text(body.get("agent_version"), "agent_version", max_chars=MAX_VERSION_CHARS)
+    enforce = body.get("enforce", "report")
+    if enforce not in ENFORCE_MODES:
+        raise InvalidRequest(f"'enforce' must be one of {', '.join(ENFORCE_MODES)}.")
+    out: list[GPU] = []
+    for raw in _list(body, "gpus", MAX_NODE_GPUS):
+        entry = _object(raw, "'gpus'")
+        check_fields(entry, NODE_GPU_FIELDS, "GPU entry")
+        out.append(
+            GPU(
+                uuid=_text(entry.get("uuid"), "uuid", max_chars=MAX_UUID_CHARS),
+                node=node,
+                name=_text(entry.get("name"), "name"),
+                memory_mb=_int(entry.get("memory_mb"), "memory_mb", low=1, high=MAX_GPU_MEMORY_MB),
+                index=_int(entry.get("index"), "index", low=0, high=1023),
+            )
+        )
+    if len({g.uuid for g in out}) != len(out):
+        raise InvalidRequest("Two GPU entries have the same uuid; list each GPU once.")
+    if len({g.index for g in out}) != len(out):
+        raise InvalidRequest("Two GPU entries have the same index; list each GPU once.")
+    return out, version, str(enforce)
+
+
+def parse_node_heartbeat(body: dict[str, Any]) -> tuple[list[tuple[int, str, int]], float | None]:
+    """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples, ``at``.
+
+    ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it against
+    the GPU's memory); one sample per ``(pid, gpu_uuid)``.
+    """
+    check_fields(body, NODE_HEARTBEAT_FIELDS, "node heartbeat")
+    at = None
+    if body.get("at") is not None:
+        at = _number(body["at"], "at", low=0.0, high=1e11)
+    usage: list[tuple[int, str, int]] = []
+    for raw in _list({"usage": body.get("usage", [])}, "usage", MAX_USAGE_SAMPLES):
+        entry = _object(raw, "'usage'")
+        check_fields(entry, USAGE_FIELDS, "usage sample")
+        usage.append(
+            (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _text(entry.get("gpu_uuid"), "gpu_uuid", max_chars=MAX_UUID_CHARS),
+                _int(entry.get("used_mb"), "used_mb", low=0, high=MAX_GPU_MEMORY_MB),
+            )
+        )
+    if len({(p, u) for p, u, _ in usage}) != len(usage):
+        raise InvalidRequest("Two usage samples name the same pid and GPU; send one of each.")
+    return usage, at

@@ -1,10 +1,20 @@
 """The kernel side of a GPU lease.
 
-- ``env.py`` — pure: a broker lease -> the kernel's environment, and the kernelspec
+- ``provisioner.py`` — ``GPULeaseProvisioner``, the jupyter_client provisioner: its hooks
+  say *when* the lease is taken, kept and given back; the modules below do the work.
+- ``lease_keeper.py`` — the lease's state machine: acquire (waiting in the queue),
+  renew, take an expired lease back, release.
+- ``loops.py`` — which event loop runs the renewals, and stopping a task on any loop.
+- ``lease.py`` — ``GrantedLease``: the broker's lease object, typed once on arrival.
+- ``broker_clients.py`` — the broker clients, made again when the server's token rotates.
+- ``state_file.py`` — the file the ``%gpu`` magic reads inside the kernel.
+- ``death_watch.py`` — noticing a kernel that died for good (no ``cleanup`` comes then).
+- ``refusals.py`` — a broker refusal as the sentence JupyterLab's start dialog shows.
+- ``env.py`` — pure: a granted lease -> the kernel's environment, and the kernelspec
   argv rewritten to start under the launcher.
+- ``server.py`` — jupyter_server's kernel manager, with refused kernel starts forgotten.
+- ``specs.py`` — jupyter_server's kernelspec manager: only the GPU kernels the user may start.
 - ``startup/`` — files that run *inside* the kernel process (the launcher, the
   framework cap appliers, the ``%gpu`` IPython extension). They never import this
   package, because the kernel's Python may be another environment.
-- ``provisioner.py`` — ``GPULeaseProvisioner``, the jupyter_client provisioner that
-  acquires, renews and releases the lease around the kernel's life.
 """

@@ -1,10 +1,10 @@
-"""A broker lease -> the kernel's environment and command line (pure, no I/O).
+"""A granted lease -> the kernel's environment and command line (pure, no I/O).
 
-Called by ``GPULeaseProvisioner.pre_launch`` once the broker has granted a lease:
-:func:`lease_environment` gives the variables to add to the kernel's environment,
-:func:`kernel_argv` rewrites the kernelspec's argv so the kernel starts under
-``startup/gpu_lease_launcher.py`` (which applies the caps that need code, when a
-framework is imported) with the ``%gpu`` extension loaded.
+Called by ``GPULeaseProvisioner.pre_launch`` once the broker has granted a lease (a
+:class:`.lease.GrantedLease`): :func:`lease_environment` gives the variables to add to
+the kernel's environment, :func:`kernel_argv` rewrites the kernelspec's argv so the
+kernel starts under ``startup/gpu_lease_launcher.py`` (which applies the caps that need
+code, when a framework is imported) with the ``%gpu`` extension loaded.
 
 How each framework's GPU memory is capped, and why here or in the launcher:
 
@@ -37,10 +37,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..errors import InvalidRequest
 from ..kernelspecs import format_fraction
+from ..model import ENFORCEMENTS
+from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)
 STARTUP_DIR = Path(__file__).resolve().parent / "startup"
@@ -50,19 +52,18 @@ LAUNCHER = STARTUP_DIR / "gpu_lease_launcher.py"
 EXTENSION = "gpu_lease_magic"
 #: the modules whose kernels understand IPython's ``--ext`` option
 IPYTHON_KERNEL_MODULES = frozenset({"ipykernel_launcher", "ipykernel"})
-ENFORCEMENTS = ("cooperative", "mps")
 
 MIB = 1024 * 1024
 
 
 def lease_environment(
-    lease: Mapping[str, Any],
+    lease: GrantedLease,
     *,
     enforcement: str = "cooperative",
     state_file: str | None = None,
     base_env: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The variables to add to the kernel's environment for ``lease`` (a broker lease JSON object).
+    """The variables to add to the kernel's environment for ``lease``.
 
     ``base_env`` is the environment the kernel would otherwise get (the server's); it
     is read, never returned whole, so that a user's own setting of a non-cap variable
@@ -74,40 +75,33 @@ def lease_environment(
             f"Unknown GPU enforcement {enforcement!r}; use one of: {', '.join(ENFORCEMENTS)}."
         )
     base = base_env or {}
-    lease_id = lease.get("id")
-    gpu = lease.get("gpu") or {}
-    uuid = gpu.get("uuid") if isinstance(gpu, Mapping) else None
-    if not isinstance(lease_id, str) or not lease_id:
-        raise InvalidRequest("The broker's lease has no id; the kernel cannot be started with it.")
-    if not isinstance(uuid, str) or not uuid:
+    gpu = lease.gpu
+    if gpu.uuid is None:
         raise InvalidRequest(
-            f"Lease {lease_id} names no GPU UUID; the kernel cannot be given its GPU."
+            f"Lease {lease.id} names no GPU UUID; the kernel cannot be given its GPU."
         )
-    cap_mb = _positive_int(lease.get("memory_limit_mb"))
+    cap_mb = lease.memory_limit_mb
     if cap_mb is None:
         raise InvalidRequest(
-            f"Lease {lease_id} has no positive memory limit (memory_limit_mb="
-            f"{lease.get('memory_limit_mb')!r}); ask for a larger fraction."
+            f"Lease {lease.id} has no positive memory limit (memory_limit_mb="
+            f"{lease.raw.get('memory_limit_mb')!r}); ask for a larger fraction."
         )
-    fraction = lease.get("fraction")
 
     env: dict[str, str] = {
-        "CUDA_VISIBLE_DEVICES": uuid,
-        "GPU_LEASE_ID": lease_id,
-        "GPU_LEASE_GPU_UUID": uuid,
+        "CUDA_VISIBLE_DEVICES": gpu.uuid,
+        "GPU_LEASE_ID": lease.id,
+        "GPU_LEASE_GPU_UUID": gpu.uuid,
         "GPU_LEASE_MEMORY_MB": str(cap_mb),
         "GPU_LEASE_ENFORCEMENT": enforcement,
         "CUPY_GPU_MEMORY_LIMIT": str(cap_mb * MIB),
     }
-    if isinstance(fraction, (int, float)) and not isinstance(fraction, bool):
-        env["GPU_LEASE_FRACTION"] = format_fraction(float(fraction))
-    name = gpu.get("name")
-    if isinstance(name, str) and name:
-        env["GPU_LEASE_GPU_NAME"] = name
-    total_mb = _positive_int(gpu.get("memory_mb"))
-    if total_mb is not None:
-        env["GPU_LEASE_GPU_MEMORY_MB"] = str(total_mb)
-        mem_fraction = xla_mem_fraction(cap_mb, total_mb)
+    if lease.fraction is not None:
+        env["GPU_LEASE_FRACTION"] = format_fraction(lease.fraction)
+    if gpu.name is not None:
+        env["GPU_LEASE_GPU_NAME"] = gpu.name
+    if gpu.memory_mb is not None:
+        env["GPU_LEASE_GPU_MEMORY_MB"] = str(gpu.memory_mb)
+        mem_fraction = xla_mem_fraction(cap_mb, gpu.memory_mb)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction
         env["XLA_CLIENT_MEM_FRACTION"] = mem_fraction
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in base:
@@ -191,11 +185,3 @@ def _unrecognised(argv: Sequence[str]) -> str:
         "started unchanged: GPU memory caps that need code (TensorFlow, PyTorch) and the "
         "%gpu magic are not applied, only the environment caps (JAX, CuPy, MPS)."
     )
-
-
-def _positive_int(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if not math.isfinite(value) or value <= 0:
-        return None
-    return int(value)

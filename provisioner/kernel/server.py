@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from typing import Any
 
@@ -60,13 +59,13 @@ def introduce() -> threading.Thread | None:
     busy. The answer itself is not needed: failures (no broker yet, a refused token) are
     logged at debug level and change nothing. Returns the thread (tests join it).
     """
-    env = os.environ
-    url = env.get("GPU_LEASE_URL")
-    if not url or not (env.get("GPU_LEASE_TOKEN") or env.get("JUPYTERHUB_API_TOKEN")):
+    from ..client import BrokerClient, broker_env
+
+    url, token = broker_env()
+    if not url or not token:
         return None
 
     def hello() -> None:
-        from ..client import BrokerClient
         from ..errors import GPULeaseError
 
         async def ask() -> None:
@@ -93,6 +92,11 @@ class GPULeaseKernelManager(AsyncMappingKernelManager):
         introduce()
 
     def _forget_failed_starts(self) -> None:
+        # MultiKernelManager._add_kernel_when_ready() logs a failed start but leaves its
+        # entry in the private _pending_kernels, which _async_shutdown_all() then shuts
+        # down (https://github.com/jupyter/jupyter_client/blob/main/jupyter_client/multikernelmanager.py,
+        # _add_kernel_when_ready and _async_shutdown_all; on shutting down kernels that
+        # never finished starting: https://github.com/jupyter/jupyter_client/issues/616).
         for kernel_id, task in list(self._pending_kernels.items()):
             if task.done() and kernel_id not in self._kernels:
                 self._pending_kernels.pop(kernel_id, None)
@@ -105,6 +109,10 @@ class GPULeaseKernelManager(AsyncMappingKernelManager):
             self._forget_failed_starts()
             raise
 
+    # AsyncMultiKernelManager binds the public name to the coroutine once, at class
+    # creation (``start_kernel = MultiKernelManager._async_start_kernel``), so an override
+    # of the _async_ twin must rebind it too (same for shutdown_all below); see
+    # https://github.com/jupyter/jupyter_client/issues/755 on the sync/async twins.
     start_kernel = _async_start_kernel  # type: ignore[assignment]
 
     async def _async_shutdown_all(self, now: bool = False) -> None:

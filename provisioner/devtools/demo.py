@@ -1,4 +1,4 @@
-"""``make demo`` (``python -m provisioner.demo``): a GPU classroom on this machine.
+"""``make demo`` (``python -m provisioner.devtools.demo``): a GPU classroom on this machine.
 
 Prepares a state directory (``.demo/``: hub and broker databases, secrets, student
 homes), installs the ready GPU kernelspecs and the course kernel ``ml101-gpu-0.05``,
@@ -8,16 +8,24 @@ waits until the hub and the broker answer, then prints where to log in, the
 passwords, the dashboard and an operator token for the ``gpu-lease`` CLI. It also
 writes them to ``<state>/demo.json`` for scripts (``examples/classroom.py``, tests).
 
-Ctrl-C (or SIGTERM) stops the hub, which stops every server (and so every kernel,
-releasing its lease), the broker and the proxy. The demo registers itself as the
-*child subreaper* (Linux), so a process that outlives its parent is re-parented here
-rather than to init; once the hub has exited, anything still running below the demo
-is terminated, then killed: no orphan survives the demo.
+Ctrl-C (or SIGTERM) first asks the hub to stop every server at once (each shuts its
+kernels down, releasing their leases while the broker still runs), then stops the hub,
+which stops the broker and the proxy. The demo registers itself as the *child
+subreaper* (Linux), so a process that outlives its parent is re-parented here rather
+than to init; once the hub has exited, anything still running below the demo is
+terminated, then killed: no orphan survives the demo.
+
+Everything the demo writes stays in the state directory: the servers' runtime files
+(cookie secrets, kernels' connection files and sockets: ``<state>/rt``, removed at the
+end) and every process's temporary files (``TMPDIR=<state>/tmp``, emptied at the end).
+Only a state directory whose path is too long for a kernel's Unix socket paths moves
+the runtime files to the system's temporary folder (and removes them at the end too).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import json
 import os
@@ -25,6 +33,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,10 +41,10 @@ from typing import Any
 
 import httpx
 
-from . import kernelspecs as ks
-from .errors import GPULeaseError
+from .. import kernelspecs as ks
+from ..errors import GPULeaseError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "hub_config" / "jupyterhub_config.py"
 READY_SPECS = ROOT / "kernelspecs"
 COURSE_KERNEL = ("ml101-gpu-0.05", 0.05, "ml101")
@@ -45,7 +54,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m provisioner.demo",
+        prog="python -m provisioner.devtools.demo",
         description="Run JupyterHub with the GPU lease broker on this machine (Ctrl-C stops all).",
     )
     p.add_argument("--state-dir", default=str(ROOT / ".demo"), help="default: .demo/")
@@ -57,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--server-port-base",
         type=int,
         default=21000,
-        help="servers listen on BASE + user id (21000; 0: random ephemeral ports)",
+        help="servers listen on a free port in BASE..BASE+7999 (21000; 0: random ephemeral ports)",
     )
     p.add_argument("--gpus", default="", help="GPU pool (default: nvml, else 1x32768:V100)")
     p.add_argument("--ttl", type=float, default=90.0, help="lease TTL in seconds (90)")
@@ -100,6 +109,19 @@ def _secret_file(path: Path, nbytes: int) -> str:
     return path.read_text(encoding="utf-8").strip()
 
 
+#: a kernel's Unix sockets are <runtime dir>/<user id>/kernel-<uuid>-ipc-N: 50 bytes after the
+#: runtime directory and a few for the user id, within Linux's 107
+MAX_RUNTIME_DIR = 50
+
+
+def runtime_dir(state: Path, port: int) -> Path:
+    """Where the servers' runtime files go: ``<state>/rt`` unless that path is too long."""
+    here = state / "rt"
+    if len(str(here)) <= MAX_RUNTIME_DIR:
+        return here
+    return Path(tempfile.gettempdir()) / f"gpu-lease-rt-{port}"
+
+
 def hub_environment(args: argparse.Namespace, state: Path) -> dict[str, str]:
     """The environment ``hub_config/jupyterhub_config.py`` reads (``GPU_LEASE_*``)."""
     env = dict(os.environ)
@@ -117,6 +139,9 @@ def hub_environment(args: argparse.Namespace, state: Path) -> dict[str, str]:
         GPU_LEASE_USER_PASSWORD=env.get("GPU_LEASE_USER_PASSWORD") or USER_PASSWORD,
         GPU_LEASE_ADMIN_PASSWORD=_secret_file(state / "admin-password", 16),
         GPU_LEASE_ADMIN_TOKEN=_secret_file(state / "admin-token", 32),
+        GPU_LEASE_RUNTIME_DIR=str(runtime_dir(state, args.port)),
+        TMPDIR=str(state / "tmp"),  # the hub's, the proxy's and the broker's temporary files
+        GPU_LEASE_FAST_EXIT="1",  # see provisioner/devtools/fastexit.py
     )
     if args.gpus:
         env["GPU_LEASE_GPUS"] = args.gpus
@@ -149,13 +174,52 @@ def descendants() -> list[Any]:
         return []
 
 
+def _runs(proc: Any, module: str) -> bool:
+    import psutil
+
+    try:
+        return module in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def stop_brokers(grace: float = 5.0) -> None:
+    """SIGTERM the broker (the hub's managed service) and wait until it has exited."""
+    import psutil
+
+    brokers = [p for p in descendants() if _runs(p, "provisioner.broker.app")]
+    for proc in brokers:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace
+    # not wait_procs: the broker is the hub's child, a zombie until the hub reaps it
+    while any(_running(p) for p in brokers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
 def sweep(grace: float = 5.0) -> int:
-    """Terminate, then kill, whatever still runs below the demo; returns how many."""
+    """Terminate, then kill, whatever still runs below the demo; returns how many ran.
+
+    Exited processes the demo adopted (zombies) are only collected, not counted.
+    """
     import psutil
 
     procs = descendants()
-    for proc in procs:
+    running = [p for p in procs if _running(p)]
+    for proc in running:
         try:
+            print(f"[demo] ending leftover process {proc.pid}: {' '.join(proc.cmdline())[:100]}")
             proc.terminate()
         except psutil.Error:
             pass
@@ -166,7 +230,7 @@ def sweep(grace: float = 5.0) -> int:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=grace)
-    return len(procs)
+    return len(running)
 
 
 def reap_adopted(keep: int) -> None:
@@ -222,7 +286,10 @@ Press Ctrl-C to stop the hub, the broker, every server and every kernel.
 
 def run(args: argparse.Namespace) -> int:
     state = Path(args.state_dir).resolve()
-    (state / "home").mkdir(parents=True, exist_ok=True)
+    for sub in ("home", "tmp"):
+        (state / sub).mkdir(parents=True, exist_ok=True)
+    # importing IPython (for ipykernel's logos, below) creates ~/.ipython: keep it here too
+    os.environ["IPYTHONDIR"] = str(state / "ipython")
     env = hub_environment(args, state)
     names = install_kernelspecs(args.kernels_prefix)
     print(f"[demo] installed kernelspecs: {', '.join(names)}", flush=True)
@@ -241,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     subreaper = become_subreaper()
     hub = subprocess.Popen(
-        [sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)],
+        [sys.executable, "-m", "provisioner.devtools.fastexit", "jupyterhub", "-f", str(CONFIG)],
         cwd=state,
         env=env,
         start_new_session=True,  # Ctrl-C reaches the demo only; the demo stops the hub in order
@@ -256,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         "user_password": env["GPU_LEASE_USER_PASSWORD"],
         "admin_password": env["GPU_LEASE_ADMIN_PASSWORD"],
         "state_dir": str(state),
+        "runtime_dir": env["GPU_LEASE_RUNTIME_DIR"],
         "pid": os.getpid(),
         "hub_pid": hub.pid,
     }
@@ -286,48 +354,89 @@ def run(args: argparse.Namespace) -> int:
 
 
 def stop_servers(hub_api: str, token: str, timeout: float = 60.0) -> int:
-    """Stop every running server through the hub API; returns how many were running.
+    """Stop every running server through the hub API, all at once; returns how many ran.
 
     JupyterHub's own shutdown stops its managed services (the broker) *before* the
     servers, so kernels stopped then could not release their leases (they would expire
     only after the next broker start). Stopping the servers first, while the broker is
-    up, releases every lease at once.
+    up, releases every lease at once. The requests go out together: the hub answers each
+    only once its server stopped (or after 10 s), so one at a time took minutes with 60.
     """
-    headers = {"Authorization": f"token {token}"}
-    deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(base_url=hub_api, headers=headers, timeout=10.0) as client:
-            active = client.get("/users", params={"state": "active"}).json()
-            for user in active:
-                for name in user.get("servers") or {}:
-                    path = (
-                        f"/users/{user['name']}/servers/{name}"
-                        if name
-                        else (f"/users/{user['name']}/server")
-                    )
-                    client.delete(path)
-            while time.monotonic() < deadline:
-                if not client.get("/users", params={"state": "active"}).json():
-                    break
-                time.sleep(0.5)
-    except (httpx.HTTPError, ValueError) as exc:
+        return asyncio.run(_stop_servers(hub_api, token, timeout))
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
         print(f"[demo] could not stop the servers through the hub API: {exc}", flush=True)
         return 0
-    return len(active)
+
+
+async def _active_servers(client: httpx.AsyncClient) -> list[str]:
+    """API paths of every active server (the user list is paged: 50 a page by default)."""
+    paths: list[str] = []
+    offset = 0
+    while True:
+        r = await client.get("/users", params={"state": "active", "offset": offset, "limit": 200})
+        r.raise_for_status()
+        body = r.json()
+        users = body["items"] if isinstance(body, dict) else body
+        for user in users:
+            for name in user.get("servers") or {}:
+                base = f"/users/{user['name']}"
+                paths.append(f"{base}/servers/{name}" if name else f"{base}/server")
+        if len(users) < 200 or not isinstance(body, dict):
+            return paths
+        offset += len(users)
+
+
+async def _stop_servers(hub_api: str, token: str, timeout: float) -> int:
+    headers = {
+        "Authorization": f"token {token}",
+        "Accept": "application/jupyterhub-pagination+json",
+    }
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(base_url=hub_api, headers=headers, timeout=timeout) as client:
+        running = await _active_servers(client)
+        await asyncio.gather(*(client.delete(path) for path in running), return_exceptions=True)
+        while time.monotonic() < deadline:
+            if not await _active_servers(client):
+                break
+            await asyncio.sleep(0.2)
+    return len(running)
+
+
+def remove_runtime_files(state: Path, runtime: Path) -> None:
+    """The servers' runtime files (cookie secrets, connection files) and temporary files."""
+    shutil.rmtree(runtime, ignore_errors=True)
+    tmp = state / "tmp"
+    if tmp.is_dir():
+        for entry in tmp.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def shutdown(
     hub: subprocess.Popen[bytes], subreaper: bool, info: dict[str, Any], timeout: float = 60.0
 ) -> int:
-    """Stop the servers, then the hub (services, proxy), then sweep what is left."""
+    """Stop the servers, then the broker and the hub (and its proxy), then sweep what is left."""
     t0 = time.monotonic()
+    steps: list[str] = []
+
+    def step(what: str, since: float) -> float:
+        now = time.monotonic()
+        steps.append(f"{what} {now - since:.1f} s")
+        return now
+
+    t = t0
     if hub.poll() is None:
         print("[demo] stopping the servers (their kernels release their GPU leases)", flush=True)
         n = stop_servers(info["hub_api"], info["admin_token"])
-        print(
-            f"[demo] {n} server(s) stopped; stopping JupyterHub, the broker and the proxy",
-            flush=True,
-        )
+        t = step(f"{n} server(s)", t)
+        print("[demo] stopping the broker, JupyterHub and the proxy", flush=True)
+        # the broker first: JupyterHub stops its services by SIGINT, then polls at growing
+        # intervals (0.1, 0.3, 0.7, 1.5, 3.1, 6.3 s), which cost seconds after a quick exit
+        stop_brokers()
+        t = step("broker", t)
         hub.send_signal(signal.SIGTERM)
         try:
             hub.wait(timeout)
@@ -335,10 +444,15 @@ def shutdown(
             print(f"[demo] JupyterHub did not stop within {timeout:.0f} s; killing it", flush=True)
             hub.kill()
             hub.wait()
+        t = step("hub and proxy", t)
     left = sweep()
+    state = Path(info["state_dir"])
+    remove_runtime_files(state, Path(info["runtime_dir"]))
+    step("clean-up", t)
     how = "" if subreaper else " (no subreaper on this system: orphans may survive)"
     print(
-        f"[demo] stopped in {time.monotonic() - t0:.1f} s; {left} leftover process(es) ended{how}",
+        f"[demo] stopped in {time.monotonic() - t0:.1f} s ({', '.join(steps)}); "
+        f"{left} leftover process(es) ended{how}",
         flush=True,
     )
     return 0

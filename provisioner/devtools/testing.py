@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the pool the broker declares when the caller's options name none
 DEFAULT_GPUS = "1x32768:V100"

@@ -1,0 +1,133 @@
+"""Broker start-up time: process start until ``GET /api/v1/health`` answers 200.
+
+    python benchmarks/broker_startup.py                       # this checkout, 7 starts
+    python benchmarks/broker_startup.py --starts 9 --tree /tmp/before --tree .
+
+Each start runs ``python -m provisioner.broker.app --auth static --tokens-file FILE
+--gpus 1x32768:V100`` on a free port with a fresh SQLite database in a temporary
+directory, polls ``/api/v1/health`` every 10 ms from the moment ``Popen`` returns, then
+stops the broker with SIGTERM. With several ``--tree`` (source trees put first on
+``PYTHONPATH``, e.g. an older ``git archive`` next to this checkout) the starts
+alternate between the trees (A B A B ...), so background load hits them alike; the
+median of each tree's starts is reported, with the fastest start and the spread, and
+the CPU seconds (user + system, Linux ``/proc``) the broker process had used by then,
+which shared-machine load disturbs less than wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux ``/proc``), in seconds; 0.0 where unavailable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[float, float]:
+    """Wall seconds from ``Popen`` to the first 200 of ``/api/v1/health``, and the broker's
+    CPU seconds by then (the broker is stopped afterwards)."""
+    port = free_port()
+    tokens = tmp / "tokens.json"
+    tokens.write_text(json.dumps({"startup-bench-token": {"user": "bench"}}))
+    env = dict(os.environ)
+    env.pop("JUPYTERHUB_API_TOKEN", None)
+    env["PYTHONPATH"] = str(tree)
+    cmd = [
+        sys.executable,
+        "-m",
+        "provisioner.broker.app",
+        "--port",
+        str(port),
+        "--auth",
+        "static",
+        "--tokens-file",
+        str(tokens),
+        "--gpus",
+        "1x32768:V100",
+        "--db-url",
+        f"sqlite:///{tmp / f'start-{n}.sqlite'}",
+    ]
+    url = f"http://127.0.0.1:{port}/api/v1/health"
+    with open(tmp / f"start-{n}.log", "wb") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            with httpx.Client(timeout=1.0) as client:
+                while time.perf_counter() - t0 < timeout:
+                    if proc.poll() is not None:
+                        raise RuntimeError(
+                            f"the broker exited with {proc.returncode}: see {log.name}"
+                        )
+                    try:
+                        if client.get(url).status_code == 200:
+                            return time.perf_counter() - t0, cpu_seconds(proc.pid)
+                    except httpx.TransportError:
+                        pass
+                    time.sleep(0.01)
+            raise RuntimeError(f"no answer from {url} in {timeout} s")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--starts", type=int, default=7, help="starts per tree (7)")
+    p.add_argument(
+        "--tree",
+        action="append",
+        type=Path,
+        help="a source tree to time (repeatable; default: this checkout)",
+    )
+    args = p.parse_args(argv)
+    trees = [t.resolve() for t in (args.tree or [ROOT])]
+    times: dict[Path, list[float]] = {t: [] for t in trees}
+    cpu: dict[Path, list[float]] = {t: [] for t in trees}
+    with tempfile.TemporaryDirectory(prefix="broker-startup-") as tmp:
+        n = 0
+        for _ in range(args.starts):
+            for tree in trees:
+                n += 1
+                wall, used = one_start(tree, Path(tmp), n)
+                times[tree].append(wall)
+                cpu[tree].append(used)
+    for tree, got in times.items():
+        print(
+            f"{tree}: median {statistics.median(got):.3f} s, fastest {min(got):.3f} s, "
+            f"slowest {max(got):.3f} s over {len(got)} starts "
+            f"({', '.join(f'{x:.3f}' for x in got)}); CPU median {statistics.median(cpu[tree]):.2f} s"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

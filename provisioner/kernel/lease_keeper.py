@@ -1,0 +1,461 @@
+"""``LeaseKeeper``: one kernel's lease, from the acquire to the release.
+
+The keeper is the lease's state machine; the provisioner decides *when* (jupyter_client's
+hooks), the keeper does *what*:
+
+- :meth:`~LeaseKeeper.acquire` asks the broker, waiting in its queue while the pool is
+  full (``queued`` holds the broker's latest answer meanwhile, and each one is logged);
+- :meth:`~LeaseKeeper.start_renewing` renews every ``renew_interval`` seconds (default: a
+  third of the lease's TTL), reporting the kernel's pid, execution state and last
+  activity, and rewriting the ``%gpu`` state file;
+- :meth:`~LeaseKeeper.end` stops renewing and releases the lease (idempotent).
+
+What ends a lease from the broker's side, seen on renewal:
+
+- ``BrokerUnavailable``: a warning; the kernel keeps running; the next renewal retries
+  (the broker gives every lease a TTL of grace when it comes back).
+- ``LeaseRevoked`` (an admin, or idle reclaim while others wait): the reason goes to the
+  log and the state file, and the kernel is shut down.
+- ``LeaseExpired`` / unknown lease (the server was cut off longer than the TTL): one
+  attempt to get the same fraction of the same GPU back; if it cannot fit, as revoked.
+
+The keeper knows its kernel only through :class:`KernelHandle` (the provisioner), and
+its request only through :class:`LeaseAsk` (the provisioner's traits, read at each call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from ..errors import (
+    BrokerUnavailable,
+    GPULeaseError,
+    LeaseExpired,
+    LeaseGone,
+    LeaseNotFound,
+    NoCapacity,
+)
+from ..kernelspecs import format_fraction
+from .broker_clients import BrokerClients
+from .lease import GrantedLease, short_id
+from .loops import BackgroundLoop, cancel_and_wait
+from .state_file import StateFile
+from .status import LeaseBoard
+
+#: renewal period when neither ``renew_interval`` nor the lease's TTL says otherwise (s)
+DEFAULT_RENEW_INTERVAL = 30.0
+#: never renew more often than this (s), whatever the TTL
+MIN_RENEW_INTERVAL = 0.2
+
+
+@dataclass(frozen=True)
+class LeaseAsk:
+    """What the kernel asks the broker for (the provisioner's traits, at the time of asking)."""
+
+    kernel_id: str
+    fraction: float
+    node: str | None = None
+    gpu_uuids: tuple[str, ...] = ()
+    group: str | None = None
+    #: seconds the broker may hold each queued acquire (long-poll)
+    long_poll: float = 30.0
+    #: seconds to wait in the queue before giving up
+    queue_timeout: float = 600.0
+    #: seconds between renewals; None: a third of the lease's TTL
+    renew_interval: float | None = None
+
+
+class KernelReport(NamedTuple):
+    """What each renewal tells the broker about the kernel."""
+
+    pid: int | None
+    execution_state: str | None
+    last_activity: float | None
+
+
+class KernelHandle(Protocol):
+    """What the keeper needs of its kernel (implemented by ``GPULeaseProvisioner``)."""
+
+    def kernel_report(self) -> KernelReport:
+        """The kernel's pid, execution state and last activity, for a renewal."""
+        ...
+
+    def kernel_exited_for_good(self) -> bool:
+        """The kernel process is gone and nothing will start it again."""
+        ...
+
+    async def shut_kernel_down(self) -> None:
+        """Shut the kernel down (the broker ended its lease)."""
+        ...
+
+    def lease_ended(self) -> None:
+        """The lease is over (released, lost, or never prepared): stop watching the kernel."""
+        ...
+
+
+class LeaseKeeper:
+    """Holds one kernel's lease (see the module docstring)."""
+
+    def __init__(
+        self,
+        kernel: KernelHandle,
+        clients: BrokerClients,
+        *,
+        log: logging.Logger | logging.LoggerAdapter[Any],
+    ) -> None:
+        self.kernel = kernel
+        self.clients = clients
+        self.log = log
+        #: the lease held now, as the broker last described it
+        self.lease: GrantedLease | None = None
+        #: the broker's latest "queued" answer while an acquire waits (position, eta...)
+        self.queued: dict[str, Any] | None = None
+        #: where ``%gpu`` reads the lease's state (set by the provisioner before launch)
+        self.state_file: StateFile | None = None
+        self.renew_task: asyncio.Task[None] | None = None
+        #: the server's board JupyterLab reads (set by the provisioner; None outside a server)
+        self.board: LeaseBoard | None = None
+        self._ask: LeaseAsk | None = None
+        self._acquiring: asyncio.Task[dict[str, Any]] | None = None
+        self._stopped_waiting = False
+
+    # -- acquire -------------------------------------------------------------------------
+    async def acquire(self, ask: LeaseAsk) -> GrantedLease:
+        """Get a lease for ``ask`` (the same one again after a restart: acquire is idempotent
+        per user and kernel). Raises our errors; ``NoCapacity`` after ``queue_timeout``."""
+        self._ask = ask
+        client = self.clients.get()
+        self.log.info(
+            "Requesting %s of a GPU for kernel %s from the broker at %s",
+            format_fraction(ask.fraction),
+            ask.kernel_id,
+            client.url,
+        )
+        self._stopped_waiting = False
+        self._acquiring = asyncio.ensure_future(
+            client.acquire(
+                ask.kernel_id,
+                ask.fraction,
+                node=ask.node,
+                gpu_uuids=list(ask.gpu_uuids) or None,
+                group=ask.group,
+                wait=ask.long_poll,
+                queue_timeout=ask.queue_timeout,
+                on_queued=self._on_queued,
+            )
+        )
+        try:
+            lease = GrantedLease.from_json(await self._acquiring)
+        except asyncio.CancelledError:
+            if not self._stopped_waiting:
+                raise
+            self.log.info("GPU request for kernel %s: the student stopped waiting", ask.kernel_id)
+            await self.clients.aclose()
+            raise NoCapacity(
+                "You stopped waiting for a GPU, so this kernel did not start and its place in "
+                "the GPU queue was given up. Start the kernel again when you want to rejoin "
+                "the queue.",
+                stopped_by="student",
+            ) from None
+        except NoCapacity as exc:
+            self.log.warning("GPU request for kernel %s gave up: %s", ask.kernel_id, exc)
+            await self.clients.aclose()
+            raise
+        except GPULeaseError as exc:
+            self.log.warning("GPU request for kernel %s failed: %s", ask.kernel_id, exc)
+            await self.clients.aclose()
+            raise
+        finally:
+            self.queued = None
+            self._acquiring = None
+        previous = self.lease.id if self.lease else None
+        self.lease = lease
+        self._show(lease)
+        if self.state_file is not None:
+            self.state_file.keep = False
+        self.log.info(
+            "Kernel %s %s GPU lease %s: %s of %s %s (%s MiB cap)",
+            ask.kernel_id,
+            "keeps" if previous == lease.id else "holds",
+            lease.short_id,
+            format_fraction(lease.fraction or ask.fraction),
+            lease.gpu.name or "GPU",
+            lease.gpu.uuid,
+            lease.memory_limit_mb,
+        )
+        return lease
+
+    def resume(self, lease: GrantedLease, ask: LeaseAsk) -> None:
+        """Hold ``lease`` again without asking (a restarted server's saved lease)."""
+        self._ask = ask
+        self.lease = lease
+
+    def _on_queued(self, answer: dict[str, Any]) -> None:
+        self.queued = answer
+        if self.board is not None:
+            self.board.queued(self._kernel_id, answer)
+        position = answer.get("position")
+        self.log.info(
+            "GPU request for kernel %s waits at position %d: %s",
+            self._kernel_id,
+            position if isinstance(position, int) else 0,
+            answer.get("message") or answer.get("reason") or "the GPU pool is full",
+        )
+
+    def save_state(self) -> None:
+        """Write the held lease to the state file (before launch, and after each renewal)."""
+        if self.lease is not None:
+            self._write_state(self.lease)
+
+    # -- renewals ------------------------------------------------------------------------
+    def start_renewing(self, background: BackgroundLoop | None = None) -> None:
+        """Start the renewal task, unless it runs already (a restart keeps it).
+
+        It runs on the running loop, or on ``background`` where that loop runs only during
+        calls (jupyter_client's blocking ``KernelManager``: see :mod:`.loops`).
+        """
+        task = self.renew_task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            return
+        if background is None:
+            self.renew_task = asyncio.ensure_future(self._renew_loop())
+        else:
+            self.renew_task = background.spawn(self._renew_loop())
+
+    async def _renew_loop(self) -> None:
+        """Every renewal interval: renew, or find out why not. Runs until the lease ends."""
+        while self.lease is not None:
+            await asyncio.sleep(self.interval())
+            if not await self.renew_once():
+                return
+
+    def interval(self) -> float:
+        """Seconds until the next renewal."""
+        if self._ask is not None and self._ask.renew_interval:
+            return max(MIN_RENEW_INTERVAL, float(self._ask.renew_interval))
+        ttl = self.lease.ttl if self.lease is not None else None
+        if ttl is not None:
+            return max(MIN_RENEW_INTERVAL, ttl / 3)
+        return DEFAULT_RENEW_INTERVAL
+
+    async def renew_once(self) -> bool:
+        """One renewal; False when the lease has ended (and the loop must stop)."""
+        lease = self.lease
+        if lease is None:
+            return False
+        if self.kernel.kernel_exited_for_good():
+            self.log.warning(
+                "Kernel %s has exited and nothing will restart it; releasing its GPU lease.",
+                self._kernel_id,
+            )
+            await self.end("the kernel exited")
+            return False
+        report = self.kernel.kernel_report()
+        try:
+            fresh = GrantedLease.from_json(
+                await self.clients.get(renewal=True).renew(
+                    lease.id,
+                    pid=report.pid,
+                    execution_state=report.execution_state,
+                    last_activity=report.last_activity,
+                )
+            )
+        except BrokerUnavailable as exc:
+            self.log.warning(
+                "Could not renew GPU lease %s of kernel %s; the kernel keeps running and the "
+                "renewal is retried in %g s: %s",
+                lease.short_id,
+                self._kernel_id,
+                self.interval(),
+                exc,
+            )
+            return True
+        except (LeaseExpired, LeaseNotFound) as exc:
+            return await self._recover(exc)
+        except LeaseGone as exc:
+            await self._lost(exc.details.get("state") or "revoked", _reason(exc))
+            return False
+        except GPULeaseError as exc:
+            self.log.warning(
+                "Renewing GPU lease %s of kernel %s failed; retrying in %g s: %s",
+                lease.short_id,
+                self._kernel_id,
+                self.interval(),
+                exc,
+            )
+            return True
+        if self.lease is not None and self.lease.id == fresh.id:
+            self.lease = fresh
+            self._write_state(fresh)
+            self._show(fresh)
+        return True
+
+    async def _recover(self, exc: GPULeaseError) -> bool:
+        """The lease expired (or the broker forgot it): ask once for the same share again."""
+        old = self.lease
+        uuid = old.gpu.uuid if old is not None else None
+        ask = self._ask or LeaseAsk(kernel_id=self._kernel_id, fraction=0.0)
+        self.log.warning(
+            "GPU lease %s of kernel %s has ended (%s); asking for %s of the same GPU again.",
+            short_id(old.id if old else None),
+            self._kernel_id,
+            _reason(exc),
+            format_fraction(ask.fraction),
+        )
+        try:
+            lease = GrantedLease.from_json(
+                await self.clients.get().acquire(
+                    ask.kernel_id,
+                    ask.fraction,
+                    node=ask.node,
+                    gpu_uuids=[uuid] if uuid else (list(ask.gpu_uuids) or None),
+                    group=ask.group,
+                    wait=0,
+                    queue_timeout=0,
+                )
+            )
+        except BrokerUnavailable as err:
+            self.log.warning(
+                "Could not re-acquire the GPU lease of kernel %s: %s", self._kernel_id, err
+            )
+            return True
+        except GPULeaseError as err:
+            await self._lost(
+                "expired",
+                f"{_reason(exc)}; its GPU share could not be taken back ({err.message})",
+            )
+            return False
+        self.lease = lease
+        self._write_state(lease)
+        self._show(lease)
+        self.log.info(
+            "Kernel %s holds GPU lease %s again (%s of GPU %s).",
+            self._kernel_id,
+            lease.short_id,
+            format_fraction(ask.fraction),
+            uuid,
+        )
+        return True
+
+    async def _lost(self, state: str, reason: str) -> None:
+        """The broker ended the lease: record why, then shut the kernel down."""
+        lease = self.lease
+        self.log.warning(
+            "GPU lease %s of kernel %s was %s: %s. Shutting the kernel down.",
+            short_id(lease.id if lease else None),
+            self._kernel_id,
+            state,
+            reason,
+        )
+        if lease is not None:
+            self._write_state(lease, state=state, reason=reason)
+        if self.state_file is not None:
+            self.state_file.keep = True  # the reason stays readable after the kernel is gone
+        if self.board is not None:
+            self.board.end(self._kernel_id, state, reason)  # JupyterLab shows the reason
+        self.lease = None
+        self.renew_task = None  # this is the renewal task: shutdown must not cancel it
+        try:
+            await self.kernel.shut_kernel_down()
+        except Exception:
+            self.log.exception(
+                "Could not shut down kernel %s after losing its lease", self._kernel_id
+            )
+        await self.end(f"the lease was {state}")
+
+    # -- the end -------------------------------------------------------------------------
+    async def end(self, why: str) -> None:
+        """Stop renewing, release the lease (errors logged), close the clients. Idempotent.
+
+        ``why`` completes the log line ("Released GPU lease ... of kernel ...: <why>.").
+        """
+        task, self.renew_task = self.renew_task, None
+        if task is not None and task is not asyncio.current_task():
+            await cancel_and_wait(task)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            try:
+                await self.clients.get().release(lease.id)
+            except Exception as exc:  # never raised into a shutdown: the TTL ends the lease
+                self.log.warning(
+                    "Could not release GPU lease %s of kernel %s (%s); the broker ends it when "
+                    "its TTL runs out: %s",
+                    lease.short_id,
+                    self._kernel_id,
+                    why,
+                    exc,
+                )
+            else:
+                self.log.info(
+                    "Released GPU lease %s of kernel %s: %s.", lease.short_id, self._kernel_id, why
+                )
+        if self.board is not None and lease is not None:
+            self.board.end(self._kernel_id, "released", why)
+        if self.state_file is not None:
+            self.state_file.remove()
+        self.kernel.lease_ended()
+        await self.clients.aclose()
+
+    # -- stop waiting ----------------------------------------------------------------------
+    async def stop_waiting(self) -> bool:
+        """The student clicked "Stop waiting": give up the queue place; the start then fails.
+
+        Called through the server's board by ``DELETE {base_url}gpu-lease/api/kernels/{id}/
+        request``. The acquire is cancelled first (so it cannot post again), then the queued
+        request is withdrawn by its id (a lease granted at that very moment has the same id
+        and is released with it). False if the kernel is not waiting.
+        """
+        task = self._acquiring
+        if task is None or task.done():
+            return False
+        self._stopped_waiting = True
+        task.cancel()
+        request_id = (self.queued or {}).get("id")
+        if request_id is None and self.board is not None:
+            record = self.board.get(self._kernel_id)
+            request_id = record.request_id if record is not None else None
+        try:
+            async with self.clients.new() as client:
+                if request_id is None:  # not told yet (the first long-poll is still out)
+                    mine = [
+                        q for q in await client.queue() if q.get("kernel_id") == self._kernel_id
+                    ]
+                    request_id = mine[0].get("id") if mine else None
+                if isinstance(request_id, str):
+                    await client.release(request_id)
+        except GPULeaseError as exc:
+            self.log.warning(
+                "Could not withdraw the queued GPU request of kernel %s (the broker drops it "
+                "when nobody polls for it): %s",
+                self._kernel_id,
+                exc,
+            )
+        return True
+
+    # -- helpers -------------------------------------------------------------------------
+    def _show(self, lease: GrantedLease) -> None:
+        if self.board is not None:
+            fraction = self._ask.fraction if self._ask is not None else 0.0
+            self.board.active(self._kernel_id, fraction, dict(lease.raw))
+
+    @property
+    def _kernel_id(self) -> str:
+        return self._ask.kernel_id if self._ask is not None else "?"
+
+    def _write_state(
+        self, lease: GrantedLease, *, state: str | None = None, reason: str | None = None
+    ) -> None:
+        if self.state_file is not None:
+            fraction = self._ask.fraction if self._ask is not None else 0.0
+            self.state_file.write(lease, fraction=fraction, state=state, reason=reason)
+
+
+def _reason(exc: GPULeaseError) -> str:
+    reason = exc.details.get("reason")
+    return str(reason) if reason else exc.message.rstrip(".")
+
+
+__all__ = ["KernelHandle", "KernelReport", "LeaseAsk", "LeaseKeeper"]

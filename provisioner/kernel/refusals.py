@@ -1,0 +1,79 @@
+"""A broker's refusal, shown to the student in JupyterLab's "Error Starting Kernel".
+
+``GPULeaseProvisioner.pre_launch`` raises our errors (``NoCapacity``, ``QuotaExceeded``,
+``BrokerUnavailable``, ...) through :func:`for_jupyter_server`. jupyter_server's REST
+API (``POST /api/kernels``, ``/api/sessions``) answers any exception that is not a
+tornado ``HTTPError`` with "Unhandled error", so without this the student would never
+read the broker's sentence; and the sentence must fit the dialog. Only this module knows
+about tornado.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from typing import Any, cast
+
+from ..errors import GPULeaseError
+
+_SERVER_ERRORS: dict[type, type] = {}
+
+
+def for_jupyter_server(exc: GPULeaseError) -> GPULeaseError:
+    """``exc`` as an instance of its own class *and* of tornado's ``HTTPError``.
+
+    Called by ``pre_launch`` when the broker refuses or cannot be reached. Its status is
+    ours (403 quota/course, 422 never fits, 503 broker down, ...) and every text
+    jupyter_server may show is :func:`for_dialog`'s: ``POST /api/kernels`` answers with
+    ``log_message``, while ``POST /api/sessions`` (what JupyterLab calls) re-raises any
+    error as ``HTTPError(500, str(exc))``, so ``str()`` is that text too. ``log_message``
+    is a plain property here: tornado's (6.5+) doubles every ``%`` of a message without
+    arguments, for a log format the message never goes through. Callers that catch our
+    errors (``except NoCapacity``) still do.
+    """
+    from tornado.web import HTTPError
+
+    cls = type(exc)
+    mixed = _SERVER_ERRORS.get(cls)
+    if mixed is None:
+        mixed = type(
+            cls.__name__,
+            (cls, HTTPError),
+            {
+                "__module__": cls.__module__,
+                "__str__": lambda self: self.shown,
+                "log_message": property(lambda self: self.shown),
+                "get_message": lambda self: self.shown,
+            },
+        )
+        _SERVER_ERRORS[cls] = mixed
+    out: Any = Exception.__new__(mixed)
+    out.__dict__.update(exc.__dict__)
+    out.args = ()  # tornado formats log_message % args when it logs the error
+    out.status_code = exc.status if 400 <= exc.status < 600 else 500
+    out.shown = for_dialog(exc.message)
+    out.reason = None
+    return cast(GPULeaseError, out)
+
+
+#: characters per line: JupyterLab's dialog is 1000 px wide from a 1040 px window up, its
+#: ``<pre>`` 952 px, ~7.8 px per character of the 13 px code font: 122 fit, 100 leave room
+WIDTH = 100
+
+
+def for_dialog(message: str, width: int = WIDTH) -> str:
+    """The message as JupyterLab's "Error Starting Kernel" shows it whole.
+
+    That dialog puts the text in an unwrapped ``<pre>``, which cut the broker's advice off
+    after ~120 characters: one sentence per line, long ones wrapped at ``width``. A
+    ``%`` is spelled out ("100 percent"; any other becomes the full-width sign): on the
+    ``/api/sessions`` path tornado doubles it ("100%%") and we cannot stop that.
+    """
+    text = re.sub(r"(?<=\d)%", " percent", message.strip()).replace("%", "\uff05")
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z])", text)
+    return "\n".join(
+        textwrap.fill(s, width, break_long_words=False, break_on_hyphens=False) for s in sentences
+    )
+
+
+__all__ = ["for_dialog", "for_jupyter_server"]

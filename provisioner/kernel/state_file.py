@@ -1,0 +1,87 @@
+"""The kernel's lease state file: what the ``%gpu`` magic reads inside the kernel.
+
+The provisioner passes its path to the kernel as ``GPU_LEASE_STATE_FILE``; the lease
+keeper rewrites it at each renewal and when the broker ends the lease, so ``%gpu`` shows
+the state, the expiry and the reason (``startup/gpu_lease_magic.py`` reads ``state``,
+``expires_at`` and ``reason``). It lives next to the connection file, in the server's
+private runtime folder, mode 0600, and goes when the lease is released, except when the
+broker ended the lease: then the reason stays readable after the kernel is gone.
+Errors are logged, never raised: ``%gpu`` is a convenience, the kernel is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from .lease import GrantedLease
+
+
+def state_file_path(connection_file: str | None, kernel_id: Any) -> str:
+    """Next to the connection file (the server's private runtime dir), else the runtime dir."""
+    if connection_file:
+        folder = os.path.dirname(os.path.abspath(connection_file))
+    else:
+        from jupyter_core.paths import jupyter_runtime_dir
+
+        folder = jupyter_runtime_dir()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return os.path.join(folder, f"gpu-lease-{kernel_id}.json")
+
+
+class StateFile:
+    """One kernel's state file at ``path``."""
+
+    def __init__(
+        self, path: str, *, kernel_id: Any, log: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
+        self.path = path
+        self.kernel_id = kernel_id
+        self.log = log
+        #: leave the file in place at :meth:`remove` (the broker ended the lease: why stays readable)
+        self.keep = False
+
+    def write(
+        self,
+        lease: GrantedLease,
+        *,
+        fraction: float,
+        state: str | None = None,
+        reason: str | None = None,
+    ) -> None:
+        """Write ``lease``'s state atomically (``state``/``reason`` override the lease's).
+
+        ``fraction`` is what was asked for, written when the broker's lease omits it.
+        """
+        data = {
+            "state": state or lease.state,
+            "expires_at": lease.expires_at,
+            "reason": reason if reason is not None else lease.reason,
+            "lease_id": lease.id,
+            "kernel_id": self.kernel_id,
+            "fraction": lease.fraction if lease.fraction is not None else fraction,
+            "memory_limit_mb": lease.memory_limit_mb,
+            "gpu": lease.gpu.to_json(),
+            "updated_at": time.time(),
+        }
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            self.log.warning("Could not write the GPU lease state file %s: %s", self.path, exc)
+
+    def remove(self) -> None:
+        """Delete the file, unless :attr:`keep` says its reason must stay readable."""
+        if not self.keep:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+
+__all__ = ["StateFile", "state_file_path"]

@@ -1,0 +1,247 @@
+"""What one Jupyter server's GPU kernels are doing: a board the JupyterLab extension reads.
+
+Who writes: each :class:`~provisioner.kernel.provisioner.GPULeaseProvisioner`, at the
+moments it learns something anyway -- before it asks the broker (``waiting``), from each
+queued long-poll answer (position, queue length, estimated wait), from the grant and from
+every renewal (``active``), and when the lease ends (``revoked``/``expired`` with the
+broker's reason, or ``released``). Nothing here talks to the broker.
+
+Who reads: the jupyter_server extension (:mod:`provisioner.lab`), which answers the
+browser's ``GET {base_url}gpu-lease/api/kernels`` from it, and asks a waiting kernel's
+provisioner to stop waiting through the hook registered here.
+
+One board per server: the provisioner's parent ``KernelManager`` is a child of the
+server's ``MultiKernelManager`` (also while the kernel is still starting, when jupyter_client
+keeps it only in ``MultiKernelManager._pending_kernels``), and :func:`board_for` keys the
+boards by that object. Ended leases stay on the board (the last ``keep`` of them, for
+``keep_for`` seconds), so a student who reopens a notebook still reads why its kernel was
+stopped.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: the states a kernel's GPU lease can be in, as the JupyterLab extension shows them
+STATES = ("waiting", "active", "revoked", "expired", "released")
+ENDED = ("revoked", "expired", "released")
+
+StopWaiting = Callable[[], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class KernelLease:
+    """One GPU kernel as the student should see it (see DESIGN.md, "In JupyterLab")."""
+
+    kernel_id: str
+    state: str
+    fraction: float
+    kernel_name: str | None = None
+    #: the session path jupyter_server gave the kernel (``JPY_SESSION_NAME``); while
+    #: JupyterLab starts a notebook's kernel this is a temporary ``dir/<uuid>`` path
+    session_path: str | None = None
+    lease: dict[str, Any] | None = None
+    position: int | None = None
+    waiting: int | None = None
+    eta_seconds: float | None = None
+    reason: str | None = None
+    request_id: str | None = None
+    since: float = 0.0
+    updated_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The record of ``GET {base_url}gpu-lease/api/kernels`` (optional keys left out)."""
+        out: dict[str, Any] = {
+            "kernel_id": self.kernel_id,
+            "state": self.state,
+            "fraction": self.fraction,
+        }
+        optional = {
+            "lease": self.lease,
+            "position": self.position,
+            "waiting": self.waiting,
+            "eta_seconds": self.eta_seconds,
+            "reason": self.reason,
+            "kernel_name": self.kernel_name,
+        }
+        out.update({k: v for k, v in optional.items() if v is not None})
+        if self.state == "waiting":
+            out["waiting_since"] = self.since
+        if self.state in ENDED:
+            out["ended_at"] = self.since
+        return out
+
+
+@dataclass
+class LeaseBoard:
+    """The GPU kernels of one server: live ones (waiting, active) and recently ended ones."""
+
+    keep: int = 200
+    keep_for: float = 24 * 3600.0
+    clock: Callable[[], float] = time.time
+    live: dict[str, KernelLease] = field(default_factory=dict)
+    ended: OrderedDict[str, KernelLease] = field(default_factory=OrderedDict)
+    _stoppers: dict[str, StopWaiting] = field(default_factory=dict)
+
+    # -- written by the provisioner --------------------------------------------------------
+    def waiting(
+        self,
+        kernel_id: str,
+        fraction: float,
+        *,
+        kernel_name: str | None,
+        session_path: str | None,
+        stop: StopWaiting,
+    ) -> None:
+        """``pre_launch`` is about to ask the broker: the kernel waits for its GPU."""
+        now = self.clock()
+        self.ended.pop(kernel_id, None)
+        self.live[kernel_id] = KernelLease(
+            kernel_id,
+            "waiting",
+            fraction,
+            kernel_name=kernel_name,
+            session_path=session_path,
+            since=now,
+            updated_at=now,
+        )
+        self._stoppers[kernel_id] = stop
+
+    def queued(self, kernel_id: str, answer: dict[str, Any]) -> None:
+        """A ``202`` answer of the broker: place in the queue, its length, the estimated wait."""
+        old = self.live.get(kernel_id)
+        if old is None or old.state != "waiting":
+            return
+        self.live[kernel_id] = replace(
+            old,
+            position=_int(answer.get("position")),
+            waiting=_int(answer.get("queue_length")),
+            eta_seconds=_seconds(answer.get("eta_seconds")),
+            request_id=answer.get("id") if isinstance(answer.get("id"), str) else old.request_id,
+            updated_at=self.clock(),
+        )
+
+    def queue_seen(self, kernel_id: str, entry: dict[str, Any] | None, length: int | None) -> None:
+        """The server extension's own look at ``GET /api/v1/queue`` (``None``: not waiting there)."""
+        old = self.live.get(kernel_id)
+        if old is None or old.state != "waiting" or entry is None:
+            return
+        self.live[kernel_id] = replace(
+            old,
+            position=_int(entry.get("position")),
+            waiting=length if length is not None else old.waiting,
+            eta_seconds=_seconds(entry.get("eta_seconds")),
+            request_id=entry.get("id") if isinstance(entry.get("id"), str) else old.request_id,
+            updated_at=self.clock(),
+        )
+
+    def active(self, kernel_id: str, fraction: float, lease: dict[str, Any]) -> None:
+        """The kernel holds ``lease`` (granted, kept over a restart, or renewed)."""
+        now = self.clock()
+        old = self.live.get(kernel_id)
+        self._stoppers.pop(kernel_id, None)
+        self.ended.pop(kernel_id, None)
+        since = old.since if old is not None and old.state == "active" else now
+        base = old or KernelLease(kernel_id, "active", fraction)
+        self.live[kernel_id] = replace(
+            base,
+            state="active",
+            fraction=float(lease.get("fraction") or fraction),
+            lease=dict(lease),
+            position=None,
+            waiting=None,
+            eta_seconds=None,
+            reason=None,
+            since=since,
+            updated_at=now,
+        )
+
+    def end(self, kernel_id: str, state: str, reason: str | None) -> None:
+        """The lease ended (``revoked``/``expired`` by the broker, ``released`` by us).
+
+        A revoked or expired record is not overwritten by the release that follows it.
+        """
+        now = self.clock()
+        self._stoppers.pop(kernel_id, None)
+        old = self.live.pop(kernel_id, None) or self.ended.get(kernel_id)
+        if old is None:
+            return
+        if old.state in ("revoked", "expired") and state == "released":
+            return
+        lease = dict(old.lease) if old.lease else None
+        if lease is not None:
+            lease["state"] = state
+            if reason is not None and state != "released":
+                lease["reason"] = reason
+        self.ended[kernel_id] = replace(
+            old, state=state, reason=reason, lease=lease, since=now, updated_at=now
+        )
+        self.ended.move_to_end(kernel_id)
+        self._trim(now)
+
+    def forget(self, kernel_id: str) -> None:
+        """The kernel never started (refused, gave up, stopped waiting): its start error says why."""
+        self.live.pop(kernel_id, None)
+        self._stoppers.pop(kernel_id, None)
+
+    # -- read by the server extension -----------------------------------------------------
+    def snapshot(self) -> list[KernelLease]:
+        """Every live kernel, then the ended ones, oldest first."""
+        self._trim(self.clock())
+        return [*self.live.values(), *self.ended.values()]
+
+    def get(self, kernel_id: str) -> KernelLease | None:
+        return self.live.get(kernel_id) or self.ended.get(kernel_id)
+
+    def waiting_ids(self) -> list[str]:
+        return [k for k, v in self.live.items() if v.state == "waiting"]
+
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """Ask the waiting kernel's provisioner to give up its queue place; False if not waiting."""
+        stop = self._stoppers.get(kernel_id)
+        record = self.live.get(kernel_id)
+        if stop is None or record is None or record.state != "waiting":
+            return False
+        return await stop()
+
+    def _trim(self, now: float) -> None:
+        while self.ended and (
+            len(self.ended) > self.keep
+            or now - next(iter(self.ended.values())).updated_at > self.keep_for
+        ):
+            self.ended.popitem(last=False)
+
+
+_BOARDS: weakref.WeakKeyDictionary[Any, LeaseBoard] = weakref.WeakKeyDictionary()
+
+
+def board_for(manager: Any) -> LeaseBoard | None:
+    """The board of the server whose ``MultiKernelManager`` is ``manager`` (made on first use).
+
+    ``None`` for ``None`` (a kernel managed by a lone ``KernelManager``, as in tests and
+    ``jupyter console``: nobody reads a board there).
+    """
+    if manager is None:
+        return None
+    board = _BOARDS.get(manager)
+    if board is None:
+        board = _BOARDS[manager] = LeaseBoard()
+    return board
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+__all__ = ["ENDED", "STATES", "KernelLease", "LeaseBoard", "board_for"]
