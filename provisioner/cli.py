@@ -3,6 +3,7 @@
 ::
 
     gpu-lease broker [broker options]            run the broker (provisioner.broker.app)
+    gpu-lease agent --broker-url URL [...]       run a node agent (provisioner.agent)
     gpu-lease kernelspec install --fraction F    publish a GPU kernelspec
     gpu-lease kernelspec list | remove NAME...
     gpu-lease top [--watch N] | leases | quota ... | usage | revoke ID --reason TEXT
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -26,18 +28,25 @@ from typing import Any
 
 from . import __version__, tables
 from . import kernelspecs as ks
-from .broker.validation import QUOTA_FIELDS  # the fields of a quota record (REST API v1)
-from .client import BrokerClient
+from .client import BrokerClient, broker_env
 from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
+from .model import ENFORCEMENTS, QUOTA_FIELDS, validate_fraction
 
 PROG = "gpu-lease"
+#: what runs ``gpu-lease broker ARGS``: ``broker.app.main`` (its exit status, or None for 0)
+BrokerMain = Callable[[list[str]], int | None]
 
 
 # -- argument types (argparse turns ArgumentTypeError into a usage error) --------
 def fraction_arg(text: str) -> float:
-    """A GPU fraction in (0, 1]; the message says what is wrong."""
+    """A GPU fraction in (0, 1] from the command line (``model.validate_fraction``'s rule)."""
+    value: object
     try:
-        return ks.validate_fraction(text)
+        value = float(text)
+    except ValueError:
+        value = text  # not a number: the rule refuses it with its usual sentence
+    try:
+        return validate_fraction(value)
     except InvalidRequest as exc:
         raise argparse.ArgumentTypeError(exc.message) from None
 
@@ -69,6 +78,14 @@ def _positive_float(text: str) -> float:
 
 # -- kernelspec ------------------------------------------------------------------
 def cmd_kernelspec_install(args: argparse.Namespace) -> int:
+    """Publish a GPU kernelspec; refuse to overwrite one, or to publish one that never fits.
+
+    Before writing, the fraction is checked against the broker's pool (``GET
+    /api/v1/gpus``, with ``GPU_LEASE_URL`` and the token of the environment, as in a hub
+    server's terminal): a kernel that could never be placed is refused (status 1).
+    Without a broker URL, or when it cannot be asked, a warning on stderr says on which
+    GPUs the fraction leaves the kernel no memory.
+    """
     spec = ks.build_kernelspec(
         args.fraction,
         display_name=args.display_name,
@@ -78,9 +95,56 @@ def cmd_kernelspec_install(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
     )
     name = args.name or ks.default_name(args.fraction, args.group)
-    path = ks.install(spec, name, user=args.user, prefix=args.prefix, sys_prefix=args.sys_prefix)
+    _check_fraction_fits(args)
+    path = ks.install(
+        spec,
+        name,
+        user=args.user,
+        prefix=args.prefix,
+        sys_prefix=args.sys_prefix,
+        replace=args.replace,
+    )
     print(f"Installed kernelspec {name} ({spec['display_name']}) in {path}")
     return 0
+
+
+#: below this much GPU memory (MiB) a fraction that leaves no memory gets a warning
+#: without a broker to ask: 32 GiB, a common teaching GPU (V100)
+WARN_BELOW_MB = 32768
+
+
+def _check_fraction_fits(args: argparse.Namespace) -> None:
+    """Refuse (broker asked) or warn (no broker) when ``args.fraction`` can never fit."""
+    fraction = args.fraction
+    least_mb = ks.smallest_gpu_mb(fraction)
+    unasked = ""
+    if broker_env().url or getattr(args, "url", None):
+
+        async def pool() -> list[dict[str, Any]]:
+            async with _client(args) as client:
+                return await client.gpus()
+
+        try:
+            gpus = asyncio.run(pool())
+        except GPULeaseError as exc:
+            unasked = f" (the broker could not be asked: {exc.message.rstrip('.')})"
+        else:
+            problem = ks.fit_problem(fraction, gpus)
+            if problem is not None:
+                raise InvalidRequest(
+                    f"Not installed: {problem}. The broker would refuse every start of this "
+                    "kernel; choose a larger --fraction."
+                )
+            return
+    if least_mb > WARN_BELOW_MB:
+        print(
+            f"warning: a GPU fraction of {ks.format_fraction(fraction)} leaves a kernel no GPU "
+            f"memory on GPUs of less than {least_mb} MiB ({least_mb / 1024:.1f} GiB): the "
+            f"broker needs more than {ks.DEFAULT_CONTEXT_OVERHEAD_MB} MiB per kernel for the "
+            "CUDA context and refuses such starts. Set GPU_LEASE_URL (and GPU_LEASE_TOKEN) to "
+            f"check it against the broker's pool{unasked}.",
+            file=sys.stderr,
+        )
 
 
 def cmd_kernelspec_list(args: argparse.Namespace) -> int:
@@ -122,19 +186,17 @@ def cmd_kernelspec_remove(args: argparse.Namespace) -> int:
 
 
 # -- broker --------------------------------------------------------------------
-def cmd_broker(argv: list[str]) -> int:
-    """Run the broker; its own parser (traitlets) handles ``argv``."""
-    try:
+def cmd_broker(argv: list[str], run: BrokerMain | None = None) -> int:
+    """Run the broker (``run``, by default ``broker.app.main``) on ``argv``, untouched.
+
+    The broker's own parser (traitlets) handles ``argv``; it is imported only here, so
+    the other commands start without loading tornado, JupyterHub and SQLAlchemy.
+    """
+    if run is None:
         from .broker.app import main as broker_main
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("provisioner.broker", "provisioner.broker.app"):
-            raise
-        raise GPULeaseError(
-            "The broker is not part of this installation (provisioner.broker.app is missing); "
-            "reinstall jupyter-gpu-lease."
-        ) from exc
-    status = broker_main(argv)
-    return int(status or 0)
+
+        run = broker_main
+    return int(run(argv) or 0)
 
 
 # -- commands that talk to the broker --------------------------------------------------
@@ -199,6 +261,17 @@ def cmd_leases(args: argparse.Namespace) -> int:
         leases = await client.list_leases(all=args.all, user=args.user)
         if args.json:
             return json.dumps({"leases": leases}, indent=1)
+        if not leases and not args.all and args.user is None:
+            try:  # an admin's own list is empty: say how to see everyone's
+                others = await client.list_leases(all=True)
+            except Forbidden:
+                others = []
+            if others:
+                n = len(others)
+                return (
+                    f"You hold no active leases; {n} other active lease{'' if n == 1 else 's'}: "
+                    f"`{PROG} leases --all` lists them (`--user NAME` one user's)."
+                )
         return tables.format_leases(leases, time.time(), await client.gpus())
 
     return _run(work, args)
@@ -256,6 +329,8 @@ def cmd_quota(args: argparse.Namespace) -> int:
             if target is None:
                 return tables.format_my_quota(await client.my_quota())
             level, name = target
+            if level == "user" and name is not None:
+                return tables.format_effective_quota(await client.effective_quota(name))
             return tables.format_quota(
                 _quota_title(level, name), await client.get_quota(level, name)
             )
@@ -297,7 +372,8 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     """Admin: end someone's lease; its kernel shuts down and the student sees ``--reason``."""
 
     async def work(client: BrokerClient) -> str:
-        lease = await client.revoke(args.lease_id, args.reason)
+        lease_id = await _resolve_lease_id(client, args.lease_id)
+        lease = await client.revoke(lease_id, args.reason)
         return (
             f"Revoked lease {lease.get('id')} of {lease.get('user')} "
             f"(kernel {tables.short(lease.get('kernel_id'))}, "
@@ -307,7 +383,47 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     return _run(work, args)
 
 
+async def _resolve_lease_id(client: BrokerClient, given: str) -> str:
+    """A full lease id from what ``top``/``leases`` print: the id, or a unique prefix of one
+    active lease's id. Anything else goes to the broker as typed (its answer says why not:
+    unknown, already ended, not an admin)."""
+    given = given.strip()
+    try:
+        active = await client.list_leases(all=True)
+    except Forbidden:
+        return given
+    ids = [str(x.get("id")) for x in active if x.get("id")]
+    if given in ids:
+        return given
+    matches = [i for i in ids if i.startswith(given)] if given else []
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        shown = ", ".join(tables.short(i, len(given) + 4) for i in matches[:5])
+        raise InvalidRequest(
+            f"{len(matches)} active leases have ids starting with {given!r} ({shown}"
+            f"{', ...' if len(matches) > 5 else ''}); give more characters of the id."
+        )
+    return given
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    if args.processes < 1:
+        print("error: --processes must be at least 1", file=sys.stderr)
+        return 2
+    return doctor.main(as_json=args.json, processes=args.processes)
+
+
 # -- parser ----------------------------------------------------------------------
+def cmd_agent(argv: list[str]) -> int:
+    """Run a node agent (``agent.main``) on ``argv``, untouched (its parser is traitlets')."""
+    from .agent import main as agent_main
+
+    return int(agent_main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Fractional GPU leases for Jupyter kernels."
@@ -321,6 +437,28 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     broker.set_defaults(func=None)
+
+    agent = sub.add_parser(
+        "agent",
+        help="run a GPU node agent (options: gpu-lease agent --help)",
+        add_help=False,
+    )
+    agent.set_defaults(func=None)
+
+    doctor = sub.add_parser(
+        "doctor",
+        help="self-test of this GPU node: NVML, driver, MPS, frameworks "
+        "(exit 0 all ran and passed, 1 a check failed, 3 some could not run here)",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument(
+        "--processes",
+        type=int,
+        default=4,
+        metavar="N",
+        help="concurrent capped processes of the cap-escape check (default 4; needs a GPU)",
+    )
+    doctor.set_defaults(func=cmd_doctor)
 
     # kernelspec
     kspec = sub.add_parser("kernelspec", help="publish, list and remove GPU kernelspecs")
@@ -339,12 +477,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="python",
         help="the kernel's Python (default: the server's); another environment needs ipykernel only",
     )
-    inst.add_argument("--enforcement", choices=ks.ENFORCEMENTS, help="cooperative (default) or mps")
+    inst.add_argument("--enforcement", choices=ENFORCEMENTS, help="cooperative (default) or mps")
     inst.add_argument(
         "--queue-timeout",
         type=_non_negative(float),
         metavar="SECONDS",
         help="give up starting the kernel after waiting this long in the queue",
+    )
+    inst.add_argument(
+        "--replace",
+        action="store_true",
+        help="overwrite a kernelspec of the same name in that place (refused without it)",
+    )
+    inst.add_argument(
+        "--url",
+        help="the broker whose pool the fraction is checked against (default: $GPU_LEASE_URL)",
     )
     where = inst.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="install for the current user")
@@ -391,7 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
         "revoke", parents=[remote], help="end someone's lease and stop its kernel (admin)"
     )
     revoke.add_argument(
-        "lease_id", metavar="LEASE_ID", help="the lease id (gpu-lease leases --all)"
+        "lease_id",
+        metavar="LEASE_ID",
+        help="the lease id, or the start of it that `gpu-lease top` / `leases --all` print",
     )
     revoke.add_argument("--reason", required=True, metavar="TEXT", help="why; the student sees it")
     revoke.set_defaults(func=cmd_revoke)
@@ -437,8 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``gpu-lease`` console script; returns the exit status."""
+def main(argv: Sequence[str] | None = None, *, run_broker: BrokerMain | None = None) -> int:
+    """Entry point of the ``gpu-lease`` console script; returns the exit status.
+
+    ``run_broker`` runs ``gpu-lease broker …`` instead of ``broker.app.main`` (tests
+    pass a stand-in to see the arguments the broker gets).
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -447,16 +600,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         if args.command == "broker":
-            return cmd_broker(rest)
+            return cmd_broker(rest, run_broker)
+        if args.command == "agent":
+            return cmd_agent(rest)
         if rest:
             try:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             except SystemExit as exc:
                 return exc.code if isinstance(exc.code, int) else 2
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        status = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
     except GPULeaseError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of our output went away (``gpu-lease usage | head``): stop quietly.
+
+    Python's own advice: point stdout at /dev/null so that the flush at exit does not
+    raise again, and exit with status 1 (as with ``head``, the output was cut short).
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (e.g. captured by a test)
+        pass
+    return 1

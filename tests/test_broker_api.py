@@ -19,7 +19,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from provisioner.testing import free_port
+from provisioner.devtools.testing import free_port
 
 from .conftest import Broker
 
@@ -438,6 +438,101 @@ async def test_usage_counts_fraction_hours(broker: Broker) -> None:
         assert by_group["ml101"] > 0
 
 
+async def test_usage_by_group_counts_generic_kernels_for_the_course(broker: Broker) -> None:
+    """alice (ml101) and bob (no course) on generic kernels: alice's use is ml101's."""
+    held = {}
+    for user in ("alice", "bob"):
+        async with broker.client(user) as c:
+            r = await acquire(c, "generic", 0.25)
+            assert r.status_code == 201, r.text
+            held[user] = r.json()
+    assert held["alice"]["group"] is None and held["alice"]["groups"] == ["ml101"]
+    assert held["bob"]["groups"] == []
+    await asyncio.sleep(0.5)
+    for user in ("alice", "bob"):
+        async with broker.client(user) as c:
+            assert (await c.delete(f"/leases/{held[user]['id']}")).status_code == 204
+    async with broker.client("admin") as admin:
+        by_group = (await admin.get("/usage", params={"by": "group", "since": "1h"})).json()
+        assert set(by_group) == {"ml101", ""} and by_group["ml101"] > 0
+        # the same leases, the same use: counted by course or by user
+        by_user = (await admin.get("/usage", params={"since": "1h"})).json()
+        assert by_group["ml101"] == pytest.approx(by_user["alice"])
+        assert by_group[""] == pytest.approx(by_user["bob"])
+    async with broker.client("alice") as alice:  # a student sees her courses' use only
+        assert set((await alice.get("/usage", params={"by": "group"})).json()) == {"ml101"}
+
+
+async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
+    """Fill the V100, queue two, withdraw one, release: the history shows it all."""
+    from openapi_schema_validator import OAS30Validator
+
+    from provisioner.broker.openapi import build_openapi
+
+    doc = build_openapi()
+    schema = OAS30Validator(
+        {**doc["components"]["schemas"]["History"], "components": doc["components"]}
+    )
+    async with broker.client("alice") as alice, broker.client("bob") as bob:
+        full = (await acquire(alice, "big", 1.0)).json()
+        assert (await acquire(bob, "waits", 0.5)).status_code == 202
+        async with broker.client("carol") as carol:
+            gives_up = (await acquire(carol, "gives-up", 0.5)).json()
+            assert gives_up["queued"] is True
+            await asyncio.sleep(0.3)
+            assert (await carol.delete(f"/leases/{gives_up['id']}")).status_code == 204
+        await asyncio.sleep(0.3)
+        assert (await alice.delete(f"/leases/{full['id']}")).status_code == 204
+        # bob's request was granted from the queue by that release
+        (granted,) = (await bob.get("/leases")).json()["leases"]
+        assert granted["fraction"] == 0.5
+
+        async with broker.client("admin") as admin:
+            r = await admin.get("/history", params={"since": "1h", "step": "60"})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            schema.validate(body)
+            assert body["step"] == 60 and body["capacity"] == 1.0 and body["user"] is None
+            points = body["points"]
+            assert len(points) in (60, 61) and points[0]["t"] % 60 == 0
+            assert [p["t"] for p in points] == sorted(p["t"] for p in points)
+            assert max(p["allocated_max"] for p in points) == 1.0
+            assert max(p["queue_max"] for p in points) == 2
+            assert sum(p["grants"] for p in points) == 2
+            assert sum(p["waited"] for p in points) == 1
+            assert sum(p["withdrawn"] for p in points) == 1
+            waits = [p["wait_max_s"] for p in points if p["wait_max_s"] is not None]
+            assert len(waits) == 1 and 0.3 <= waits[0] < 60
+            # the per-course view: alice and carol are in ml101, bob in none
+            ml101 = (await admin.get("/history", params={"since": "1h", "group": "ml101"})).json()
+            assert max(p["allocated_max"] for p in ml101["points"]) == 1.0
+            assert sum(p["grants"] for p in ml101["points"]) == 1
+            assert sum(p["withdrawn"] for p in ml101["points"]) == 1
+            assert sum(p["waited"] for p in ml101["points"]) == 0
+            nobody = (await admin.get("/history", params={"since": "1h", "group": ""})).json()
+            assert sum(p["waited"] for p in nobody["points"]) == 1  # bob's
+            one = (await admin.get("/history", params={"user": "carol", "since": "1h"})).json()
+            assert one["user"] == "carol" and sum(p["grants"] for p in one["points"]) == 0
+            # the default: the last 24 hours in about 120 buckets
+            default = (await admin.get("/history")).json()
+            assert default["step"] == 720 and len(default["points"]) in (120, 121)
+            for params in (
+                {"step": "0"},
+                {"step": "soon"},
+                {"since": "0", "step": "1"},  # too many points
+                {"since": str(time.time() + 3600)},
+                {"since": "last tuesday"},
+            ):
+                assert_error(await admin.get("/history", params=params), 400)
+        # a student sees only their own
+        mine = (await bob.get("/history", params={"since": "1h"})).json()
+        assert mine["user"] == "bob"
+        assert sum(p["grants"] for p in mine["points"]) == 1
+        assert max(p["queue_max"] for p in mine["points"]) == 1
+        assert_error(await bob.get("/history", params={"user": "alice"}), 403)
+        assert (await bob.get("/history", params={"user": "bob"})).status_code == 200
+
+
 async def test_queue_positions(broker: Broker) -> None:
     async with broker.client("alice") as alice:
         assert (await acquire(alice, "big", 1)).status_code == 201
@@ -464,13 +559,14 @@ async def test_queue_positions(broker: Broker) -> None:
         assert (await carol.delete(f"/leases/{r.json()['id']}")).status_code == 204
     async with broker.client("u00") as c:
         assert (await acquire(c, "k", 0.5)).json()["position"] == 2
-        # SIGTERM while a long-poll waits: the broker still exits at once, with 0
+        # SIGTERM while a long-poll waits: the broker still exits at once, with 0, and
+        # the long-poll gets a 503 that clients retry (it used to be cut without an answer)
         poll = asyncio.ensure_future(acquire(c, "k", 0.5, wait=60))
         await asyncio.sleep(0.3)
         code, seconds = broker.terminate()
         assert code == 0 and seconds < 2.0, (code, seconds)
-        with pytest.raises(httpx.TransportError):
-            await poll
+        answer = await poll
+        assert answer.status_code == 503 and answer.json()["error"] == "not_active"
 
 
 async def test_withdrawing_a_request_granted_meanwhile_releases_its_lease(broker: Broker) -> None:
@@ -666,3 +762,61 @@ def test_config_file_is_loaded_and_the_command_line_wins(tmp_path: Path) -> None
     app.initialize(["--config", str(tmp_path / "broker_config.py"), "--port", "999"])
     assert app.port == 999 and app.ttl == 30.0 and app.gpus == "2x81920:H100"
     assert app.policy().ttl == 30.0
+
+
+def test_generate_config_lists_every_option_with_its_default(capsys: Any) -> None:
+    from provisioner.broker.app import GPULeaseBroker
+
+    app = GPULeaseBroker()
+    app.initialize(["--generate-config"])
+    app.start()
+    out = capsys.readouterr().out
+    for name in ("ttl", "tokens_file", "authenticator_class", "reap_interval", "max_body_bytes"):
+        assert f"# c.GPULeaseBroker.{name} = " in out, name
+    assert "# c.GPULeaseBroker.ttl = 90.0" in out and "Default: 90." in out
+    compile(out, "broker_config.py", "exec")  # a valid config file
+
+
+def test_authenticator_by_auth_name_or_by_class(tmp_path: Path) -> None:
+    from provisioner.broker.app import GPULeaseBroker
+    from provisioner.broker.auth import StaticTokens
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"a-long-token": {"user": "alice"}}))
+    by_name = GPULeaseBroker()
+    by_name.initialize(["--auth", "static", "--tokens-file", str(tokens)])
+    assert isinstance(by_name.make_authenticator(), StaticTokens)
+    by_class = GPULeaseBroker()
+    by_class.initialize(
+        [
+            "--auth=hub",  # the class, when given, wins over the short name
+            "--GPULeaseBroker.authenticator_class=provisioner.broker.auth.StaticTokens",
+            f"--tokens-file={tokens}",
+        ]
+    )
+    auth = by_class.make_authenticator()
+    assert isinstance(auth, StaticTokens) and auth.parent is by_class
+
+
+def test_static_tokens_broker_never_imports_jupyterhub(tmp_path: Path) -> None:
+    """JupyterHub costs about a second of start-up; only --auth hub needs it."""
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"a-long-token": {"user": "alice"}}))
+    code = (
+        "import sys\n"
+        "from provisioner.broker.app import GPULeaseBroker\n"
+        "app = GPULeaseBroker()\n"
+        "app.initialize(sys.argv[1:])\n"
+        "app.make_web_app(None, app.make_authenticator(), None)\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] == 'jupyterhub'))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JUPYTERHUB_API_TOKEN"}
+    p = subprocess.run(
+        [sys.executable, "-c", code, "--auth", "static", "--tokens-file", str(tokens)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout

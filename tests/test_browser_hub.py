@@ -1,14 +1,15 @@
 """JupyterLab and the dashboard in a real browser, behind a real JupyterHub.
 
-One hub per module (``tests.test_hub.Hub``: ``python -m provisioner.demo`` on free
+One hub per module (``tests.test_hub.Hub``: ``python -m provisioner.devtools.demo`` on free
 ports, kernelspecs in a temporary prefix) and Debian's chromium driven by Playwright,
 exactly as a person clicks:
 
 1. student01 logs in at ``/hub/login`` with the demo's shared password, waits for the
    server and JupyterLab, clicks the launcher card "Python 3 (GPU 0.02)", runs ``%gpu``
    in the first cell and sees the lease (GPU V100, fraction 0.02).
-2. guest01 (in no course) clicks the course kernel "Python 3 (GPU 0.05, ml101)": the
-   broker refuses, and JupyterLab's error dialog shows the broker's sentence.
+2. guest01 (in no course) clicks the course kernel "Python 3 (GPU 0.05, ml101)" (this hub
+   marks the kernels a user can never start instead of hiding them): the broker refuses,
+   and JupyterLab's error dialog shows the broker's sentence.
 3. The dashboard at ``/services/gpu-lease/`` through the hub's OAuth (no confirmation
    page): the instructor sees the V100's allocation bar and student01's lease; student01
    sees only their own.
@@ -43,7 +44,9 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     env_password = os.environ.get("GPU_LEASE_USER_PASSWORD")
     if env_password and env_password != PASSWORD:
         pytest.skip("GPU_LEASE_USER_PASSWORD is set to another password")
-    h = Hub(tmp_path_factory.mktemp("hub"))
+    # "mark": a kernel the user can never start stays in the launcher, marked (the hub's
+    # default hides it), so that guest01 can click the course kernel and read the refusal
+    h = Hub(tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"})
     try:
         yield h
     finally:
@@ -130,6 +133,7 @@ def test_refused_course_kernel_shows_the_brokers_sentence(
     context, page = open_lab(chromium, hub, "guest01")
     card = launcher_card(page, "Python 3 (GPU 0.05, ml101)")
     card.first.wait_for(timeout=10_000)
+    assert "(not for you: for course ml101 only)" in card.inner_text()
     card.click()
     dialog = page.locator(".jp-Dialog")
     dialog.wait_for(timeout=KERNEL_MS)

@@ -303,8 +303,12 @@ def test_quota_set_show_list_remove(cli: Any) -> None:
     assert code == 1 and err.startswith("error: Only GPU lease admins")
     code, out, _ = cli("admin", "quota", "remove", "--user", "bob")
     assert (code, out.strip()) == (0, "Removed the quota of user bob.")
+    # issue 13: `quota show --user` of someone without a user quota failed ("No user quota
+    # is set"); it shows the effective quota as the broker applies it, with its sources
     code, out, err = cli("admin", "quota", "show", "--user", "bob")
-    assert code == 1 and err == "error: No user quota is set for 'bob'.\n"
+    assert (code, err) == (0, ""), err
+    assert out.startswith("Quota of user bob: none set"), out
+    assert "  max leases          -  default\n" in out, out
     code, out, _ = cli("admin", "quota", "set", "--default", "--max-leases", "4")
     assert code == 0 and out.startswith("Set default quota:")
 
@@ -385,3 +389,143 @@ def test_no_url_message(
     monkeypatch.delenv("GPU_LEASE_URL", raising=False)
     assert main(["leases"]) == 1
     assert capsys.readouterr().err.startswith("error: No GPU lease broker URL is set")
+
+
+# -- issue 13: what top/leases print works in revoke; leases as admin; closed pipes ---------------
+@pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
+@pytest.mark.broker_args("--gpus", "2x81920:H100")
+def test_revoke_takes_the_ids_top_and_leases_print(broker: Broker, cli: Any) -> None:
+    # 65 leases: two ids share their first character (64 possible), so a 1-character
+    # prefix is ambiguous for at least one of them
+    leases = [acquire(broker, f"u{i % 40:02d}", f"k{i}", 0.02) for i in range(65)]
+    code, out, _ = cli("admin", "leases", "--all")
+    assert code == 0
+    shown = [line.split()[7] for line in out.splitlines()[1:]]  # MEMORY is "1126 MiB"
+    assert len(shown) == 65 and all(len(x) == 10 for x in shown)
+    target = leases[0]
+    assert target["id"][:10] in shown
+    code, out, err = cli("admin", "revoke", target["id"][:10], "--reason", "maintenance at 18:00")
+    assert (code, err) == (0, ""), err
+    assert out.startswith(f"Revoked lease {target['id']} of u00"), out
+    by_first: dict[str, list[str]] = {}
+    for x in leases[1:]:
+        by_first.setdefault(x["id"][0], []).append(x["id"])
+    first, ids = next((k, v) for k, v in by_first.items() if len(v) > 1)
+    code, out, err = cli("admin", "revoke", first, "--reason", "x")
+    assert (code, out) == (1, "")
+    assert err.startswith(f"error: {len(ids)} active leases have ids starting with {first!r}"), err
+    assert "give more characters" in err
+    # a full id still works; an unknown prefix gets the broker's sentence
+    code, out, _ = cli("admin", "revoke", ids[0], "--reason", "x")
+    assert code == 0 and ids[0] in out
+    code, out, err = cli("admin", "revoke", "no-such-lease", "--reason", "x")
+    assert code == 1 and "no-such-lease" in err
+
+
+@sqlite_only
+def test_leases_tells_an_admin_how_to_see_everyones(broker: Broker, cli: Any) -> None:
+    for i in range(3):
+        acquire(broker, "alice", f"k{i}", 0.02)
+    code, out, _ = cli("admin", "leases")
+    assert code == 0
+    assert out.strip() == (
+        "You hold no active leases; 3 other active leases: `gpu-lease leases --all` lists "
+        "them (`--user NAME` one user's)."
+    )
+    code, out, _ = cli("bob", "leases")  # not an admin: nothing to hint at
+    assert (code, out.strip()) == (0, "No active leases.")
+
+
+@sqlite_only
+@pytest.mark.parametrize("argv", [["usage", "--since", "1h"], ["leases", "--all"], ["top"]])
+def test_a_closed_pipe_ends_quietly(broker: Broker, argv: list[str]) -> None:
+    """`gpu-lease usage | head`: the reader is gone before we write; no traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lease = acquire(broker, "alice", "k-pipe", 0.25)
+    httpx.delete(f"{broker.url}/api/v1/leases/{lease['id']}", headers=broker.headers("alice"))
+    acquire(broker, "bob", "k-held", 0.25)
+    read, write = os.pipe()
+    os.close(read)  # like `head` having exited: every write gets EPIPE
+    env = dict(os.environ, GPU_LEASE_URL=broker.url, GPU_LEASE_TOKEN=broker.tokens["admin"])
+    script = Path(sys.executable).parent / "gpu-lease"
+    try:
+        done = subprocess.run(
+            [str(script), *argv], stdout=write, stderr=subprocess.PIPE, env=env, timeout=60
+        )
+    finally:
+        os.close(write)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert err == "", err
+
+
+@sqlite_only
+def test_quota_show_user_names_each_values_source(broker: Broker, cli: Any) -> None:
+    """issue 13: `quota set --user student05` then "effective" ignored the course."""
+    assert cli("admin", "quota", "set", "--default", "--max-leases", "1")[0] == 0
+    assert cli("admin", "quota", "set", "--group", "ml101", "--max-leases", "2",
+               "--max-fraction", "0.1", "--priority", "10")[0] == 0  # fmt: skip
+    assert cli("admin", "quota", "set", "--user", "alice", "--max-lease-fraction", "0.05")[0] == 0
+    code, out, err = cli("admin", "quota", "show", "--user", "alice")
+    assert (code, err) == (0, ""), err
+    lines = out.splitlines()
+    assert lines[0] == "Quota of user alice:"
+    assert (
+        "effective (default -> groups -> user), as the broker applies it to alice in groups "
+        "ml101 (from the tokens file):"
+    ) in lines
+    effective = {
+        " ".join(x.split()[:-2]) if x.split()[-2] == "group" else " ".join(x.split()[:-1]): x
+        for x in lines[lines.index("Quota of user alice:") + 8 :]
+        if x.startswith("  ") and not x.startswith("  (")
+    }
+    assert effective["max fraction 0.1"].endswith("group ml101")
+    assert effective["max leases 2"].endswith("group ml101")
+    assert effective["max lease fraction 0.05"].endswith("user")
+    assert effective["priority 10"].endswith("group ml101")
+    assert effective["budget f-h -"].endswith("default")
+    # and the broker enforces exactly that: two kernels (the course's), not one (the default)
+    acquire(broker, "alice", "k1", 0.05)
+    acquire(broker, "alice", "k2", 0.05)
+    r = httpx.post(
+        f"{broker.url}/api/v1/leases",
+        json={"kernel_id": "k3", "fraction": 0.02, "wait": 0},
+        headers=broker.headers("alice"),
+    )
+    assert r.status_code == 403 and r.json()["quota"] == "max_leases", r.text
+    # a student may read their own; not someone else's
+    code, out, _ = cli("alice", "quota", "show", "--user", "alice")
+    assert code == 0 and "in groups ml101 (from your token):" in out
+    code, _, err = cli("alice", "quota", "show", "--user", "bob")
+    assert code == 1 and err == "error: You may read only your own quota.\n"
+
+
+@sqlite_only
+def test_kernelspec_install_checks_the_fraction_with_the_broker(
+    broker: Broker, cli: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With GPU_LEASE_URL set (as in a hub server's terminal) a kernel that never fits is refused."""
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user-data"))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter-path"))
+    prefix = str(tmp_path / "p")
+    code, out, err = cli("alice", "kernelspec", "install", "--fraction", "0.01", "--prefix", prefix)
+    assert (code, out) == (1, "")
+    assert err == (
+        "error: Not installed: a GPU fraction of 0.01 gives at most 327 MiB on the pool's "
+        "largest GPU (V100, 32768 MiB), not more than the 512 MiB every CUDA process needs "
+        "for its context; the smallest fraction that works there is 0.015656. The broker "
+        "would refuse every start of this kernel; choose a larger --fraction.\n"
+    )
+    assert not (tmp_path / "p").exists()
+    code, out, err = cli("alice", "kernelspec", "install", "--fraction", "0.02", "--prefix", prefix)
+    assert (code, err) == (0, "") and out.startswith("Installed kernelspec python3-gpu-0.02")
+    # a broker that cannot be asked: install, with the warning that says so
+    code, out, err = cli(
+        "alice", "kernelspec", "install", "--fraction", "0.01", "--prefix", prefix,
+        "--url", "http://127.0.0.1:1",
+    )  # fmt: skip
+    assert code == 0 and "the broker could not be asked" in err

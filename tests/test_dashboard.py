@@ -8,7 +8,10 @@
   page and, with the page's XSRF token, for the API; without that token the cookie is
   not accepted for a POST. A real ``gpu-lease broker --auth hub`` redirects as well.
 - ``slow``: Debian's chromium, driven by Playwright, against a real broker with static
-  tokens: an admin sees every lease and the allocation bars, a student only their own.
+  tokens: an admin sees every lease and the allocation bars, a student only their own;
+  over two lab sessions replayed into the database (``devtools/classday.py``) and a full
+  pool, the history plots render, the course filter narrows leases, queue and plots,
+  and an admin revokes a lease with a reason.
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ from typing import Any
 
 import httpx
 import pytest
+import tomllib
 from tornado import web
 from tornado.httpserver import HTTPServer
 
 from provisioner.broker.auth import HubTokens, make_hub_oauth
-from provisioner.broker.handlers import make_app
+from provisioner.broker.routes import make_app
 from provisioner.broker.service import BrokerService
+from provisioner.devtools import classday
+from provisioner.devtools.testing import BrokerProcess, free_port
 from provisioner.inventory import parse_gpu_spec
 from provisioner.scheduling import Policy
 from provisioner.store import Store
-from provisioner.testing import free_port
 
 from .conftest import ROOT, Broker
 
@@ -339,9 +344,116 @@ def test_browser_bad_token_and_refresh(chromium: Any, broker: Broker) -> None:
     context.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_browser_history_plots_course_view_and_revoke(chromium: Any, tmp_path: Path) -> None:
+    """Two lab sessions replayed through the broker's service, then a full pool live."""
+    db_url = f"sqlite:///{tmp_path / 'gpu-lease.sqlite'}"
+    users = classday.classroom_users()
+    sessions = (("ml101", 2.0, 60), ("cs50", 1.8, 45))
+    counts = classday.seed_history(db_url, users, end=time.time() - 60, hours=3, sessions=sessions)
+    assert counts["queued"] > 0 and counts["granted"] > 20, counts
+    broker = BrokerProcess(tmp_path, db_url, users, gpus=classday.GPUS, extra=("--ttl", "600"))
+    broker.start()
+    try:
+        live = classday.fill_pool(broker.url, broker.tokens)
+        context = chromium.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        problems: list[str] = []
+        page.on("pageerror", lambda exc: problems.append(str(exc)))
+        page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+        page.goto(f"{broker.url}/")
+        page.fill("#token", broker.tokens["admin"])
+        page.click("button[type=submit]")
+        # the three plots, drawn as inline SVG from GET /api/v1/history
+        page.wait_for_selector("#history svg[data-plot=waits]")
+        plots = page.locator("#history svg.plot")
+        assert plots.count() == 3
+        assert [plots.nth(i).get_attribute("data-plot") for i in range(3)] == [
+            "allocation",
+            "queue",
+            "waits",
+        ]
+        mean = page.locator("svg[data-plot=allocation] path[data-series=allocated]")
+        assert len(mean.get_attribute("d") or "") > 100  # a shape, not an empty path
+        box = page.locator("svg[data-plot=allocation]").bounding_box()
+        assert box is not None and box["width"] > 250 and box["height"] > 120
+        assert page.locator("svg[data-plot=allocation] .s-capacity").count() == 1
+        captions = page.inner_text("#history")
+        assert "Peak 1.00 GPU at " in captions and " · mean 0." in captions, captions
+        assert "Peak " in captions and " waiting at " in captions
+        assert "grants waited" in captions
+        assert page.locator("svg[data-plot=waits] rect").count() >= 1
+        label = page.locator("svg[data-plot=queue]").get_attribute("aria-label") or ""
+        assert label.startswith("Queue length. Peak ")
+        # lease ids in full, and the per-course summary
+        page.wait_for_selector("#courses table")
+        leases_text = page.inner_text("#leases")
+        assert all(lease_id in leases_text for lease_id in live["held"])
+        courses = page.inner_text("#courses")
+        assert "cs50" in courses and "ml101" in courses and "(no course)" in courses
+        # the per-course view: leases, queue and plots of cs50 only
+        page.select_option("#course", "cs50")
+        page.wait_for_selector("#history figcaption:has-text('cs50: GPU allocation')")
+        rows = page.locator("#leases tbody tr")
+        assert rows.count() == 4  # cs01, cs03; cs04, cs05 from the queue (cs02 released)
+        assert set(page.locator("#leases tbody tr td:nth-child(3)").all_inner_texts()) == {"cs50"}
+        assert "guest01" not in page.inner_text("#queue") and "cs06" in page.inner_text("#queue")
+        page.select_option("#course", "")
+        page.wait_for_selector("#queue:has-text('guest01')")
+        assert "student" not in page.inner_text("#queue")
+        page.select_option("#course", "*")
+        page.wait_for_selector("#history figcaption:has-text('GPU allocation')")
+        # revoke student05's lease with a reason
+        row = page.locator("#leases tbody tr", has_text="student05")
+        lease_id = row.locator("code.lease-id").inner_text()
+        row.locator("button.danger").click()
+        assert page.locator("#revoke-dialog").is_visible()
+        assert lease_id in page.inner_text("#revoke-what")
+        page.click("#revoke-confirm")  # no reason: refused in the page
+        assert "Say why" in page.inner_text("#revoke-error")
+        page.fill("#revoke-reason", "maintenance at 18:00")
+        page.click("#revoke-confirm")
+        page.wait_for_selector("#revoke-dialog", state="hidden")
+        page.wait_for_selector("#leases tbody tr:has-text('student05')", state="detached")
+        assert f"Revoked lease {lease_id} of student05" in page.inner_text("#status")
+        r = httpx.get(
+            f"{broker.url}/api/v1/leases/{lease_id}",
+            headers={"Authorization": f"token {broker.tokens['student05']}"},
+        )
+        assert r.json()["state"] == "revoked" and r.json()["reason"] == "maintenance at 18:00"
+        page.screenshot(path=str(tmp_path / "admin.png"), full_page=True)
+        assert problems == []
+        context.close()
+
+        # a student: their own history, no course filter, no revoke
+        context = chromium.new_context(viewport={"width": 1280, "height": 900})
+        page = context.new_page()
+        page.goto(f"{broker.url}/")
+        page.fill("#token", broker.tokens["student01"])
+        page.click("button[type=submit]")
+        page.wait_for_selector("#history svg[data-plot=allocation]")
+        assert "Your GPU allocation" in page.inner_text("#history")
+        assert page.locator("#view").is_hidden() and page.locator("#courses-section").is_hidden()
+        assert page.locator("#leases button.danger").count() == 0
+        assert page.locator("#leases tbody tr").count() == 1
+        context.close()
+    finally:
+        broker.stop()
+
+
 def test_dashboard_assets_are_packaged() -> None:
     here = ROOT / "provisioner" / "broker"
     assert (here / "templates" / "dashboard.html").is_file()
     assert {p.name for p in (here / "static").iterdir()} >= {"dashboard.js", "dashboard.css"}
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"broker/templates/*", "broker/static/*"' in pyproject
+    # hatchling puts every file of the listed packages into the wheel unless git ignores it
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == ["provisioner"]
+    assets = [
+        "provisioner/broker/templates/dashboard.html",
+        "provisioner/broker/static/dashboard.js",
+    ]
+    ignored = subprocess.run(
+        ["git", "check-ignore", *assets], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert ignored.returncode == 1 and not ignored.stdout, ignored.stdout  # 1: none is ignored

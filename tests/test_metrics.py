@@ -6,9 +6,13 @@ check what Prometheus would read, not strings.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +25,8 @@ from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Identity, Lease, PoolState, Request
 from provisioner.scheduling import Ask, Policy
 from provisioner.store import Store
+
+MIB = 1024 * 1024
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -79,10 +85,15 @@ def test_pool_gauges_read_state_at_scrape(pool: SimpleNamespace) -> None:
     assert value(s, "gpu_lease_gpu_allocated_fraction", **t4) == 0.5
     assert value(s, "gpu_lease_gpu_leases", **v100) == 3
     assert value(s, "gpu_lease_gpu_leases", **t4) == 1
-    assert value(s, "gpu_lease_gpu_memory_mb", **v100) == 32768
+    # bytes (Prometheus's base unit) of the MiB GET /api/v1/gpus reports
+    assert value(s, "gpu_lease_gpu_memory_bytes", **v100) == 32768 * MIB
     # as GET /api/v1/gpus reports it: floor(allocated fraction x memory)
-    assert value(s, "gpu_lease_gpu_allocated_memory_mb", **v100) == 60_000 * 32768 // 1_000_000
-    assert value(s, "gpu_lease_gpu_allocated_memory_mb", **t4) == 8192
+    assert (
+        value(s, "gpu_lease_gpu_allocated_memory_bytes", **v100)
+        == 60_000 * 32768 // 1_000_000 * MIB
+    )
+    assert value(s, "gpu_lease_gpu_allocated_memory_bytes", **t4) == 8192 * MIB
+    assert not any(name.endswith("_mb") for name, _ in s)  # promtool refuses unit abbreviations
     assert value(s, "gpu_lease_gpu_capacity_fraction", **t4) == 0.9
     assert value(s, "gpu_lease_queue_length") == 1
     assert value(s, "gpu_lease_active_leases") == 4
@@ -198,3 +209,53 @@ async def test_with_a_real_broker_service(tmp_path: Any) -> None:
         assert value(s, "gpu_lease_leases_ended_total", state="released") == 1
     finally:
         service.close()
+
+
+# -- Prometheus's own linter on a live broker -------------------------------------------------
+@pytest.fixture
+def broker_db_url(tmp_path: Path) -> str:
+    """SQLite only: the metrics do not depend on the database."""
+    return f"sqlite:///{tmp_path / 'b.sqlite'}"
+
+
+@pytest.fixture
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip(
+            "promtool is missing: `make install` installs Debian's prometheus package "
+            "where apt-get exists"
+        )
+    return path
+
+
+def test_promtool_accepts_a_live_brokers_metrics(promtool: str, broker: Any) -> None:
+    """``promtool check metrics`` (names, units, types, help) on every family, each with samples."""
+    headers = broker.headers("alice")
+    api = f"{broker.url}/api/v1"
+    held = httpx.post(f"{api}/leases", json={"kernel_id": "k1", "fraction": 0.5}, headers=headers)
+    assert held.status_code == 201, held.text
+    other = httpx.post(f"{api}/leases", json={"kernel_id": "k2", "fraction": 0.25}, headers=headers)
+    assert other.status_code == 201, other.text
+    # 327 MiB of a 32 GiB GPU: below the CUDA context overhead, so it can never fit
+    refused = httpx.post(
+        f"{api}/leases", json={"kernel_id": "k3", "fraction": 0.01}, headers=headers
+    )
+    assert refused.status_code == 422, refused.text
+    assert httpx.delete(f"{api}/leases/{other.json()['id']}", headers=headers).status_code == 204
+    r = httpx.get(f"{broker.url}/metrics")
+    assert r.status_code == 200
+    body = r.text
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in (
+        "gpu_lease_gpu_memory_bytes",
+        "gpu_lease_gpu_allocated_memory_bytes",
+        "gpu_lease_refusals_total",
+        "gpu_lease_leases_ended_total",
+        "gpu_lease_acquire_seconds_bucket",
+        "gpu_lease_user_held_fraction",
+    ):
+        assert f"\n{name}{{" in body or f"\n{name} " in body, name

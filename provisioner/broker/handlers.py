@@ -8,34 +8,16 @@ bodies ``{"error": CODE, "message": ...}`` with ``exc.status``. Tornado's own er
 (unknown route 404, method 405) are JSON too; an unexpected exception is a 500 with
 no traceback in the answer (the traceback goes to the broker's log).
 
-Routes (under ``base_url``, e.g. ``/services/gpu-lease/`` behind JupyterHub):
+The URLs, which handler serves each, and which answer without a token are in the
+route table, :data:`provisioner.broker.routes.TABLE` (which also builds the app); a
+handler learns ``public`` from its route.
 
-==========================================  ===================================
-``GET  {p}``                                the dashboard (HTML, for ``Accept: text/html``),
-                                            else the JSON index
-``GET  {p}api/v1/``                         the JSON index saying where the API is
-``GET  {p}static/...``                      the dashboard's script and style sheet
-``GET  {p}oauth_callback``                  hub OAuth login of the dashboard (``--auth hub``)
-``GET  {p}api/v1/health``                   anyone
-``GET  {p}api/v1/openapi.json``             anyone
-``GET  {p}metrics``                         anyone (token if ``metrics_require_auth``)
-``GET  {p}api/v1/gpus``                     user
-``GET|POST {p}api/v1/leases``               user
-``GET|DELETE {p}api/v1/leases/{id}``        owner / admin
-``POST {p}api/v1/leases/{id}/renew``        owner / admin
-``POST {p}api/v1/leases/{id}/revoke``       admin: end someone's lease ``{reason}``
-``GET  {p}api/v1/queue``                    user (own) / admin (all)
-``GET  {p}api/v1/quotas``                   admin
-``GET  {p}api/v1/quotas/me``                user: effective quota and holdings
-``GET|PUT|DELETE {p}api/v1/quotas/default`` admin (GET: user)
-``... {p}api/v1/quotas/users/{name}``       admin (GET own: user)
-``... {p}api/v1/quotas/groups/{name}``      admin (GET own groups: user)
-``GET  {p}api/v1/usage?since=&by=``         admin (own: user)
-==========================================  ===================================
-
-Identity: the ``Authorization`` token, or, with ``--auth hub`` and no such header,
-the hub OAuth cookie the dashboard's login set (JupyterHub's ``HubOAuth`` accepts
-that cookie only with its XSRF token in ``X-XSRFToken``, which the page sends).
+Identity: the ``Authorization`` token, or, with an authenticator that has browser
+login (``--auth hub`` as a hub service) and no such header, the login cookie the
+dashboard's login set (JupyterHub's ``HubOAuth`` accepts that cookie only with its
+XSRF token in ``X-XSRFToken``, which the page sends; ``hub_login.py`` mixes
+JupyterHub's handler support into these classes only then, so ``--auth static``
+never imports jupyterhub).
 """
 
 from __future__ import annotations
@@ -45,19 +27,15 @@ import functools
 import inspect
 import json
 import logging
-import os
-import re
-import secrets
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
 from .. import errors
 from .._version import __version__
-from ..errors import BodyTooLarge, GPULeaseError, NotAuthenticated
+from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
 from ..model import Identity, Lease, ppm_to_fraction
 from . import validation
 from .auth import Authenticator, token_from_header
@@ -66,6 +44,8 @@ from .service import AcquireResult, BrokerService
 log = logging.getLogger("gpu_lease.broker.http")
 
 JSON_TYPE = "application/json; charset=UTF-8"
+#: the largest request body accepted by default (``GPULeaseBroker.max_body_bytes``)
+MAX_BODY_BYTES = 64 * 1024
 #: bodies larger than this are not even read (the connection is closed after the 413)
 DRAIN_LIMIT = 4 * 1024 * 1024
 #: seconds a queued client is told to wait before it posts again
@@ -87,10 +67,6 @@ def normalize_base_url(base_url: str) -> str:
     return base if base.endswith("/") else base + "/"
 
 
-def _plural_level(plural: str) -> str:
-    return {"users": "user", "groups": "group"}[plural]
-
-
 def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
     """Wrap a handler method: identify the caller first (unless the handler is public)."""
 
@@ -98,6 +74,11 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
     async def wrapper(self: APIHandler, *args: Any) -> None:
         if self.auth_required:
             self._ident = await self.identify()
+            if self._ident.node is not None and not self.agent_allowed:
+                raise errors.Forbidden(
+                    "This is a node agent's token: it may call only /api/v1/nodes. "
+                    "Use a user's or an admin's token for anything else."
+                )
         args = tuple(validation.parse_path_arg(a) if isinstance(a, str) else a for a in args)
         result = method(self, *args)
         if inspect.isawaitable(result):
@@ -110,27 +91,28 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
 
 
 @web.stream_request_body
-class APIHandler(HubOAuthenticated, web.RequestHandler):
+class APIHandler(web.RequestHandler):
     """JSON in, JSON out; identity from the token; errors as ``{"error", "message"}``.
 
     The body is streamed in (see :meth:`data_received`) so that a body over
     ``max_body_bytes`` gets a clean 413 JSON answer instead of tornado's bare 400.
     """
 
-    #: False for the endpoints anyone may call (health, OpenAPI, index)
+    #: False for the routes anyone may call (health, OpenAPI, index): their route's ``public``
     auth_required = True
+    #: True for the node routes, the only ones a node agent's token may call
+    agent_allowed = False
 
-    def initialize(self) -> None:
+    def initialize(self, public: bool = False) -> None:
+        """Called by tornado for each request with the route's keyword arguments."""
+        self.auth_required = not public
         self._chunks: list[bytes] = []
         self._body_bytes = 0
         self._ident: Identity | None = None
         self._prepared = False
-        oauth = self.settings.get("gpu_lease_hub_oauth")
-        if oauth is not None:
-            self.hub_auth = oauth  # HubOAuthenticated: login URL, XSRF token, cookie name
 
     def get_current_user(self) -> Any:
-        """The identity ``@api`` found (HubOAuthenticated's blocking lookup is not used)."""
+        """The identity ``@api`` found (JupyterHub's blocking lookup is never used)."""
         return self._ident
 
     # -- settings -----------------------------------------------------------------
@@ -216,16 +198,16 @@ class APIHandler(HubOAuthenticated, web.RequestHandler):
             + (
                 ", or log in through the dashboard (a browser request must also send the "
                 "page's X-XSRFToken header)."
-                if self.settings.get("gpu_lease_hub_oauth") is not None
+                if self.authenticator.browser_login
                 else "."
             )
         )
 
     async def identify_browser(self) -> Identity | None:
-        """The hub OAuth cookie's user (``--auth hub`` with browser login), else None."""
-        if self.settings.get("gpu_lease_hub_oauth") is None:
+        """The login cookie's user (``--auth hub`` with browser login), else None."""
+        if not self.authenticator.browser_login:
             return None
-        return await self.authenticator.identify_browser(self)  # type: ignore[attr-defined]
+        return await self.authenticator.identify_browser(self)
 
     def query(self, name: str) -> str | None:
         values = self.request.query_arguments.get(name)
@@ -243,7 +225,9 @@ class APIHandler(HubOAuthenticated, web.RequestHandler):
         self.finish(json.dumps(body, allow_nan=False, separators=(",", ":")))
 
     def lease_json(self, lease: Lease) -> dict[str, Any]:
-        return lease.to_json(self.service.state.gpus.get(lease.gpu_uuid))
+        body = lease.to_json(self.service.state.gpus.get(lease.gpu_uuid))
+        body.update(self.service.lease_usage(lease))
+        return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
@@ -254,7 +238,11 @@ class APIHandler(HubOAuthenticated, web.RequestHandler):
             if exc.status == 401:
                 self.set_header("WWW-Authenticate", 'Bearer realm="gpu-lease"')
             if exc.status == 503:
-                self.set_header("Retry-After", "5")
+                self.set_header("Retry-After", f"{exc.retry_after:g}")
+            if isinstance(exc, NotActive):
+                # the next attempt opens a new connection, which a load balancer may
+                # send to the active broker
+                self.set_header("Connection", "close")
         elif isinstance(exc, web.HTTPError) and status_code < 500:
             body = {"error": _TORNADO_CODES.get(status_code, "http_error")}
             if status_code == 404:
@@ -309,8 +297,6 @@ class APIHandler(HubOAuthenticated, web.RequestHandler):
 class NotFoundHandler(APIHandler):
     """Any unknown path: a JSON 404 (never tornado's HTML page), before any auth."""
 
-    auth_required = False
-
     def _not_found(self, *args: Any) -> None:
         raise web.HTTPError(404)
 
@@ -322,8 +308,6 @@ class NotFoundHandler(APIHandler):
 
 class IndexHandler(APIHandler):
     """``GET {p}api/v1/`` (and ``GET {p}`` for non-browsers): where the API is."""
-
-    auth_required = False
 
     def write_index(self) -> None:
         p = self.base_url
@@ -371,7 +355,7 @@ class DashboardHandler(IndexHandler):
         if not self.wants_html():
             self.write_index()
             return
-        login = self.settings.get("gpu_lease_hub_oauth") is not None
+        login = self.authenticator.browser_login
         user = ""
         xsrf = ""
         if login:
@@ -395,24 +379,13 @@ class DashboardHandler(IndexHandler):
         )
 
 
-class OAuthCallbackHandler(HubOAuthCallbackHandler):
-    """``GET {p}oauth_callback``: JupyterHub's OAuth callback, with the broker's ``HubOAuth``."""
-
-    def initialize(self) -> None:
-        self.hub_auth = self.settings["gpu_lease_hub_oauth"]
-
-
 class HealthHandler(APIHandler):
-    auth_required = False
-
     @api
     def get(self) -> None:
         self.write_json(self.service.health())
 
 
 class OpenAPIHandler(APIHandler):
-    auth_required = False
-
     @api
     def get(self) -> None:
         from .openapi import build_openapi
@@ -424,7 +397,8 @@ class MetricsHandler(APIHandler):
     """``GET {p}metrics``: Prometheus text; a token is needed if ``metrics_require_auth``."""
 
     async def prepare(self) -> None:
-        self.auth_required = bool(self.settings.get("gpu_lease_metrics_require_auth"))
+        if self.settings.get("gpu_lease_metrics_require_auth"):
+            self.auth_required = True
         await super().prepare()
 
     @api
@@ -486,8 +460,10 @@ class LeasesHandler(APIHandler):
                     "kernel_id": req.kernel_id,
                     "fraction": ppm_to_fraction(req.fraction_ppm),
                     "queue_length": len(self.service.state.queue),
-                    "message": f"Your request waits at position {result.position} in the "
-                    f"GPU queue. {result.reason}".strip(),
+                    "reason": result.reason,
+                    **({} if result.eta_seconds is None else {"eta_seconds": result.eta_seconds}),
+                    "message": f"Your request waits at position {result.position} of "
+                    f"{len(self.service.state.queue)} in the GPU queue. {result.reason}".strip(),
                 },
                 status=202,
             )
@@ -535,10 +511,55 @@ class RevokeHandler(APIHandler):
         self.write_json(self.lease_json(self.service.revoke(self.ident, lease_id, reason)))
 
 
+# -- node agents -----------------------------------------------------------------------
+
+
+class NodesHandler(APIHandler):
+    """``GET {p}api/v1/nodes``: registered nodes (a user: summary; an admin: detail)."""
+
+    agent_allowed = True
+
+    @api
+    def get(self) -> None:
+        self.write_json({"nodes": self.service.list_nodes(self.ident)})
+
+
+class NodeHandler(APIHandler):
+    """``PUT`` registers a node (its agent, or an admin); ``DELETE`` drains it."""
+
+    agent_allowed = True
+
+    @api
+    def put(self, node: str) -> None:
+        gpus, version, enforce = validation.parse_node_registration(self.json_body(), node)
+        self.write_json(self.service.register_node(self.ident, node, gpus, version, enforce))
+
+    @api
+    def delete(self, node: str) -> None:
+        self.service.drain_node(self.ident, node)
+        self.set_status(204)
+        self.clear_header("Content-Type")
+        self.finish()
+
+
+class NodeHeartbeatHandler(APIHandler):
+    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at}``: the node's agent is alive."""
+
+    agent_allowed = True
+
+    @api
+    def post(self, node: str) -> None:
+        usage, at = validation.parse_node_heartbeat(self.json_body())
+        self.write_json(self.service.node_heartbeat(self.ident, node, usage, at))
+
+
 class QueueHandler(APIHandler):
     @api
     def get(self) -> None:
-        self.write_json({"queue": self.service.queue(self.ident)})
+        # length: everyone waiting, also where a student sees only their own entries
+        self.write_json(
+            {"queue": self.service.queue(self.ident), "length": len(self.service.state.queue)}
+        )
 
 
 # -- quotas and usage --------------------------------------------------------------------
@@ -557,28 +578,36 @@ class MyQuotaHandler(APIHandler):
 
 
 class QuotaHandler(APIHandler):
-    """``/quotas/default`` (no path args) and ``/quotas/(users|groups)/{name}``."""
+    """``/quotas/default`` (no path argument) and ``/quotas/users|groups/{name}``.
 
-    def _level(self, plural: str | None, name: str | None) -> tuple[str, str]:
-        if plural is None:
-            return "default", ""
-        return _plural_level(plural), name or ""
+    The route gives the ``level`` (default, user or group) and the path the name.
+    """
 
-    @api
-    def get(self, plural: str | None = None, name: str | None = None) -> None:
-        level, who = self._level(plural, name)
-        self.write_json(self.service.get_quota(self.ident, level, who))
+    def initialize(self, public: bool = False, level: str = "default") -> None:
+        super().initialize(public)
+        self.level = level
 
     @api
-    def put(self, plural: str | None = None, name: str | None = None) -> None:
-        level, who = self._level(plural, name)
+    async def get(self, name: str = "") -> None:
+        if self.level == "user" and validation.parse_flag(self.query("effective"), "effective"):
+            # the effective quota as admission applies it: needs the user's groups
+            self.service.check_may_read_quota_of(self.ident, name)
+            if name == self.ident.user:
+                groups, source = self.ident.groups, "your token"
+            else:
+                groups, source = await self.authenticator.groups_of(name)
+            self.write_json(self.service.effective_quota_of(self.ident, name, groups, source))
+            return
+        self.write_json(self.service.get_quota(self.ident, self.level, name))
+
+    @api
+    def put(self, name: str = "") -> None:
         quota = validation.parse_quota(self.json_body())
-        self.write_json(self.service.put_quota(self.ident, level, who, quota))
+        self.write_json(self.service.put_quota(self.ident, self.level, name, quota))
 
     @api
-    def delete(self, plural: str | None = None, name: str | None = None) -> None:
-        level, who = self._level(plural, name)
-        self.service.delete_quota(self.ident, level, who)
+    def delete(self, name: str = "") -> None:
+        self.service.delete_quota(self.ident, self.level, name)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -592,107 +621,24 @@ class UsageHandler(APIHandler):
         self.write_json(self.service.usage(self.ident, since, by))
 
 
-# -- the application ---------------------------------------------------------------------
+class HistoryHandler(APIHandler):
+    """``GET {p}api/v1/history?since=&step=&group=&user=``: the dashboard's plots."""
 
-
-def routes(
-    base_url: str = "/", *, hub_oauth: bool = False
-) -> list[tuple[str, type[web.RequestHandler]]]:
-    """The URL patterns under ``base_url`` (the OAuth callback only with ``hub_oauth``)."""
-    base = normalize_base_url(base_url)
-    p = re.escape(base)
-    api = p + r"api/v1/"
-    index: list[tuple[str, type[web.RequestHandler]]] = (
-        [(p, DashboardHandler)]
-        if base == "/"
-        else [(re.escape(base[:-1]) + "/?", DashboardHandler)]
-    )
-    if hub_oauth:
-        index.append((p + r"oauth_callback/?", OAuthCallbackHandler))
-    return [
-        *index,
-        (api + r"?", IndexHandler),
-        (api + r"health/?", HealthHandler),
-        (api + r"openapi\.json", OpenAPIHandler),
-        (p + r"metrics/?", MetricsHandler),
-        (api + r"gpus/?", GPUsHandler),
-        (api + r"leases/?", LeasesHandler),
-        (api + r"leases/([^/]+)/renew/?", RenewHandler),
-        (api + r"leases/([^/]+)/revoke/?", RevokeHandler),
-        (api + r"leases/([^/]+)/?", LeaseHandler),
-        (api + r"queue/?", QueueHandler),
-        (api + r"quotas/?", QuotasHandler),
-        (api + r"quotas/me/?", MyQuotaHandler),
-        (api + r"quotas/default/?", QuotaHandler),
-        (api + r"quotas/(users|groups)/([^/]+)/?", QuotaHandler),
-        (api + r"usage/?", UsageHandler),
-    ]
-
-
-def _log_request(handler: web.RequestHandler) -> None:
-    status = handler.get_status()
-    ms = 1000.0 * handler.request.request_time()
-    level = logging.DEBUG if status < 400 else logging.INFO if status < 500 else logging.WARNING
-    access = logging.getLogger("gpu_lease.broker.access")
-    if access.isEnabledFor(level):
-        access.log(
-            level,
-            "%d %s %s (%s) %.1fms",
-            status,
-            handler.request.method,
-            handler.request.path,  # never the query string
-            handler.request.remote_ip,
-            ms,
+    @api
+    def get(self) -> None:
+        now = self.service.clock()
+        since = validation.parse_since(
+            self.query("since") or validation.DEFAULT_HISTORY_WINDOW, now
         )
-
-
-def make_app(
-    service: BrokerService,
-    authenticator: Authenticator,
-    metrics: Any = None,
-    base_url: str = "/",
-    *,
-    max_body_bytes: int = 64 * 1024,
-    metrics_require_auth: bool = False,
-    **settings: Any,
-) -> web.Application:
-    """The tornado application of the broker (no server, no listening: ``app.py`` does that).
-
-    Tests and benchmarks build it in-process around their own ``BrokerService``. An
-    authenticator with hub OAuth (``browser_login``) adds the OAuth callback and a
-    random ``cookie_secret`` (logins last until the broker restarts; the hub then
-    logs the browser in again without asking).
-    """
-    base = normalize_base_url(base_url)
-    settings.setdefault("log_function", _log_request)
-    hub_oauth = getattr(authenticator, "hub_auth", None) if _browser_login(authenticator) else None
-    if hub_oauth is not None:
-        settings.setdefault("cookie_secret", secrets.token_bytes(32))
-    here = os.path.dirname(os.path.abspath(__file__))
-    settings.setdefault("template_path", os.path.join(here, "templates"))
-    settings.setdefault("static_path", os.path.join(here, "static"))
-    settings.setdefault("static_url_prefix", f"{base}static/")
-    return web.Application(
-        routes(base, hub_oauth=hub_oauth is not None),
-        default_handler_class=NotFoundHandler,
-        gpu_lease_service=service,
-        gpu_lease_authenticator=authenticator,
-        gpu_lease_metrics=metrics,
-        gpu_lease_base_url=base,
-        gpu_lease_max_body_bytes=max_body_bytes,
-        gpu_lease_metrics_require_auth=metrics_require_auth,
-        gpu_lease_hub_oauth=hub_oauth,
-        **settings,
-    )
-
-
-def _browser_login(authenticator: Authenticator) -> bool:
-    return bool(getattr(authenticator, "browser_login", False))
+        step = validation.parse_step(self.query("step"), now - since)
+        body = self.service.history(
+            self.ident, since, step, group=self.query("group"), user=self.query("user") or None
+        )
+        self.write_json(body)
 
 
 __all__ = [
     "APIHandler",
-    "make_app",
+    "MAX_BODY_BYTES",
     "normalize_base_url",
-    "routes",
 ]

@@ -15,7 +15,11 @@ Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, na
 * ``refusals_total{reason}`` counter: acquires refused, by error code
 * ``leases_ended_total{state}`` counter: leases ended (released | expired | revoked)
 * ``gpu_allocated_fraction``, ``gpu_capacity_fraction`` (1 minus the reserve),
-  ``gpu_leases``, ``gpu_memory_mb``, ``gpu_allocated_memory_mb`` gauges per GPU
+  ``gpu_leases``, ``gpu_memory_bytes``, ``gpu_allocated_memory_bytes`` gauges per GPU
+  (bytes, Prometheus's base unit; ``promtool check metrics`` refuses ``_mb`` names, so
+  the ``gpu_memory_mb`` and ``gpu_allocated_memory_mb`` of 0.1.0 are gone)
+* ``gpu_used_memory_bytes`` per GPU of a node with an agent: what its processes use
+* ``nodes{state}`` gauge: registered nodes up | lost | drained
 * ``queue_length``, ``active_leases`` gauges
 * ``user_held_fraction{user}`` gauge (left out with ``per_user=False``)
 * ``info{version}`` gauge, always 1
@@ -61,6 +65,8 @@ ACQUIRE_BUCKETS = (
     120.0,
     300.0,
 )
+#: bytes per MiB: the pool counts MiB, Prometheus wants bytes
+MIB = 1024 * 1024
 #: queue wait buckets (s): 0.1 s to 1 h
 QUEUE_WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
@@ -73,6 +79,13 @@ class ServiceView(Protocol):
 
     @property
     def policy(self) -> Policy: ...
+
+
+def _node_view(service: ServiceView) -> tuple[dict[str, int], dict[str, int]]:
+    """Node states and per-GPU used MiB, where the service has node agents (else none)."""
+    states = getattr(service, "node_states", None)
+    used = getattr(service, "gpu_used_mb", None)
+    return (states() if states else {}), (used() if used else {})
 
 
 class _PoolCollector(Collector):
@@ -112,11 +125,11 @@ class _PoolCollector(Collector):
             "gpu_lease_gpu_leases", "Active leases on this GPU.", labels=labels
         )
         memory = GaugeMetricFamily(
-            "gpu_lease_gpu_memory_mb", "Memory of this GPU in MiB.", labels=labels
+            "gpu_lease_gpu_memory_bytes", "Memory of this GPU in bytes.", labels=labels
         )
-        allocated_mb = GaugeMetricFamily(
-            "gpu_lease_gpu_allocated_memory_mb",
-            "GPU memory in MiB reserved by the active leases on this GPU.",
+        allocated_memory = GaugeMetricFamily(
+            "gpu_lease_gpu_allocated_memory_bytes",
+            "GPU memory in bytes reserved by the active leases on this GPU.",
             labels=labels,
         )
         for gpu in list(state.ordered_gpus()):
@@ -125,9 +138,25 @@ class _PoolCollector(Collector):
             allocated.add_metric(key, ppm_to_fraction(ppm))
             capacity_f.add_metric(key, ppm_to_fraction(capacity))
             leases.add_metric(key, state.lease_count.get(gpu.uuid, 0))
-            memory.add_metric(key, gpu.memory_mb)
-            allocated_mb.add_metric(key, reserved_mb(ppm, gpu.memory_mb))
-        yield from (allocated, capacity_f, leases, memory, allocated_mb)
+            memory.add_metric(key, gpu.memory_mb * MIB)
+            allocated_memory.add_metric(key, reserved_mb(ppm, gpu.memory_mb) * MIB)
+        used = GaugeMetricFamily(
+            "gpu_lease_gpu_used_memory_bytes",
+            "GPU memory in bytes its processes use, as the node agent last reported "
+            "(only GPUs of nodes with an agent).",
+            labels=labels,
+        )
+        node_states, used_mb = _node_view(service)
+        for gpu in list(state.ordered_gpus()):
+            if gpu.uuid in used_mb:
+                used.add_metric([gpu.uuid, gpu.node, gpu.name], used_mb[gpu.uuid] * MIB)
+        yield from (allocated, capacity_f, leases, memory, allocated_memory, used)
+        nodes = GaugeMetricFamily(
+            "gpu_lease_nodes", "Registered GPU nodes by state.", labels=["state"]
+        )
+        for node_state, count in node_states.items():
+            nodes.add_metric([node_state], count)
+        yield nodes
         yield GaugeMetricFamily(
             "gpu_lease_queue_length", "Acquire requests waiting in the queue.", len(state.queue)
         )
@@ -213,4 +242,4 @@ class BrokerMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["ACQUIRE_BUCKETS", "QUEUE_WAIT_BUCKETS", "BrokerMetrics", "ServiceView"]
+__all__ = ["ACQUIRE_BUCKETS", "MIB", "QUEUE_WAIT_BUCKETS", "BrokerMetrics", "ServiceView"]

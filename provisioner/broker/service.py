@@ -11,6 +11,16 @@ All of that runs synchronously on the event loop thread, so no two decisions
 interleave (the loop is the lock); if the store fails, memory is untouched and the
 caller gets ``StoreError`` (503). After a restart the state is rebuilt from the
 store and every active lease gets one TTL of grace.
+
+The database is the one source of truth; memory is its copy. A request about a lease
+or queued request that memory does not hold asks the database (and adopts an active
+lease, or ends or cancels it there), never answers from memory alone; a write the
+database refuses because memory was stale (``CapacityConflict``, ``DuplicateRequest``)
+reloads memory from the database and decides once more.
+
+Every request first passes :meth:`BrokerService.check_serving`: 503 (``NotActive``)
+once the broker shuts down (:meth:`BrokerService.stop_serving`) or, with
+``--ha-lock``, while its leadership is not confirmed (the ``gate``, set by ``app.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from .. import history
 from .. import scheduling as core
 from .._version import __version__
 from ..errors import (
     CannotFit,
+    CapacityConflict,
     Conflict,
+    DuplicateRequest,
     Forbidden,
     GPULeaseError,
     InvalidRequest,
@@ -35,14 +48,33 @@ from ..errors import (
     LeaseGone,
     LeaseNotFound,
     LeaseRevoked,
+    NodeNotFound,
+    NotActive,
+    UnknownGPU,
 )
-from ..model import GPU, Identity, Lease, PoolState, Quota, QuotaBook, Request, ppm_to_fraction
+from ..model import (
+    GPU,
+    QUOTA_FIELDS,
+    QUOTA_LEVELS,
+    Identity,
+    Lease,
+    Node,
+    PoolState,
+    Quota,
+    QuotaBook,
+    Request,
+    min_ppm_for,
+    ppm_to_fraction,
+)
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
-from ..store import CapacityConflict, Store
+from ..store import Store
 
 log = logging.getLogger("gpu_lease.broker")
 
-QUOTA_LEVELS = ("default", "group", "user")
+#: lease states that end a lease (their hold times feed the estimated waits)
+ENDED_STATES = ("released", "revoked", "expired")
+#: estimated waits are computed at most this often (s)
+ETA_CACHE_S = 1.0
 
 
 class Metrics(Protocol):
@@ -77,6 +109,8 @@ class AcquireResult:
     request: Request | None = None
     position: int = 0
     reason: str = ""
+    #: estimated seconds until the grant (``scheduling.estimate_waits``), if it has one
+    eta_seconds: float | None = None
 
 
 @dataclass
@@ -90,6 +124,14 @@ def new_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+#: seconds between reaper passes unless the broker says otherwise (``GPULeaseBroker.reap_interval``)
+REAP_INTERVAL = 5.0
+
+
+def _always_serving() -> None:
+    """The gate of a broker without ``--ha-lock``: it may always answer."""
+
+
 class BrokerService:
     def __init__(
         self,
@@ -100,7 +142,7 @@ class BrokerService:
         clock: Callable[[], float] = time.time,
         metrics: Metrics | None = None,
         id_factory: Callable[[], str] = new_id,
-        reap_interval: float = 5.0,
+        reap_interval: float = REAP_INTERVAL,
     ) -> None:
         self.store = store
         self.declared = list(gpus)
@@ -115,6 +157,22 @@ class BrokerService:
         self._waiters: dict[tuple[str, str], _Waiter] = {}
         self._last_tick: float | None = None
         self.started_at = 0.0
+        #: nodes registered by node agents (name -> Node)
+        self.nodes: dict[str, Node] = {}
+        #: GPUs that left their node's registration while leased: kept, closed, until free
+        self.vanished: set[str] = set()
+        #: lease id -> GPU memory (MiB) its kernel's processes used at the last heartbeat
+        self.used_mb: dict[str, int] = {}
+        #: lease id -> when its kernel was first seen over its lease (cleared when back under)
+        self._over_since: dict[str, float] = {}
+        #: hold times of recent leases: what estimated waits are made of
+        self.holds = core.HoldTimes()
+        self._etas: tuple[float, tuple[int, int], dict[tuple[str, str], float]] | None = None
+        #: raises NotActive while this broker may not answer with state (``app.py`` sets
+        #: ``Leadership.check`` with ``--ha-lock``)
+        self.gate: Callable[[], None] = _always_serving
+        self._closing: str | None = None
+        self._none_waiting: asyncio.Event | None = None
 
     # -- start-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -124,23 +182,16 @@ class BrokerService:
         """
         now = self.clock()
         self.store.open()
-        self.store.sync_gpus(self.declared, self.policy.capacity_ppm)
+        self.nodes = {n.name: n for n in self.store.load_nodes(seen_at=now)}
+        pool = self._pool()
+        self.store.sync_gpus(pool, self.policy.capacity_ppm)
         grace = self.store.extend_active(now + self.policy.ttl)
-        leases, queue = self.store.load_active()
-        known = {g.uuid for g in self.declared}
-        orphans = [lease for lease in leases if lease.gpu_uuid not in known]
-        if orphans:
-            self.store.end_leases(
-                [(x.id, "revoked", now, "its GPU is no longer in the pool") for x in orphans]
-            )
-            log.warning("Revoked %d lease(s) on GPUs no longer declared", len(orphans))
         # a restart is not the clients' fault: waiting requests get a fresh poll window
-        for req in queue:
-            req.last_polled_at = now
-        self.state = PoolState.build(
-            self.declared, [x for x in leases if x.gpu_uuid in known], queue
-        )
+        self._load(now, {}, pool)
         self.quotas = self.store.load_quotas()
+        for ended in self.store.list_leases(states=ENDED_STATES, limit=self.holds.limit):
+            if ended.ended_at is not None:
+                self.holds.add(ended.ended_at - ended.created_at)
         self.started_at = now
         self._last_tick = now
         log.info(
@@ -153,14 +204,54 @@ class BrokerService:
         self._drain(now)
 
     def close(self) -> None:
+        """Stop serving (waiting long-polls answer 503) and close the store. Called at shutdown."""
+        self.stop_serving("shutting down")
+        self.store.close()
+
+    # -- serving or not ---------------------------------------------------------------
+    def check_serving(self) -> None:
+        """Raise :class:`NotActive` (503) unless this broker may answer with state now.
+
+        Called at the start of every request, and by a long-poll before it answers; a
+        request read from the socket after a pause longer than the leadership is refused
+        here before it acts.
+        """
+        if self._closing is not None:
+            raise NotActive(self._closing)
+        self.gate()
+
+    @property
+    def waiting(self) -> int:
+        """How many long-polls are waiting now."""
+        return sum(w.count for w in self._waiters.values())
+
+    async def long_polls_answered(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until no long-poll waits: after :meth:`stop_serving`,
+        ``app.py`` lets them answer 503 before it closes the connections."""
+        if not self.waiting:
+            return
+        self._none_waiting = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._none_waiting.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def stop_serving(self, why: str) -> None:
+        """From now on every request answers 503, long-polls waiting now included.
+
+        Called by ``app.py`` when it shuts down or loses the leadership, before it
+        closes the connections, so that a long-poll gets an answer it retries.
+        """
+        if self._closing is None:
+            self._closing = f"This broker is {why}; retry, and the active broker will answer."
         for waiter in self._waiters.values():
             waiter.event.set()
-        self.store.close()
 
     # -- acquire ---------------------------------------------------------------------
     async def acquire(self, ident: Identity, ask: Ask, wait: float = 0.0) -> AcquireResult:
         """``POST /api/v1/leases``: grant, repeat, or queue (long-polling up to ``wait`` s)."""
         t0 = time.perf_counter()
+        self.check_serving()
         try:
             result = self._acquire_now(ident, ask)
         except GPULeaseError as exc:
@@ -173,12 +264,36 @@ class BrokerService:
         return result
 
     def _acquire_now(self, ident: Identity, ask: Ask) -> AcquireResult:
+        try:
+            return self._acquire_once(ident, ask)
+        except (CapacityConflict, DuplicateRequest) as exc:
+            # the database refused what memory allowed: another writer changed it
+            log.warning(
+                "The database refused %s's acquire (%s); deciding again on its state",
+                ident.user,
+                exc.code,
+            )
+            if isinstance(exc, DuplicateRequest):  # (_persist_grants reloaded on the others)
+                self._reload()
+            return self._acquire_once(ident, ask)
+
+    def _acquire_once(self, ident: Identity, ask: Ask) -> AcquireResult:
         now = self.clock()
+        if self.nodes:
+            self._close_gpus(now)  # a node silent past its grace is lost from this instant
         quota = core.effective_quota(self.quotas, ident.user, ident.groups)
         used = 0.0
         if quota.budget_fraction_hours is not None and quota.budget_window_s:
             used = self.store.user_usage(ident.user, now - quota.budget_window_s, now)
-        decision = core.decide_acquire(self.state, ask, quota, now, self.policy, self.new_id, used)
+        try:
+            decision = core.decide_acquire(
+                self.state, ask, quota, now, self.policy, self.new_id, used
+            )
+        except UnknownGPU as exc:
+            raise UnknownGPU(
+                f"{exc.message} List the broker's GPUs with GET /api/v1/gpus (or `gpu-lease top`).",
+                **exc.details,
+            ) from exc
         outcome = decision.outcome
         if isinstance(outcome, Existing):
             return AcquireResult(200, lease=outcome.lease)
@@ -200,6 +315,7 @@ class BrokerService:
                 request=outcome.request,
                 position=outcome.position,
                 reason=outcome.reason,
+                eta_seconds=self.eta(outcome.request.key, now),
             )
         assert isinstance(outcome, Grant)
         log.info(
@@ -221,6 +337,7 @@ class BrokerService:
         deadline = asyncio.get_running_loop().time() + wait
         try:
             while True:
+                self.check_serving()
                 lease = self.state.lease_for_kernel(*key)
                 if lease is not None:
                     req = queued.request
@@ -243,6 +360,7 @@ class BrokerService:
                         request=req,
                         position=core.position_of(self.state, key, now, self.policy),
                         reason=queued.reason,
+                        eta_seconds=self.eta(key, now),
                     )
                 waiter.event.clear()
                 try:
@@ -253,6 +371,8 @@ class BrokerService:
             waiter.count -= 1
             if waiter.count <= 0:
                 self._waiters.pop(key, None)
+            if self._none_waiting is not None and not self.waiting:
+                self._none_waiting.set()
             req = self.state.queue.get(key)
             if req is not None:
                 req.last_polled_at = self.clock()
@@ -267,39 +387,57 @@ class BrokerService:
         execution_state: str | None = None,
         last_activity: float | None = None,
     ) -> Lease:
-        """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended."""
+        """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
+
+        A lease active in the database but not in memory is adopted (memory reloaded);
+        one the database has ended is dropped from memory, with its capacity.
+        """
+        self.check_serving()
         lease = self.state.leases.get(lease_id)
         if lease is None:
-            ended = self._visible_lease(ident, lease_id)
-            raise _gone(ended)
+            lease = self._adopt(ident, lease_id)
         self._check_owner(ident, lease)
         now = self.clock()
         fresh = core.renewed(lease, now, self.policy, pid, execution_state, last_activity)
-        self.store.renew_lease(
-            lease_id,
-            fresh.renewed_at,
-            fresh.expires_at,
-            fresh.pid,
-            fresh.execution_state,
-            fresh.last_activity,
-        )
+        try:
+            self.store.renew_lease(
+                lease_id,
+                fresh.renewed_at,
+                fresh.expires_at,
+                fresh.pid,
+                fresh.execution_state,
+                fresh.last_activity,
+            )
+        except (LeaseGone, LeaseNotFound):
+            log.warning(
+                "Lease %s… was active in memory but not in the database; dropped it", lease_id[:6]
+            )
+            core.apply_ends(self.state, [lease_id])
+            self._drain(now)
+            raise
         self.state.update_lease(fresh)
         return fresh
 
     def release(self, ident: Identity, lease_id: str) -> None:
-        """``DELETE /api/v1/leases/{id}``: end a lease, or cancel a queued request. Idempotent."""
+        """``DELETE /api/v1/leases/{id}``: end a lease, or cancel a queued request. Idempotent.
+
+        An id memory does not hold is looked up in the database: a queued request there
+        is deleted, an active lease there is ended there; 404 only if neither exists.
+        """
+        self.check_serving()
         lease = self.state.leases.get(lease_id)
         if lease is None:
             req = next((r for r in self.state.queue.values() if r.id == lease_id), None)
             if req is not None:
                 self._check_owner(ident, req)
-                self.store.delete_requests([req.id])
+                now = self.clock()
+                self.store.delete_requests([req.id], outcome="cancelled", at=now)
                 self.state.queue.pop(req.key, None)
                 self._wake([req.key])
                 log.info("Cancelled queued request of %s kernel %s", req.user, req.kernel_id)
-                self._drain(self.clock())
+                self._drain(now)
                 return
-            self._visible_lease(ident, lease_id)  # 404 / 403, else already ended: fine
+            self._release_unknown(ident, lease_id)
             return
         self._check_owner(ident, lease)
         now = self.clock()
@@ -312,10 +450,11 @@ class BrokerService:
 
         Called by ``POST /api/v1/leases/{id}/revoke``; returns the lease as ended.
         """
+        self.check_serving()
         self._require_admin(ident)
         lease = self.state.leases.get(lease_id)
         if lease is None:
-            raise _gone(self._visible_lease(ident, lease_id))
+            lease = self._adopt(ident, lease_id)
         now = self.clock()
         self._end([(lease, "revoked", reason)], now)
         log.info(
@@ -331,11 +470,14 @@ class BrokerService:
 
     # -- reads ------------------------------------------------------------------------
     def get_lease(self, ident: Identity, lease_id: str) -> Lease:
+        """One lease; one that memory does not hold comes from the database (adopted if active)."""
+        self.check_serving()
         lease = self.state.leases.get(lease_id)
         if lease is not None:
             self._check_owner(ident, lease)
             return lease
-        return self._visible_lease(ident, lease_id)
+        found = self._visible_lease(ident, lease_id)
+        return self._adopt(ident, lease_id, found) if found.active else found
 
     def list_leases(
         self,
@@ -346,6 +488,7 @@ class BrokerService:
         history: bool = False,
     ) -> list[Lease]:
         """Own leases; admins may ask for ``all_users`` or another ``user``."""
+        self.check_serving()
         if (all_users or (user is not None and user != ident.user)) and not ident.admin:
             raise Forbidden("Only GPU lease admins may list other users' leases.")
         who = None if all_users and user is None else (user or ident.user)
@@ -357,10 +500,12 @@ class BrokerService:
         )
 
     def queue(self, ident: Identity) -> list[dict[str, Any]]:
+        self.check_serving()
         now = self.clock()
         out = []
         for pos, req in enumerate(core.queue_order(self.state, now, self.policy), start=1):
             if ident.admin or req.user == ident.user:
+                eta = self.eta(req.key, now)
                 out.append(
                     {
                         "id": req.id if (ident.admin or req.user == ident.user) else None,
@@ -369,13 +514,33 @@ class BrokerService:
                         "kernel_id": req.kernel_id,
                         "fraction": ppm_to_fraction(req.fraction_ppm),
                         "group": req.group,
+                        "groups": sorted(req.groups),
                         "priority": req.priority,
                         "waiting_s": round(now - req.arrived_at, 3),
+                        **({} if eta is None else {"eta_seconds": eta}),
                     }
                 )
         return out
 
+    def eta(self, key: tuple[str, str], now: float) -> float | None:
+        """Estimated seconds until the waiting request ``key`` is granted, or None.
+
+        ``scheduling.estimate_waits`` over the whole queue, computed at most once per
+        second (every ``GET /api/v1/queue`` and queued answer asks).
+        """
+        shape = (len(self.state.queue), len(self.state.leases))
+        if (
+            self._etas is None
+            or self._etas[1] != shape
+            or not 0 <= now - self._etas[0] < ETA_CACHE_S
+        ):
+            etas = core.estimate_waits(self.state, now, self.policy, self.holds)
+            self._etas = (now, shape, etas)
+        eta = self._etas[2].get(key)
+        return None if eta is None else round(eta)
+
     def gpus(self) -> list[dict[str, Any]]:
+        self.check_serving()
         st = self.state
         return [
             {
@@ -384,12 +549,17 @@ class BrokerService:
                 "allocated_fraction": ppm_to_fraction(st.allocated.get(g.uuid, 0)),
                 "allocated_mb": st.allocated.get(g.uuid, 0) * g.memory_mb // 1_000_000,
                 "capacity_fraction": ppm_to_fraction(self.policy.capacity_ppm),
+                "min_fraction": ppm_to_fraction(
+                    min_ppm_for(g.memory_mb, self.policy.context_overhead_mb)
+                ),
+                "context_overhead_mb": self.policy.context_overhead_mb,
                 "leases": st.lease_count.get(g.uuid, 0),
             }
             for g in st.ordered_gpus()
         ]
 
     def health(self) -> dict[str, Any]:
+        self.check_serving()
         return {
             "status": "ok",
             "version": __version__,
@@ -402,6 +572,7 @@ class BrokerService:
     # -- quotas and usage ---------------------------------------------------------------
     def get_quota(self, ident: Identity, level: str, name: str = "") -> dict[str, Any]:
         """A quota record; users may read the default, their own and their groups' quotas."""
+        self.check_serving()
         _check_level(level)
         if not ident.admin:
             if level == "user" and name != ident.user:
@@ -418,18 +589,52 @@ class BrokerService:
         return body
 
     def my_quota(self, ident: Identity) -> dict[str, Any]:
-        """The caller's effective quota and what they hold now."""
-        eff = core.effective_quota(self.quotas, ident.user, ident.groups)
+        """The caller's effective quota (with each value's source) and what they hold now."""
+        self.check_serving()
+        eff = core.quota_sources(self.quotas, ident.user, ident.groups)
         return {
             "user": ident.user,
-            "effective": eff.to_json(),
+            "effective": eff.quota.to_json(),
+            "sources": _wire_sources(eff),
             "held_fraction": ppm_to_fraction(self.state.held_by_user.get(ident.user, 0)),
             "leases": self.state.leases_by_user.get(ident.user, 0),
             "groups": sorted(ident.groups),
             "admin": ident.admin,
         }
 
+    def check_may_read_quota_of(self, ident: Identity, user: str) -> None:
+        """Admins may read anyone's effective quota; a user only their own."""
+        if user != ident.user and not ident.admin:
+            raise Forbidden("You may read only your own quota.")
+
+    def effective_quota_of(
+        self, ident: Identity, user: str, groups: frozenset[str], groups_from: str
+    ) -> dict[str, Any]:
+        """``GET /api/v1/quotas/users/{name}?effective=1``: the quota admission applies.
+
+        Computed by :func:`scheduling.quota_sources`, the function every acquire's
+        admission uses, for ``user`` in ``groups`` (the handler asks the authenticator;
+        ``groups_from`` says where they came from). ``sources`` names, per field, the
+        level that set it (``default``, ``group NAME`` or ``user``); ``own`` is the
+        user-level record (None when none is set).
+        """
+        self.check_serving()
+        self.check_may_read_quota_of(ident, user)
+        eff = core.quota_sources(self.quotas, user, groups)
+        own = self.quotas.users.get(user)
+        return {
+            "user": user,
+            "groups": sorted(groups),
+            "groups_from": groups_from,
+            "effective": eff.quota.to_json(),
+            "sources": _wire_sources(eff),
+            "own": own.to_json() if own is not None else None,
+            "held_fraction": ppm_to_fraction(self.state.held_by_user.get(user, 0)),
+            "leases": self.state.leases_by_user.get(user, 0),
+        }
+
     def list_quotas(self, ident: Identity) -> dict[str, Any]:
+        self.check_serving()
         self._require_admin(ident)
         return {
             "default": self.quotas.default.to_json(),
@@ -438,6 +643,7 @@ class BrokerService:
         }
 
     def put_quota(self, ident: Identity, level: str, name: str, quota: Quota) -> dict[str, Any]:
+        self.check_serving()
         self._require_admin(ident)
         _check_level(level)
         self.store.put_quota(level, name if level != "default" else "", quota)
@@ -463,6 +669,7 @@ class BrokerService:
         return len(entries)
 
     def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
+        self.check_serving()
         self._require_admin(ident)
         _check_level(level)
         self.store.delete_quota(level, name if level != "default" else "")
@@ -476,6 +683,7 @@ class BrokerService:
 
     def usage(self, ident: Identity, since: float, by: str = "user") -> dict[str, float]:
         """Fraction-hours per user or group since ``since``; a student sees only their own."""
+        self.check_serving()
         if by not in ("user", "group"):
             raise InvalidRequest("'by' must be 'user' or 'group'.")
         now = self.clock()
@@ -488,6 +696,321 @@ class BrokerService:
             rows = {k: v for k, v in rows.items() if k in ident.groups}
         return rows
 
+    def history(
+        self,
+        ident: Identity,
+        since: float,
+        step: float,
+        *,
+        group: str | None = None,
+        user: str | None = None,
+    ) -> dict[str, Any]:
+        """Allocation, queue length and waits per ``step`` seconds since ``since``.
+
+        Called by ``GET /api/v1/history`` (the dashboard's plots). Admins see the whole
+        pool, or one ``user``'s or one course's (``group``, ``""``: no course) part; anyone
+        else only their own leases and requests (``user`` may name only themselves).
+        """
+        self.check_serving()
+        if not ident.admin:
+            if user is not None and user != ident.user:
+                raise Forbidden("Only GPU lease admins may see other users' history.")
+            user = ident.user
+        now = self.clock()
+        if since > now:
+            raise InvalidRequest("'since' is in the future.")
+        held, queued = self.store.history(since, now, user=user)
+        try:
+            points = history.compute(held, queued, since, now, step, group=group)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"A step of {step:g} s since then gives more than {history.MAX_POINTS} "
+                "points; choose a larger 'step' or a later 'since'."
+            ) from exc
+        return {
+            "since": points[0].t if points else since,
+            "until": now,
+            "step": step,
+            "user": user,
+            "group": group,
+            "capacity": len(self.state.gpus) * ppm_to_fraction(self.policy.capacity_ppm),
+            "points": [p.to_json() for p in points],
+        }
+
+    # -- node agents ------------------------------------------------------------------
+    def register_node(
+        self,
+        ident: Identity,
+        name: str,
+        gpus: list[GPU],
+        agent_version: str,
+        enforce: str = "report",
+    ) -> dict[str, Any]:
+        """``PUT /api/v1/nodes/{node}``: (re-)register a node's GPUs; it is up (not drained).
+
+        A GPU another node (or the ``--gpus`` declaration) already has is refused (403);
+        a GPU missing from this registration that still carries leases stays in the pool,
+        closed, until its leases end.
+        """
+        self.check_serving()
+        self._check_node_caller(ident, name)
+        now = self.clock()
+        owners = {g.uuid: g.node for g in self.declared}
+        for other in self.nodes.values():
+            if other.name != name:
+                owners.update((g.uuid, other.name) for g in other.gpus)
+        for g in gpus:
+            if g.uuid in owners:
+                raise Forbidden(
+                    f"GPU {g.uuid} belongs to node {owners[g.uuid]!r}, not {name!r}; an agent "
+                    "registers only its own node's GPUs (check the agent's --node).",
+                    gpu_uuid=g.uuid,
+                )
+        old = self.nodes.get(name)
+        node = Node(
+            name=name,
+            gpus=[replace(g, node=name) for g in gpus],
+            agent_version=agent_version,
+            registered_at=old.registered_at if old is not None else now,
+            last_seen=now,
+            enforce=enforce,
+        )
+        self.nodes[name] = node
+        try:
+            pool = self._pool()
+            self.store.sync_gpus(pool + self._vanishing(pool), self.policy.capacity_ppm)
+            self.store.put_node(node)
+        except GPULeaseError:
+            if old is None:
+                self.nodes.pop(name)
+            else:
+                self.nodes[name] = old
+            raise
+        self._apply_pool(pool)
+        self._close_gpus(now)
+        log.info(
+            "Node %s registered %d GPU(s) (agent %s)%s",
+            name,
+            len(gpus),
+            agent_version,
+            "" if old is None else " again",
+        )
+        self._drain(now)
+        return node.detail(core.node_state(node, now, self.policy))
+
+    def node_heartbeat(
+        self,
+        ident: Identity,
+        name: str,
+        usage: list[tuple[int, str, int]],
+        at: float | None = None,
+    ) -> dict[str, Any]:
+        """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage.
+
+        Samples on a GPU this node did not register are refused (403), memory above the
+        GPU's size is refused (400); nothing is changed then. A report never frees or
+        grants capacity: leases end only by release, revoke or TTL.
+        """
+        self.check_serving()
+        self._check_node_caller(ident, name)
+        node = self.nodes.get(name)
+        if node is None:
+            raise NodeNotFound(
+                f"Node {name!r} is not registered; its agent registers it with "
+                f"PUT /api/v1/nodes/{name} first (restart the agent)."
+            )
+        mine = {g.uuid: g for g in node.gpus}
+        for pid, uuid, used in usage:
+            gpu = mine.get(uuid)
+            if gpu is None:
+                raise Forbidden(
+                    f"GPU {uuid} is not one of node {name!r}'s registered GPUs; register it "
+                    "again (PUT) before reporting its processes.",
+                    gpu_uuid=uuid,
+                )
+            if used > gpu.memory_mb:
+                raise InvalidRequest(
+                    f"Process {pid} cannot use {used} MiB of GPU {uuid}, which has "
+                    f"{gpu.memory_mb} MiB; report what NVML measures."
+                )
+        now = self.clock()
+        was = core.node_state(node, now, self.policy)
+        node.last_seen = now
+        node.usage = list(usage)
+        kill = self._account_usage(node, usage, now)
+        if was == "lost":
+            log.info("Node %s is back (its agent heartbeats again)", name)
+            self._close_gpus(now)
+        if was == "lost" or kill:
+            self._drain(now)
+        watch = sorted({x.pid for x in self.state.leases.values() if x.pid and x.gpu_uuid in mine})
+        return {
+            "node": name,
+            "state": core.node_state(node, now, self.policy),
+            "at": now,
+            "watch": watch,
+            "kill": kill,
+        }
+
+    def _account_usage(
+        self, node: Node, usage: list[tuple[int, str, int]], now: float
+    ) -> list[int]:
+        """Map samples to leases by kernel pid; revoke leases over their cap past the grace.
+
+        The agent reports a kernel's child processes under the kernel's pid (it walks
+        /proc). Returns the kernel pids whose processes the agent should kill
+        (``--enforce kill``). Only ever ends leases; never grants or frees otherwise.
+        """
+        mine = {g.uuid for g in node.gpus}
+        leases = [x for x in self.state.leases.values() if x.gpu_uuid in mine]
+        by_pid = {x.pid: x for x in leases if x.pid}
+        used: dict[str, int] = {}
+        node.unleased = []
+        for pid, uuid, mb in usage:
+            lease = by_pid.get(pid)
+            if lease is None:
+                node.unleased.append((pid, uuid, mb))
+            else:
+                used[lease.id] = used.get(lease.id, 0) + mb
+        ends: list[tuple[Lease, str, str | None]] = []
+        kill: list[int] = []
+        for lease in leases:
+            mb = used.get(lease.id, 0)
+            self.used_mb[lease.id] = mb
+            if node.enforce == "off" or not core.over_lease(lease, mb, self.policy):
+                self._over_since.pop(lease.id, None)
+                continue
+            since = self._over_since.setdefault(lease.id, now)
+            if now - since < self.policy.overuse_grace:
+                continue
+            reason = core.overuse_reason(mb, lease, self.policy)
+            if node.enforce in ("revoke", "kill"):
+                ends.append((lease, "revoked", reason))
+                if node.enforce == "kill" and lease.pid:
+                    kill.append(lease.pid)
+            elif now - since < self.policy.overuse_grace + 1.0:  # log once per episode
+                log.warning(
+                    "Lease %s… of %s on node %s: %s", lease.id[:6], lease.user, node.name, reason
+                )
+        if ends:
+            self._end(ends, now)
+            for lease, _, why in ends:
+                self._over_since.pop(lease.id, None)
+                self.used_mb.pop(lease.id, None)
+                log.warning(
+                    "Revoked lease %s… of %s kernel %s on node %s: %s",
+                    lease.id[:6],
+                    lease.user,
+                    lease.kernel_id,
+                    node.name,
+                    why,
+                )
+        return kill
+
+    def lease_usage(self, lease: Lease) -> dict[str, Any]:
+        """``used_mb`` (last reported, or None) and ``enforcement`` (the layer that holds)."""
+        node = self._node_of(lease.gpu_uuid)
+        if node is None:
+            return {"used_mb": None, "enforcement": "cooperative"}
+        return {"used_mb": self.used_mb.get(lease.id), "enforcement": f"agent-{node.enforce}"}
+
+    def _node_of(self, gpu_uuid: str) -> Node | None:
+        gpu = self.state.gpus.get(gpu_uuid)
+        node = self.nodes.get(gpu.node) if gpu is not None else None
+        return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
+
+    def drain_node(self, ident: Identity, name: str) -> None:
+        """``DELETE /api/v1/nodes/{node}``: no new leases there; held ones stay. Idempotent."""
+        self.check_serving()
+        self._check_node_caller(ident, name)
+        node = self.nodes.get(name)
+        if node is None:
+            raise NodeNotFound(f"Node {name!r} is not registered; there is nothing to drain.")
+        if not node.drained:
+            self.store.set_node_drained(name, True)
+            node.drained = True
+            log.info("Node %s drained by %s", name, ident.user)
+        self._close_gpus(self.clock())
+
+    def list_nodes(self, ident: Identity) -> list[dict[str, Any]]:
+        """``GET /api/v1/nodes``: every registered node; admins get GPUs and usage too."""
+        self.check_serving()
+        now = self.clock()
+        out = []
+        for node in sorted(self.nodes.values(), key=lambda n: n.name):
+            state = core.node_state(node, now, self.policy)
+            out.append(node.detail(state) if ident.admin else node.summary(state))
+        return out
+
+    def node_states(self) -> dict[str, int]:
+        """How many registered nodes are up, lost and drained (for /metrics)."""
+        now = self.clock()
+        counts = dict.fromkeys(("up", "lost", "drained"), 0)
+        for node in self.nodes.values():
+            counts[core.node_state(node, now, self.policy)] += 1
+        return counts
+
+    def gpu_used_mb(self) -> dict[str, int]:
+        """GPU uuid -> MiB its processes use, from each node's last heartbeat (for /metrics)."""
+        out: dict[str, int] = {}
+        for node in self.nodes.values():
+            for g in node.gpus:
+                out[g.uuid] = 0
+            for _, uuid, mb in node.usage:
+                out[uuid] = out.get(uuid, 0) + mb
+        return out
+
+    def _check_node_caller(self, ident: Identity, name: str) -> None:
+        if ident.node is not None:
+            if ident.node != name:
+                raise Forbidden(
+                    f"This agent token belongs to node {ident.node!r}; it may not speak for "
+                    f"node {name!r} (check the agent's --node)."
+                )
+            return
+        self._require_admin(ident)
+
+    def _pool(self) -> list[GPU]:
+        """The declared GPUs and every registered node's GPUs."""
+        pool = {g.uuid: g for g in self.declared}
+        for node in self.nodes.values():
+            for g in node.gpus:
+                pool.setdefault(g.uuid, g)
+        return list(pool.values())
+
+    def _vanishing(self, pool: list[GPU]) -> list[GPU]:
+        """GPUs in the state but not in ``pool`` that still carry leases (they stay, closed)."""
+        keep = {g.uuid for g in pool}
+        return [
+            g
+            for u, g in self.state.gpus.items()
+            if u not in keep and self.state.lease_count.get(u, 0) > 0
+        ]
+
+    def _apply_pool(self, pool: list[GPU]) -> None:
+        """Make the in-memory pool ``pool`` plus the leased GPUs that left it."""
+        keep = {g.uuid for g in pool}
+        for g in pool:
+            self.state.put_gpu(g)
+        self.vanished = {g.uuid for g in self._vanishing(pool)}
+        for u in list(self.state.gpus):
+            if u not in keep and u not in self.vanished:
+                self.state.drop_gpu(u)
+
+    def _forget_vanished(self) -> None:
+        """Drop vanished GPUs whose last lease ended (from memory and the store)."""
+        free = {u for u in self.vanished if not self.state.lease_count.get(u, 0)}
+        if not free:
+            return
+        self.vanished -= free
+        for u in free:
+            self.state.drop_gpu(u)
+        self.store.sync_gpus(list(self.state.gpus.values()), self.policy.capacity_ppm)
+        log.info("Removed %d GPU(s) that left their node once their leases ended", len(free))
+
+    def _close_gpus(self, now: float) -> None:
+        self.state.closed = core.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
+
     # -- the reaper -------------------------------------------------------------------
     def tick(self) -> dict[str, int]:
         """One reaper pass: expire, drop stale requests, reclaim idle leases, drain the queue.
@@ -498,10 +1021,14 @@ class BrokerService:
         like a restart: every active lease expires exactly one TTL from now instead of
         expiring at once (forward) or only when the clock catches up (backward).
         """
+        counts = {"expired": 0, "dropped": 0, "revoked": 0, "granted": 0, "grace": 0}
+        try:
+            self.check_serving()
+        except NotActive:
+            return counts  # not the active broker now: it must not decide anything
         now = self.clock()
         last = self._last_tick if self._last_tick is not None else now
         self._last_tick = now
-        counts = {"expired": 0, "dropped": 0, "revoked": 0, "granted": 0, "grace": 0}
         stall = max(self.policy.ttl / 2, 3 * self.reap_interval)
         if now - last > stall or now < last:
             counts["grace"] = self.store.reset_active_expiry(now + self.policy.ttl)
@@ -522,7 +1049,7 @@ class BrokerService:
             log.info("Expired %d lease(s) not renewed in time", len(gone))
         stale = core.stale_requests(self.state, now, self.policy, set(self._waiters))
         if stale:
-            self.store.delete_requests([r.id for r in stale])
+            self.store.delete_requests([r.id for r in stale], outcome="dropped", at=now)
             for r in stale:
                 self.state.queue.pop(r.key, None)
             counts["dropped"] = len(stale)
@@ -544,11 +1071,30 @@ class BrokerService:
             )
             counts["revoked"] = len(victims)
             log.info("Revoked %d idle lease(s) for waiting requests", len(victims))
+        self._forget_vanished()
+        self._close_gpus(now)
         counts["granted"] = self._drain(now)
         return counts
 
     # -- internals ----------------------------------------------------------------------
     def _drain(self, now: float) -> int:
+        """Grant what the queue can have now. A grant the database refuses reloads memory
+        (``_persist_grants``) and drains once more; never raises ``CapacityConflict``: the
+        caller's own change (a release, a quota) has happened."""
+        try:
+            return self._drain_once(now)
+        except CapacityConflict:
+            pass
+        try:
+            return self._drain_once(now)
+        except CapacityConflict as exc:
+            log.error(
+                "The database refused the queue's grants twice (%s); the next reaper pass retries",
+                exc.message,
+            )
+            return 0
+
+    def _drain_once(self, now: float) -> int:
         grants = core.drain(self.state, now, self.policy)
         self._persist_grants(grants)
         return len(grants)
@@ -564,15 +1110,21 @@ class BrokerService:
             )
         except CapacityConflict:
             # another writer changed the database under us: our memory is stale
-            log.error("The database disagrees with this broker's state; reloading it")
+            log.warning("The database disagrees with this broker's state; reloading it")
             self._reload()
             raise
         core.apply_grants(self.state, grants)
+        self._etas = None
         self._wake([g.lease.user_kernel for g in grants])
 
     def _end(self, ends: list[tuple[Lease, str, str | None]], now: float) -> None:
         self.store.end_leases([(x.id, st, now, reason) for x, st, reason in ends])
         core.apply_ends(self.state, [x.id for x, _, _ in ends])
+        for x, _, _ in ends:
+            self.used_mb.pop(x.id, None)
+            self._over_since.pop(x.id, None)
+            self.holds.add(now - x.created_at)
+        self._etas = None
         by_state: dict[str, int] = {}
         for _, st, _ in ends:
             by_state[st] = by_state.get(st, 0) + 1
@@ -580,11 +1132,79 @@ class BrokerService:
             self.metrics.ended(st, n)
 
     def _reload(self) -> None:
+        """Rebuild memory from the database, which disagreed with it (another writer).
+
+        Queued requests keep the polls this broker saw (others get a fresh window), and
+        every long-poll looks again.
+        """
+        polled = {r.id: r.last_polled_at for r in self.state.queue.values()}
+        pool = self._pool() + [self.state.gpus[u] for u in self.vanished if u in self.state.gpus]
+        self._load(self.clock(), polled, pool)
+        self._wake(list(self._waiters))
+
+    def _load(self, now: float, polled: dict[str, float], pool: list[GPU]) -> None:
+        """Memory := the database's active leases and queue on ``pool`` (at start, and on
+        a reload).
+
+        Leases on GPUs not in the pool are revoked; queued requests whose kernel holds an
+        active lease were served (by another writer) and are dropped; a request's last
+        poll is ``polled[id]``, else ``now``.
+        """
         leases, queue = self.store.load_active()
-        known = {g.uuid for g in self.declared}
-        self.state = PoolState.build(
-            self.declared, [x for x in leases if x.gpu_uuid in known], queue
+        known = {g.uuid for g in pool}
+        orphans = [lease for lease in leases if lease.gpu_uuid not in known]
+        if orphans:
+            self.store.end_leases(
+                [(x.id, "revoked", now, "its GPU is no longer in the pool") for x in orphans]
+            )
+            log.warning("Revoked %d lease(s) on GPUs no longer in the pool", len(orphans))
+        held = {x.user_kernel for x in leases}
+        served = [r for r in queue if r.key in held]
+        if served:
+            self.store.delete_requests([r.id for r in served], outcome="dropped", at=now)
+            log.warning("Dropped %d queued request(s) whose kernel holds a lease", len(served))
+        queue = [r for r in queue if r.key not in held]
+        for req in queue:
+            req.last_polled_at = polled.get(req.id, now)
+        self.state = PoolState.build(pool, [x for x in leases if x.gpu_uuid in known], queue)
+        self._close_gpus(now)
+
+    def _adopt(self, ident: Identity, lease_id: str, found: Lease | None = None) -> Lease:
+        """A lease memory does not hold, as the database has it: 404, 403, 410 with its
+        state, or (active there) the lease from memory reloaded to include it."""
+        if found is None:
+            found = self._visible_lease(ident, lease_id)
+        if not found.active:
+            raise _gone(found)
+        log.warning(
+            "Lease %s… is active in the database but was not in memory; reloading the state",
+            lease_id[:6],
         )
+        self._reload()
+        lease = self.state.leases.get(lease_id)
+        if lease is None:  # on a GPU no longer declared: _load revoked it
+            raise _gone(self.store.get_lease(lease_id) or found)
+        return lease
+
+    def _release_unknown(self, ident: Identity, request_id: str) -> None:
+        """DELETE of an id memory does not hold: cancel or end it in the database, or 404."""
+        req = self.store.get_request(request_id)
+        if req is not None:
+            self._check_owner(ident, req)
+            self.store.delete_requests([req.id])
+            log.info("Cancelled queued request of %s kernel %s (database)", req.user, req.kernel_id)
+            return
+        found = self._visible_lease(ident, request_id)  # 404 / 403
+        if found.active:
+            now = self.clock()
+            self.store.end_leases([(found.id, "released", now, None)])
+            self.metrics.ended("released", 1)
+            log.warning(
+                "Released lease %s… of %s kernel %s, active in the database but not in memory",
+                found.id[:6],
+                found.user,
+                found.kernel_id,
+            )
 
     def _wake(self, keys: list[tuple[str, str]]) -> None:
         for key in keys:
@@ -652,3 +1272,8 @@ def _gone(lease: Lease) -> LeaseGone:
 
 
 __all__ = ["AcquireResult", "BrokerService", "CannotFit", "Conflict", "Metrics", "new_id"]
+
+
+def _wire_sources(eff: core.EffectiveQuota) -> dict[str, str]:
+    """The sources keyed by the wire's field names (``max_fraction``, ``budget_window``, ...)."""
+    return {wire: eff.sources[attr] for wire, attr in zip(QUOTA_FIELDS, Quota.FIELDS, strict=True)}

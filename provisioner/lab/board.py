@@ -1,0 +1,168 @@
+"""``GPULeaseLab``: this server's GPU kernels, as the JupyterLab extension shows them.
+
+Called by the handlers (``handlers.py``) once per browser poll. The answer comes from
+memory: the provisioners write what they learn anyway (grant, renewals every TTL/3,
+queued long-poll answers, the broker's reason when a lease ends) on the server's
+:class:`~provisioner.kernel.status.LeaseBoard`. The one thing they learn too rarely is a
+waiting kernel's place in the queue: their long-poll answers come every ``long_poll``
+seconds (30 by default), and the first only after that long. So while some kernel of this
+server waits *and* a browser is asking, this class makes one aggregated
+``GET /api/v1/queue`` (every waiting request of this server's user, with positions, the
+queue's length and estimated waits) at most every ``queue_refresh_interval`` seconds, in
+the background: a browser's poll never waits for the broker, and 60 open notebooks cost
+the broker at most one request per server per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from traitlets import Float, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+from ..client import BrokerClient, broker_env
+from ..errors import GPULeaseError
+from ..kernel.status import LeaseBoard, board_for
+
+
+class GPULeaseLab(LoggingConfigurable):
+    """The server extension's state: the board of this server, and the queue look-ups."""
+
+    queue_refresh_interval = Float(
+        5.0,
+        help="Seconds between two looks at the broker's queue (GET /api/v1/queue) while a "
+        "kernel of this server waits and a browser asks for its position. At least 1. "
+        "Default: 5.",
+    ).tag(config=True)
+
+    broker_url = Unicode(
+        help="Base URL of the gpu-lease broker for the queue look-ups. "
+        "Default: env GPU_LEASE_URL (the provisioner's default too)."
+    ).tag(config=True)
+
+    @default("broker_url")
+    def _default_broker_url(self) -> str:
+        return broker_env().url or ""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._refreshed_at = float("-inf")
+        self._refresh: asyncio.Task[None] | None = None
+        self._client: BrokerClient | None = None
+        self._client_key: tuple[str, str | None] | None = None
+        #: kernel id -> the notebook's path (API path) last seen in a session
+        self._paths: dict[str, str] = {}
+        #: broker requests this extension made (the polling benchmark reads it)
+        self.broker_requests = 0
+
+    # -- what the handlers call ---------------------------------------------------------------
+    @property
+    def kernel_manager(self) -> Any:
+        return getattr(self.parent, "kernel_manager", None)
+
+    @property
+    def board(self) -> LeaseBoard | None:
+        return board_for(self.kernel_manager)
+
+    async def kernels(self) -> list[dict[str, Any]]:
+        """Every GPU kernel of this server (waiting, active, recently ended), newest state."""
+        board = self.board
+        if board is None:
+            return []
+        known = self._known_kernels()
+        await self._remember_paths()
+        if board.waiting_ids():
+            self._maybe_refresh_queue(board)
+        out = []
+        for record in board.snapshot():
+            if record.state in ("waiting", "active") and record.kernel_id not in known:
+                continue  # its manager is gone without a word (never seen; defensive)
+            item = record.to_json()
+            path = self._paths.get(record.kernel_id) or self._api_path(record.session_path)
+            if path:
+                item["path"] = path
+            out.append(item)
+        return out
+
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """``DELETE .../kernels/{id}/request``: the waiting kernel gives up its queue place."""
+        board = self.board
+        return bool(board is not None and await board.stop_waiting(kernel_id))
+
+    # -- the queue look-up --------------------------------------------------------------------
+    def _maybe_refresh_queue(self, board: LeaseBoard) -> None:
+        now = time.monotonic()
+        interval = max(1.0, float(self.queue_refresh_interval))
+        if self._refresh is not None and not self._refresh.done():
+            return
+        if now - self._refreshed_at < interval:
+            return
+        self._refreshed_at = now
+        self._refresh = asyncio.ensure_future(self._refresh_queue(board))
+
+    async def _refresh_queue(self, board: LeaseBoard) -> None:
+        try:
+            client = self._broker()
+            self.broker_requests += 1
+            answer = await client.queue_page()
+        except GPULeaseError as exc:
+            self.log.debug("jupyter-gpu-lease: no queue positions this time: %s", exc)
+            return
+        entries = {e.get("kernel_id"): e for e in answer.get("queue", []) if isinstance(e, dict)}
+        length = answer.get("length")
+        for kernel_id in board.waiting_ids():
+            board.queue_seen(
+                kernel_id, entries.get(kernel_id), length if isinstance(length, int) else None
+            )
+
+    def _broker(self) -> BrokerClient:
+        token = broker_env().token
+        key = (self.broker_url, token)
+        if self._client is None or self._client_key != key:
+            if self._client is not None:
+                asyncio.ensure_future(self._client.aclose())
+            self._client = BrokerClient(self.broker_url, token, retries=0, timeout=5.0)
+            self._client_key = key
+        return self._client
+
+    # -- kernels and notebooks ---------------------------------------------------------------
+    def _known_kernels(self) -> set[str]:
+        km = self.kernel_manager
+        if km is None:
+            return set()
+        pending = getattr(km, "_pending_kernels", {}) or {}
+        return set(km.list_kernel_ids()) | set(pending)
+
+    async def _remember_paths(self) -> None:
+        sessions = getattr(self.parent, "session_manager", None)
+        if sessions is None:
+            return
+        try:
+            listed = await sessions.list_sessions()
+        except Exception as exc:  # the session database is not ours; never fail the poll
+            self.log.debug("jupyter-gpu-lease: could not list sessions: %s", exc)
+            return
+        for model in listed:
+            kernel = model.get("kernel") or {}
+            if kernel.get("id") and model.get("path"):
+                self._paths[kernel["id"]] = model["path"]
+        board = self.board
+        if board is not None and len(self._paths) > 4 * board.keep:
+            keep = {r.kernel_id for r in board.snapshot()}
+            self._paths = {k: v for k, v in self._paths.items() if k in keep}
+
+    def _api_path(self, session_path: str | None) -> str | None:
+        """``JPY_SESSION_NAME`` (the notebook's file path) as a path of the contents API."""
+        if not session_path:
+            return None
+        root = getattr(getattr(self.parent, "contents_manager", None), "root_dir", None)
+        if not root or not os.path.isabs(session_path):
+            return session_path
+        rel = os.path.relpath(session_path, root)
+        return None if rel.startswith("..") else rel.replace(os.sep, "/")
+
+
+__all__ = ["GPULeaseLab"]

@@ -1,0 +1,106 @@
+// The browser's view of this server's GPU kernels: one poll of the server extension.
+import { NotebookPanel } from '@jupyterlab/notebook';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { fetchKernels, IKernelLease, stopWaiting } from './api';
+
+/** Polls `GET {base_url}gpu-lease/api/kernels`; `changed` fires after each answer. */
+export class GPULeaseModel {
+  constructor(interval: number) {
+    this._poll = new Poll({
+      auto: true,
+      factory: () => this.refresh(),
+      frequency: { interval, backoff: true, max: 60_000 },
+      name: 'jupyter-gpu-lease:kernels',
+      standby: 'when-hidden'
+    });
+  }
+
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  get kernels(): ReadonlyArray<IKernelLease> {
+    return this._kernels;
+  }
+
+  set interval(ms: number) {
+    this._poll.frequency = { ...this._poll.frequency, interval: ms };
+  }
+
+  /** Ask the server now (after a start, a stop, or a user action). */
+  async refresh(): Promise<void> {
+    this._kernels = await fetchKernels();
+    this._changed.emit();
+  }
+
+  /** Poll again now rather than at the next tick. */
+  refreshSoon(): void {
+    void this._poll.refresh();
+  }
+
+  async stopWaiting(kernelId: string): Promise<void> {
+    await stopWaiting(kernelId);
+    this.refreshSoon();
+  }
+
+  /**
+   * The GPU kernel a notebook shows: its kernel's record; while its kernel starts, the
+   * waiting kernel started for its path; with no kernel, the lease that last ended there.
+   */
+  forPanel(panel: NotebookPanel | null): IKernelLease | null {
+    if (!panel || panel.isDisposed) {
+      return null;
+    }
+    const context = panel.sessionContext;
+    const kernel = context.session?.kernel;
+    if (kernel) {
+      return this._kernels.find(k => k.kernel_id === kernel.id) ?? null;
+    }
+    const path = context.path;
+    const starting = ['initializing', 'starting'].includes(
+      context.kernelDisplayStatus
+    );
+    if (starting) {
+      return (
+        this._kernels.find(k => k.state === 'waiting' && k.path === path) ??
+        null
+      );
+    }
+    return this.lastEnded(path);
+  }
+
+  /**
+   * The most recent revoked or expired lease of a notebook. Unless `evenIfNewer`, only
+   * while no newer kernel of that notebook waits or runs (the status bar's choice); a
+   * notebook opened again is told anyway, once (the notification's choice).
+   */
+  lastEnded(path: string, evenIfNewer = false): IKernelLease | null {
+    let found: IKernelLease | null = null;
+    for (const k of this._kernels) {
+      if (k.path !== path) {
+        continue;
+      }
+      if ((k.state === 'waiting' || k.state === 'active') && !evenIfNewer) {
+        return null;
+      }
+      if (
+        (k.state === 'revoked' || k.state === 'expired') &&
+        (!found || (k.ended_at ?? 0) >= (found.ended_at ?? 0))
+      ) {
+        found = k;
+      }
+    }
+    return found;
+  }
+
+  dispose(): void {
+    this._poll.dispose();
+    Signal.clearData(this);
+  }
+
+  private _poll: Poll;
+  private _kernels: IKernelLease[] = [];
+  private _changed = new Signal<this, void>(this);
+}

@@ -1,0 +1,140 @@
+// Toasts: while a GPU kernel waits (with "Stop waiting"), and when a lease is revoked or expires.
+import { Notification } from '@jupyterlab/apputils';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+
+import { IKernelLease } from './api';
+import { endedMessage, fraction, label, waitingMessage } from './format';
+import { GPULeaseModel } from './model';
+
+export class GPULeaseNotifier {
+  constructor(
+    private _model: GPULeaseModel,
+    private _tracker: INotebookTracker
+  ) {
+    _model.changed.connect(this._onChanged, this);
+    _tracker.currentChanged.connect(this._onPanel, this);
+    _tracker.widgetAdded.connect(this._onPanel, this);
+  }
+
+  private _onChanged(): void {
+    const present = new Set<string>();
+    for (const k of this._model.kernels) {
+      present.add(k.kernel_id);
+      if (k.state === 'waiting') {
+        this._waiting(k);
+      } else if (k.state === 'active') {
+        this._granted(k);
+      } else if (k.state === 'revoked' || k.state === 'expired') {
+        // seen alive in this page, or its notebook is open: tell now
+        const open = this._tracker.find(p => p.context.path === k.path);
+        const latest = k.path ? this._model.lastEnded(k.path, true) : k;
+        if (this._seenLive.has(k.kernel_id) || (open && latest === k)) {
+          this._ended(k);
+        }
+      }
+      if (k.state === 'waiting' || k.state === 'active') {
+        this._seenLive.add(k.kernel_id);
+      }
+    }
+    // a waiting kernel that vanished: its start failed or the student stopped waiting
+    for (const [kernelId, id] of this._waitingToasts) {
+      if (!present.has(kernelId)) {
+        Notification.dismiss(id);
+        this._waitingToasts.delete(kernelId);
+      }
+    }
+  }
+
+  /** A notebook opened or focused again: tell why its last GPU lease ended. */
+  private _onPanel(_: INotebookTracker, panel: NotebookPanel | null): void {
+    if (!panel) {
+      return;
+    }
+    void panel.context.ready.then(() => {
+      const k = this._model.lastEnded(panel.context.path, true);
+      if (k) {
+        this._ended(k, panel);
+      }
+    });
+  }
+
+  private _waiting(k: IKernelLease): void {
+    const message = waitingMessage(k);
+    const actions = [
+      {
+        label: 'Stop waiting',
+        caption: 'Give up this kernel\'s place in the GPU queue; the kernel does not start.',
+        displayType: 'warn' as const,
+        callback: () => {
+          void this._model.stopWaiting(k.kernel_id).catch(reason => {
+            Notification.error(`Could not stop waiting: ${reason.message ?? reason}`);
+          });
+        }
+      }
+    ];
+    const id = this._waitingToasts.get(k.kernel_id);
+    if (id === undefined) {
+      this._waitingToasts.set(
+        k.kernel_id,
+        Notification.emit(message, 'in-progress', { autoClose: false, actions })
+      );
+      this._lastText.set(k.kernel_id, message);
+    } else if (this._lastText.get(k.kernel_id) !== message) {
+      Notification.update({ id, message, type: 'in-progress', autoClose: false, actions });
+      this._lastText.set(k.kernel_id, message);
+    }
+  }
+
+  private _granted(k: IKernelLease): void {
+    const id = this._waitingToasts.get(k.kernel_id);
+    if (id === undefined) {
+      return;
+    }
+    this._waitingToasts.delete(k.kernel_id);
+    const gpu = k.lease?.gpu?.name ? ` on a ${k.lease.gpu.name}` : '';
+    Notification.update({
+      id,
+      message: `${label(k)} got its GPU: ${fraction(k.fraction)} of one${gpu}. The kernel is starting.`,
+      type: 'success',
+      autoClose: 5000,
+      actions: []
+    });
+  }
+
+  /**
+   * Tell why a lease ended: once in this page, and once more each time its notebook is
+   * opened again (a new panel); never twice on screen at once.
+   */
+  private _ended(k: IKernelLease, panel?: NotebookPanel): void {
+    const waitingId = this._waitingToasts.get(k.kernel_id);
+    if (waitingId !== undefined) {
+      Notification.dismiss(waitingId);
+      this._waitingToasts.delete(k.kernel_id);
+    }
+    panel = panel ?? this._tracker.find(p => p.context.path === k.path);
+    const toldPanel = panel ? this._toldPanels.get(panel) ?? new Set<string>() : null;
+    const fresh = panel
+      ? !toldPanel!.has(k.kernel_id)
+      : !this._toldPage.has(k.kernel_id);
+    this._toldPage.add(k.kernel_id);
+    if (panel && toldPanel) {
+      toldPanel.add(k.kernel_id);
+      this._toldPanels.set(panel, toldPanel);
+    }
+    const shown = this._endedToasts.get(k.kernel_id);
+    if (!fresh || (shown !== undefined && Notification.manager.has(shown))) {
+      return;
+    }
+    this._endedToasts.set(
+      k.kernel_id,
+      Notification.warning(endedMessage(k), { autoClose: false })
+    );
+  }
+
+  private _waitingToasts = new Map<string, string>();
+  private _lastText = new Map<string, string>();
+  private _endedToasts = new Map<string, string>();
+  private _toldPage = new Set<string>();
+  private _seenLive = new Set<string>();
+  private _toldPanels = new WeakMap<NotebookPanel, Set<string>>();
+}

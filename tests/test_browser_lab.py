@@ -1,0 +1,254 @@
+"""The JupyterLab extension in a real browser, behind a real JupyterHub: what a student sees.
+
+One hub per module (``tests.test_hub.Hub``: the demo on free ports, 1x32768:V100, lease TTL
+6 s) and Debian's chromium driven by Playwright (``tests/conftest.py``'s ``chromium``).
+In file order, sharing the hub:
+
+1. student01's GPU notebook: the status bar shows the lease ("GPU 0.02 · V100 · cap 143 MiB").
+2. The pool is filled (a 0.98 lease of student59, whose quota the admin raised), student03
+   waits first; student02's notebook waits: status bar "GPU queue: 2nd of 2", a notification
+   with the place and "Stop waiting"; a cell run meanwhile is kept. A lease ends: the place
+   moves to 1st. The filler ends: the kernel starts and the kept cell runs, once.
+3. A second notebook of student02 waits; "Stop waiting" cancels the request: the broker's
+   queue is empty, the start fails saying the student stopped waiting.
+4. The admin revokes student02's lease with a reason: the notification and the status bar
+   say it; reopening the page says it again.
+
+Screenshots (1280 px wide) go to ``docs/img/`` when ``GPU_LEASE_SCREENSHOTS=1``, else to the
+test's ``tmp_path``. Skipped when the JupyterLab extension is not installed in this Python
+(``make install`` installs it: ``pip install -e .`` builds it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from jupyter_core.paths import jupyter_path
+
+from .test_browser_hub import KERNEL_MS, SPAWN_MS, launcher_card, log_in
+from .test_hub import ROOT, Hub
+
+pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
+
+STATUS = ".jp-GPULease-status"
+TOAST = ".Toastify__toast"
+
+
+def _extension_installed() -> bool:
+    return any(
+        Path(p, "jupyter-gpu-lease", "package.json").exists() for p in jupyter_path("labextensions")
+    )
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    if not _extension_installed():
+        pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
+    h = Hub(tmp_path_factory.mktemp("hub"))
+    try:
+        yield h
+    finally:
+        h.stop()
+        h.http.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.environ.get("GPU_LEASE_SCREENSHOTS") == "1":
+        out = ROOT / "docs" / "img"
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    return tmp_path_factory.mktemp("shots")
+
+
+@contextmanager
+def holding(
+    hub: Hub, user: str, fraction: float, *, wait: bool = False
+) -> Iterator[dict[str, Any]]:
+    """A lease (or, ``wait``, a queued request kept by re-posting) of ``user`` without a kernel."""
+    token = hub.token(user)
+    body = {"kernel_id": str(uuid.uuid4()), "fraction": fraction, "wait": 0}
+    r = hub.req("POST", f"{hub.broker}/api/v1/leases", token, json=body)
+    assert r.status_code == (202 if wait else 201), r.text
+    answer = r.json()
+    stop = threading.Event()
+
+    def keep() -> None:
+        with httpx.Client(timeout=10, headers={"Authorization": f"token {token}"}) as http:
+            while not stop.wait(1.0):
+                got = http.get(f"{hub.broker}/api/v1/leases/{answer['id']}")
+                if got.status_code == 404:  # still queued: polling keeps the place
+                    http.post(f"{hub.broker}/api/v1/leases", json=body)
+                elif got.json().get("state") == "active":
+                    http.post(f"{hub.broker}/api/v1/leases/{answer['id']}/renew", json={})
+                else:  # ended (released by the test): done
+                    return
+
+    thread = threading.Thread(target=keep, daemon=True)
+    thread.start()
+    try:
+        yield answer
+    finally:
+        stop.set()
+        thread.join()
+        hub.req("DELETE", f"{hub.broker}/api/v1/leases/{answer['id']}", token)
+
+
+def status_text(page: Any) -> str:
+    item = page.locator(STATUS)
+    return item.inner_text() if item.is_visible() else ""
+
+
+def wait_status(page: Any, pattern: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = status_text(page)
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.25)
+    raise AssertionError(f"the status bar said {text!r}, not /{pattern}/")
+
+
+def open_lab(chromium: Any, hub: Hub, user: str, where: str = "lab?reset") -> tuple[Any, Any]:
+    """Log in as ``user``, then open ``/user/{user}/{where}`` (default: a fresh launcher)."""
+    context, page = log_in(chromium, f"{hub.url}/hub/login", user)
+    try:
+        page.wait_for_url(f"**/user/{user}/lab**", timeout=SPAWN_MS)
+        page.goto(f"{hub.url}/user/{user}/{where}")
+        page.wait_for_selector("#jp-main-statusbar", timeout=SPAWN_MS)
+    except Exception:
+        print(hub.log())
+        raise
+    return context, page
+
+
+def open_gpu_notebook(page: Any, label: str = "Python 3 (GPU 0.02)") -> None:
+    card = launcher_card(page, label).first
+    card.wait_for(timeout=KERNEL_MS)
+    card.click()
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell .jp-InputArea-editor", timeout=KERNEL_MS)
+
+
+def session_kernel(hub: Hub, user: str, path: str) -> str:
+    r = hub.req("GET", f"{hub.url}/user/{user}/api/sessions", hub.token(user))
+    assert r.status_code == 200, r.text
+    (kernel_id,) = [s["kernel"]["id"] for s in r.json() if s["path"] == path]
+    return str(kernel_id)
+
+
+def test_status_bar_shows_the_lease(chromium: Any, hub: Hub, shots: Path) -> None:
+    context, page = open_lab(chromium, hub, "student01")
+    open_gpu_notebook(page)
+    text = wait_status(page, r"^GPU 0\.02 · V100 · cap 143 MiB$", timeout=KERNEL_MS / 1000)
+    assert page.locator(STATUS).get_attribute("data-state") == "active", text
+    (lease,) = hub.leases("student01")
+    assert lease["id"] in page.locator(STATUS).get_attribute("title")
+    page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-lease.png"))
+    context.close()
+
+
+def test_waiting_kernel_shows_its_place_and_runs_the_kept_cell(
+    chromium: Any, hub: Hub, shots: Path
+) -> None:
+    admin = hub.admin
+    r = hub.req(
+        "PUT",
+        f"{hub.broker}/api/v1/quotas/users/student59",
+        admin,
+        json={"max_fraction": 1, "max_leases": 4, "max_lease_fraction": 1},
+    )
+    assert r.status_code == 200, r.text
+    (first,) = hub.leases("student01")
+    with holding(hub, "student59", 0.98) as filler, holding(hub, "student03", 0.02, wait=True):
+        context, page = open_lab(chromium, hub, "student02")
+        open_gpu_notebook(page)
+        text = wait_status(page, r"^GPU queue: 2nd of 2")
+        toast = page.locator(TOAST).filter(has_text="waits for a GPU")
+        toast.first.wait_for(timeout=30_000)
+        assert "2nd of 2 in the GPU queue" in toast.first.inner_text()
+        assert toast.first.locator("button", has_text="Stop waiting").is_visible()
+        # a cell run now is kept, not dropped
+        page.click(".jp-NotebookPanel .jp-Cell .jp-InputArea-editor")
+        page.keyboard.type("print(6 * 7)")
+        page.keyboard.press("Shift+Enter")
+        kept = page.locator(".jp-NotebookPanel .jp-Cell").first
+        kept.locator(".jp-OutputArea-output", has_text="Waiting for a GPU").wait_for(timeout=10_000)
+        page.screenshot(path=str(shots / "lab-waiting.png"))
+        page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-queue.png"))
+        # student01's kernel ends: student03 gets that share, student02 moves up
+        r = hub.req(
+            "DELETE",
+            f"{hub.url}/user/student01/api/kernels/{first['kernel_id']}",
+            hub.token("student01"),
+        )
+        assert r.status_code == 204, r.text
+        text = wait_status(page, r"^GPU queue: 1st of 1")
+        page.wait_for_selector(f"{TOAST}:has-text('1st of 1 in the GPU queue')", timeout=30_000)
+        # the filler ends: student02's kernel starts and runs the kept cell, once
+        hub.req("DELETE", f"{hub.broker}/api/v1/leases/{filler['id']}", hub.token("student59"))
+        wait_status(page, r"^GPU 0\.02 · V100", timeout=KERNEL_MS / 1000)
+        kept.locator(".jp-OutputArea-output", has_text="42").wait_for(timeout=KERNEL_MS)
+        outputs = [x.strip() for x in kept.locator(".jp-OutputArea-output").all_inner_texts()]
+        assert outputs == ["42"], outputs
+        assert kept.locator(".jp-InputPrompt").inner_text().strip() == "[1]:"
+        context.close()
+    assert text
+
+
+def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) -> None:
+    with holding(hub, "student59", 0.98):
+        context, page = open_lab(chromium, hub, "student02")
+        open_gpu_notebook(page)
+        wait_status(page, r"^GPU queue: 1st of 1")
+        toast = page.locator(TOAST).filter(has_text="waits for a GPU")
+        toast.first.wait_for(timeout=30_000)
+        assert len(hub_queue(hub)) == 1
+        toast.first.locator("button", has_text="Stop waiting").click()
+        dialog = page.locator(".jp-Dialog")
+        dialog.wait_for(timeout=30_000)
+        assert "You stopped waiting for a GPU" in dialog.inner_text()
+        assert hub_queue(hub) == []
+        page.locator(".jp-Dialog button", has_text="Ok").click()
+        assert len(hub.leases("student02")) == 1  # the first notebook's lease is untouched
+        context.close()
+
+
+def hub_queue(hub: Hub) -> list[dict[str, Any]]:
+    r = hub.req("GET", f"{hub.broker}/api/v1/queue")
+    assert r.status_code == 200, r.text
+    return list(r.json()["queue"])
+
+
+def test_revoke_reason_reaches_the_student(chromium: Any, hub: Hub, tmp_path: Path) -> None:
+    context, page = open_lab(chromium, hub, "student02", "lab/tree/Untitled.ipynb")
+    wait_status(page, r"^GPU 0\.02 · V100", timeout=60)
+    kernel_id = session_kernel(hub, "student02", "Untitled.ipynb")
+    (lease,) = [x for x in hub.leases("student02") if x["kernel_id"] == kernel_id]
+    r = hub.req(
+        "POST",
+        f"{hub.broker}/api/v1/leases/{lease['id']}/revoke",
+        json={"reason": "maintenance at 18:00"},
+    )
+    assert r.status_code == 200, r.text
+    toast = page.locator(TOAST).filter(has_text="maintenance at 18:00")
+    toast.first.wait_for(timeout=60_000)
+    assert "Untitled.ipynb was revoked: maintenance at 18:00" in toast.first.inner_text()
+    wait_status(page, r"^GPU lease revoked$")
+    page.screenshot(path=str(tmp_path / "lab-revoked.png"))
+    context.close()
+    # reopening the notebook in a fresh page says it again
+    context, page = open_lab(chromium, hub, "student02", "lab/tree/Untitled.ipynb")
+    toast = page.locator(TOAST).filter(has_text="maintenance at 18:00")
+    toast.first.wait_for(timeout=60_000)
+    context.close()

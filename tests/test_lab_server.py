@@ -1,0 +1,201 @@
+"""The jupyter_server extension ``provisioner.lab`` without a browser: real processes.
+
+A real broker (1x32768:V100, TTL 3 s) and a real Jupyter server with GPU kernelspecs of
+0.5 (two fill the GPU) and the extension enabled; kernels start the way JupyterLab starts
+a notebook's kernel (``POST /api/sessions`` with a temporary path and the notebook's name,
+answered only once the kernel has started). What the browser reads,
+``GET /gpu-lease/api/kernels``, is checked at each step: the lease of a running kernel;
+a waiting kernel's place in the queue, before its first long-poll answer and moving when
+a lease ends; "Stop waiting" (``DELETE .../request``) failing the start with a sentence
+that says so; an admin's revoke reason kept after the kernel is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from provisioner.devtools.labserver import JupyterServerProcess, install_kernelspecs
+from provisioner.devtools.testing import BrokerProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+USERS = {"alice": ([], False), "admin": ([], True)}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProcess, Any]]:
+    tmp = tmp_path_factory.mktemp("lab")
+    broker = BrokerProcess(
+        tmp,
+        f"sqlite:///{tmp / 'b.sqlite'}",
+        USERS,
+        extra=("--ttl", "3", "--GPULeaseBroker.reap_interval=0.5"),
+    )
+    broker.start()
+    (spec,) = install_kernelspecs(tmp / "prefix", [0.5])
+    server = JupyterServerProcess(
+        tmp,
+        broker.url,
+        broker.tokens["alice"],
+        kernels_prefix=tmp / "prefix",
+        # the provisioner's long-poll stays out longer than the test waits: positions
+        # must come from the server extension's own look at the queue
+        config={"GPULeaseProvisioner": {"long_poll": 60.0}},
+    )
+    server.spec = spec  # type: ignore[attr-defined]
+    try:
+        server.start()
+        yield broker, server
+    finally:
+        server.stop()
+        broker.stop()
+
+
+def wait_for(what: Callable[[], Any], timeout: float = 30.0, message: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(message or f"timed out waiting for {what}")
+
+
+class Start(threading.Thread):
+    """One notebook's kernel start, as JupyterLab posts it (blocks until started or failed)."""
+
+    def __init__(self, server: Any, notebook: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.notebook = server, notebook
+        self.response: httpx.Response | None = None
+        self.start()
+
+    def run(self) -> None:
+        body = self.server.session_body(str(uuid.uuid4()), self.server.spec)
+        body["name"] = self.notebook
+        with httpx.Client(
+            base_url=self.server.url,
+            headers={"Authorization": f"token {self.server.token}"},
+            timeout=120,
+        ) as http:
+            r = http.post("/api/sessions", json=body)
+            if r.status_code == 201:  # JupyterLab then moves the session to the real path
+                r2 = http.patch(f"/api/sessions/{r.json()['id']}", json={"path": self.notebook})
+                assert r2.status_code == 200, r2.text
+            self.response = r
+
+    def result(self, timeout: float = 60.0) -> httpx.Response:
+        self.join(timeout)
+        assert self.response is not None, "the kernel start did not answer"
+        return self.response
+
+
+def by_path(server: Any) -> dict[str, dict[str, Any]]:
+    return {k.get("path", ""): k for k in server.gpu_kernels() if k["state"] != "released"}
+
+
+def test_needs_the_servers_authentication(stack: Any) -> None:
+    _, server = stack
+    r = httpx.get(f"{server.url}/gpu-lease/api/kernels")
+    assert r.status_code == 403
+    r = httpx.get(f"{server.url}/gpu-lease/api/kernels", headers={"Authorization": "token nope"})
+    assert r.status_code == 403
+    assert server.gpu_kernels() == []
+
+
+def test_waiting_kernel_shows_its_place_which_moves_then_runs(stack: Any) -> None:
+    broker, server = stack
+    first, second = Start(server, "a.ipynb"), Start(server, "b.ipynb")
+    for s in (first, second):
+        assert s.result().status_code == 201, s.response.text if s.response else ""
+    mine = by_path(server)
+    a = mine["a.ipynb"]
+    assert a["state"] == "active" and a["fraction"] == 0.5
+    assert a["lease"]["gpu"]["name"] == "V100" and a["lease"]["memory_limit_mb"] == 16384 - 512
+    assert a["lease"]["kernel_id"] == a["kernel_id"]
+    # two more notebooks: the pool is full, both wait; their places show within seconds
+    third, fourth = Start(server, "c.ipynb"), Start(server, "d.ipynb")
+    waiting = wait_for(
+        lambda: (
+            (m := by_path(server)).get("c.ipynb", {}).get("position")
+            and m.get("d.ipynb", {}).get("position")
+            and m
+        ),
+        message="the waiting kernels' places never showed",
+    )
+    c, d = waiting["c.ipynb"], waiting["d.ipynb"]
+    assert (c["state"], d["state"]) == ("waiting", "waiting")
+    assert {c["position"], d["position"]} == {1, 2} and c["waiting"] == d["waiting"] == 2
+    assert c["fraction"] == 0.5 and "lease" not in c
+    later = "c.ipynb" if c["position"] == 2 else "d.ipynb"
+    sooner = "d.ipynb" if later == "c.ipynb" else "c.ipynb"
+    # a lease ends: the first in line gets it, the second moves up
+    r = server.http.delete(f"/api/kernels/{a['kernel_id']}")
+    assert r.status_code == 204
+    moved = wait_for(
+        lambda: (m := by_path(server)).get(later, {}).get("position") == 1 and m,
+        message="the place in the queue did not move when a lease ended",
+    )
+    assert moved[sooner]["state"] == "active"
+    assert moved[later]["waiting"] == 1
+    starts = {"c.ipynb": third, "d.ipynb": fourth}
+    assert starts[sooner].result().status_code == 201
+    # stop waiting: the start fails with a sentence that says so, the queue place is gone
+    kernel_id = moved[later]["kernel_id"]
+    r = server.http.delete(f"/gpu-lease/api/kernels/{kernel_id}/request")
+    assert r.status_code == 204, r.text
+    failed = starts[later].result()
+    assert failed.status_code >= 400
+    assert "You stopped waiting for a GPU" in failed.json()["message"], failed.text
+    assert later not in by_path(server)
+    queue = httpx.get(
+        f"{broker.url}/api/v1/queue", headers={"Authorization": f"token {broker.tokens['admin']}"}
+    ).json()["queue"]
+    assert queue == []
+    # not waiting (any more): 404
+    r = server.http.delete(f"/gpu-lease/api/kernels/{kernel_id}/request")
+    assert r.status_code == 404
+
+
+def test_revoked_lease_keeps_its_reason_after_the_kernel_is_gone(stack: Any) -> None:
+    broker, server = stack
+    running = {p: k for p, k in by_path(server).items() if k["state"] == "active"}
+    path, record = sorted(running.items())[0]
+    lease_id = record["lease"]["id"]
+    r = httpx.post(
+        f"{broker.url}/api/v1/leases/{lease_id}/revoke",
+        headers={"Authorization": f"token {broker.tokens['admin']}"},
+        json={"reason": "maintenance at 18:00"},
+    )
+    assert r.status_code == 200, r.text
+    ended = wait_for(
+        lambda: (k := by_path(server).get(path)) and k["state"] == "revoked" and k,
+        message="the revoke never reached the server extension",
+    )
+    assert ended["reason"] == "maintenance at 18:00"
+    assert ended["lease"]["state"] == "revoked" and ended["lease"]["reason"] == ended["reason"]
+    assert ended["kernel_id"] == record["kernel_id"]
+    # the kernel was shut down; the record stays for the notebook's next opening
+    wait_for(
+        lambda: record["kernel_id"] not in {k["id"] for k in server.http.get("/api/kernels").json()}
+    )
+    assert by_path(server)[path]["state"] == "revoked"
+
+
+def test_server_stop_releases_everything(stack: Any, tmp_path: Path) -> None:
+    broker, server = stack
+    server.stop()
+    leases = httpx.get(
+        f"{broker.url}/api/v1/leases",
+        params={"all": "1"},
+        headers={"Authorization": f"token {broker.tokens['admin']}"},
+    ).json()["leases"]
+    assert [x for x in leases if x["state"] == "active"] == []
