@@ -1,0 +1,358 @@
+"""``gpu-lease agent``: the broker's presence on a GPU node.
+
+One agent runs on each GPU node (a systemd unit or a container; see docs/admins.md).
+It registers the node's GPUs with the broker (``PUT /api/v1/nodes/{node}``), then every
+``interval`` seconds samples the GPU memory each process uses (NVML's
+``nvmlDeviceGetComputeRunningProcesses``) and heartbeats it
+(``POST /api/v1/nodes/{node}/heartbeat``). A node whose agent is silent longer than the
+broker's ``node_grace`` is *lost*: nothing new is placed there until the agent comes
+back. A clean stop (SIGTERM, SIGINT) *drains* the node (``DELETE``): held leases stay,
+nothing new lands there; the agent's next start registers it again.
+
+Like jupyterhub-idle-culler, :class:`GPULeaseAgent` only turns traits into arguments:
+the loop is the plain async function :func:`run_agent`, called with a
+:class:`~provisioner.client.BrokerClient`, the node's GPUs and a sampler.
+
+The token is read from ``GPU_LEASE_AGENT_TOKEN`` (never a config value, so that it is not
+written into config files): a token the broker's tokens file marks
+``{"agent": true, "node": "NODE"}``, which may call only the node routes of that node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from traitlets import CaselessStrEnum, Float, Unicode, default
+from traitlets.config import Application
+
+from . import inventory
+from ._version import __version__
+from .client import BrokerClient
+from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
+from .model import GPU
+
+log = logging.getLogger("gpu_lease.agent")
+
+#: what one sample returns: ``(pid, gpu_uuid, used_mb)`` per process and GPU
+Sample = list[tuple[int, str, int]]
+#: seconds between two registration attempts while the broker cannot be reached
+REGISTER_RETRY = 2.0
+#: the enforcement modes (``--enforce``)
+ENFORCE_MODES = ("off", "report", "revoke", "kill")
+
+
+def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
+    """The ``gpus`` of a registration body."""
+    return [
+        {"uuid": g.uuid, "name": g.name, "memory_mb": g.memory_mb, "index": g.index} for g in gpus
+    ]
+
+
+def node_gpus(spec: str, node: str, nvml: Any = inventory.NVML_MODULE) -> list[GPU]:
+    """The node's GPUs: ``nvml`` discovers them; a declaration ``2x16384:T4`` declares them.
+
+    Declared GPUs get stable UUIDs derived from ``node`` (two nodes declaring the same
+    shapes get different GPUs). Raises :class:`~provisioner.errors.InventoryError`.
+    """
+    if spec.strip().lower() == "nvml":
+        return inventory.discover_nvml(node, nvml=nvml)
+    return [
+        GPU(
+            inventory.declared_uuid(node, g.index, g.name, g.memory_mb),
+            node,
+            g.name,
+            g.memory_mb,
+            g.index,
+        )
+        for g in inventory.parse_gpu_spec(spec)
+    ]
+
+
+def parent_of(pid: int, proc: str = "/proc") -> int | None:
+    """The parent pid of ``pid`` from ``/proc/PID/stat`` (None if it is gone or unreadable)."""
+    try:
+        with open(f"{proc}/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kernel_of(pid: int, kernels: set[int], proc: str = "/proc") -> int | None:
+    """The kernel pid in ``kernels`` that ``pid`` is or descends from, else None."""
+    seen = 0
+    current: int | None = pid
+    while current is not None and current > 1 and seen < 64:
+        if current in kernels:
+            return current
+        current = parent_of(current, proc)
+        seen += 1
+    return None
+
+
+def attribute(samples: Sample, kernels: set[int]) -> tuple[Sample, dict[int, list[int]]]:
+    """Report each GPU process under its kernel's pid (children count for their kernel).
+
+    Returns the samples as reported and, per kernel pid, its GPU processes' pids (what
+    ``--enforce kill`` kills).
+    """
+    out: Sample = []
+    members: dict[int, list[int]] = {}
+    for pid, uuid, used in samples:
+        root = kernel_of(pid, kernels) if kernels else None
+        if root is None:
+            out.append((pid, uuid, used))
+        else:
+            out.append((root, uuid, used))
+            members.setdefault(root, []).append(pid)
+    return out, members
+
+
+def kill_processes(pids: list[int]) -> None:
+    """SIGKILL each pid (``--enforce kill``); one already gone is fine."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("Killed GPU process %d of a revoked lease", pid)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            log.error("Not allowed to kill GPU process %d: run the agent as root", pid)
+
+
+def merge_samples(samples: Sample) -> list[dict[str, Any]]:
+    """Heartbeat ``usage``: one entry per (pid, GPU), memory summed (MIG lists a pid twice)."""
+    total: dict[tuple[int, str], int] = {}
+    for pid, uuid, used in samples:
+        total[(pid, uuid)] = total.get((pid, uuid), 0) + used
+    return [{"pid": p, "gpu_uuid": u, "used_mb": m} for (p, u), m in sorted(total.items())]
+
+
+class NVMLSampler:
+    """Per-process GPU memory from NVML, kept initialized while the agent runs."""
+
+    def __init__(self, nvml: Any = inventory.NVML_MODULE) -> None:
+        self.nvml: Any = inventory._nvml_module(nvml)
+        self.nvml.nvmlInit()
+
+    def __call__(self) -> Sample:
+        return inventory.running_processes(self.nvml)
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 - a failing shutdown at exit changes nothing
+            pass
+
+
+def no_samples() -> Sample:
+    """The sampler of a node declared with ``--gpus SPEC``: NVML cannot say anything."""
+    return []
+
+
+async def _register(
+    client: BrokerClient, node: str, gpus: list[GPU], stop: asyncio.Event, enforce: str
+) -> bool:
+    """Register until it works (the broker may start after the agent); False if stopped."""
+    while not stop.is_set():
+        try:
+            answer = await client.register_node(node, gpu_records(gpus), __version__, enforce)
+        except (BrokerUnavailable, StoreError) as exc:
+            log.warning("Cannot register node %s yet: %s", node, exc.message)
+        else:
+            log.info("Registered node %s with %d GPU(s): %s", node, len(gpus), answer.get("state"))
+            return True
+        try:
+            await asyncio.wait_for(stop.wait(), REGISTER_RETRY)
+        except asyncio.TimeoutError:
+            pass
+    return False
+
+
+async def run_agent(
+    client: BrokerClient,
+    node: str,
+    gpus: list[GPU],
+    sample: Callable[[], Sample],
+    interval: float,
+    stop: asyncio.Event,
+    enforce: str = "report",
+) -> None:
+    """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
+
+    Called by :meth:`GPULeaseAgent.serve`. A broker that forgot the node (404) gets it
+    registered again; a broker that cannot be reached is tried again at the next beat.
+    A refusal (a token of another node, a GPU another node has) raises. Each heartbeat's
+    answer names the kernel pids of the node's leases (``watch``): the next sample reports
+    their descendants' memory under the kernel's pid; with ``enforce="kill"`` the GPU
+    processes of the kernels the broker names in ``kill`` are killed at once.
+    """
+    if not await _register(client, node, gpus, stop, enforce):
+        return
+    kernels: set[int] = set()
+    while not stop.is_set():
+        members: dict[int, list[int]] = {}
+        try:
+            samples, members = attribute(sample(), kernels)
+            usage = merge_samples(samples)
+        except GPULeaseError as exc:
+            log.warning("%s", exc.message)
+            usage = []
+        try:
+            beat = await client.node_heartbeat(node, usage, at=time.time())
+            kernels = {int(p) for p in beat.get("watch", [])}
+            if enforce == "kill":
+                for root in beat.get("kill", []):
+                    kill_processes(members.get(int(root), []))
+        except LeaseNotFound:
+            log.warning("The broker does not know node %s (any more); registering again", node)
+            if not await _register(client, node, gpus, stop, enforce):
+                return
+        except (BrokerUnavailable, StoreError) as exc:
+            log.warning("Heartbeat of node %s failed: %s", node, exc.message)
+        try:
+            await asyncio.wait_for(stop.wait(), interval)
+        except asyncio.TimeoutError:
+            pass
+    try:
+        await client.drain_node(node)
+        log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
+    except GPULeaseError as exc:
+        log.warning("Could not drain node %s on the way out: %s", node, exc.message)
+
+
+class GPULeaseAgent(Application):
+    """``gpu-lease agent``: register this node's GPUs with the broker and heartbeat."""
+
+    name = "gpu-lease-agent"
+    version = __version__
+    description = "Register this node's GPUs with the gpu-lease broker and heartbeat their usage."
+
+    aliases = {
+        "broker-url": "GPULeaseAgent.broker_url",
+        "node": "GPULeaseAgent.node",
+        "gpus": "GPULeaseAgent.gpus",
+        "enforce": "GPULeaseAgent.enforce",
+        "interval": "GPULeaseAgent.interval",
+        "log-level": "Application.log_level",
+    }
+
+    broker_url = Unicode(
+        help="The broker's base URL, e.g. http://broker.example.org:10101 (default: "
+        "$GPU_LEASE_URL).",
+    ).tag(config=True)
+
+    @default("broker_url")
+    def _default_url(self) -> str:
+        return os.environ.get("GPU_LEASE_URL", "")
+
+    node = Unicode(
+        help="This node's name as the broker and provisioners know it (GPU_LEASE_NODE, Slurm "
+        "or Kubernetes node name). Default: $GPU_LEASE_NODE, else the host name.",
+    ).tag(config=True)
+
+    @default("node")
+    def _default_node(self) -> str:
+        return os.environ.get("GPU_LEASE_NODE") or socket.gethostname()
+
+    gpus = Unicode(
+        "nvml",
+        help="'nvml' (default: discover this node's GPUs with NVML, and sample per-process "
+        "memory) or a declaration COUNTxMEMORY_MiB[:NAME] for a node without NVML "
+        "(no per-process usage then).",
+    ).tag(config=True)
+
+    enforce = CaselessStrEnum(
+        ENFORCE_MODES,
+        default_value="report",
+        help="What to do with a kernel that uses more GPU memory than its lease: 'off' "
+        "(usage is reported, over-use is not flagged), 'report' (default: over-use is "
+        "flagged in top, /metrics and the broker's log; nothing is stopped), 'revoke' (the "
+        "broker revokes its lease and its provisioner stops the kernel), 'kill' (revoke "
+        "and kill its GPU processes at once). See docs/admins.md for what each guarantees.",
+    ).tag(config=True)
+
+    interval = Float(
+        5.0,
+        help="Seconds between heartbeats (each carries one sample). Keep it well below the "
+        "broker's node_grace (default 30 s). Default: 5.",
+    ).tag(config=True)
+
+    nvml_module = Unicode(
+        inventory.NVML_MODULE,
+        help="The NVML binding's module name (nvidia-ml-py installs 'pynvml').",
+    ).tag(config=True)
+
+    @default("log_level")
+    def _default_log_level(self) -> int:
+        return logging.INFO
+
+    def start(self) -> None:
+        """Run until SIGTERM/SIGINT (exit 0 after draining); exit 2 on a configuration error."""
+        logging.basicConfig(
+            level=int(self.log_level),  # type: ignore[call-overload]
+            format="[%(levelname)1.1s %(asctime)s %(name)s] %(message)s",
+            stream=sys.stderr,
+        )
+        try:
+            status = asyncio.run(self.serve())
+        except KeyboardInterrupt:
+            status = 0
+        if status:
+            self.exit(status)
+
+    async def serve(self) -> int:
+        token = os.environ.get("GPU_LEASE_AGENT_TOKEN", "")
+        if not self.broker_url:
+            log.critical("No broker URL: pass --broker-url URL (or set GPU_LEASE_URL).")
+            return 2
+        if not token:
+            log.critical(
+                "No agent token: set GPU_LEASE_AGENT_TOKEN to a token the broker's tokens file "
+                'lists as {"agent": true, "node": "%s"}.',
+                self.node,
+            )
+            return 2
+        try:
+            gpus = node_gpus(self.gpus, self.node, self.nvml_module)
+        except GPULeaseError as exc:
+            log.critical("%s", exc.message)
+            return 2
+        sampler: Callable[[], Sample] = no_samples
+        nvml_sampler: NVMLSampler | None = None
+        if self.gpus.strip().lower() == "nvml":
+            nvml_sampler = NVMLSampler(self.nvml_module)
+            sampler = nvml_sampler
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        client = BrokerClient(self.broker_url, token, retries=1, timeout=10.0)
+        try:
+            await run_agent(client, self.node, gpus, sampler, self.interval, stop, self.enforce)
+        except GPULeaseError as exc:
+            log.critical("The broker refused node %s: %s", self.node, exc.message)
+            return 1
+        finally:
+            await client.aclose()
+            if nvml_sampler is not None:
+                nvml_sampler.close()
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``gpu-lease agent [options]``; returns 0 (errors exit with their status)."""
+    GPULeaseAgent.launch_instance(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""A stand-in for nvidia-ml-py's ``pynvml`` (a foreign library NVML cannot back here).
+
+Put this directory first on a subprocess's ``PYTHONPATH``; the GPUs and processes come
+from the JSON file named by ``FAKE_NVML_FILE``, read again at every call so a test can
+change them while the agent runs::
+
+    {"gpus": [{"uuid": "GPU-1", "name": "T4", "memory_mb": 16384}],
+     "processes": {"GPU-1": [{"pid": 1234, "used_mb": 900}]}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+from typing import Any
+
+
+class NVMLError(Exception):
+    value = 999
+
+
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+_MiB = 1024 * 1024
+
+
+def _state() -> dict[str, Any]:
+    with open(os.environ["FAKE_NVML_FILE"]) as f:
+        return dict(json.load(f))
+
+
+def nvmlInit() -> None:
+    _state()
+
+
+def nvmlShutdown() -> None:
+    pass
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    return str(_state().get("driver", "550.54.15"))
+
+
+def nvmlDeviceGetCount() -> int:
+    return len(_state()["gpus"])
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> int:
+    if not 0 <= index < nvmlDeviceGetCount():
+        raise NVMLError("Invalid Argument")
+    return index
+
+
+def _gpu(handle: int) -> dict[str, Any]:
+    return dict(_state()["gpus"][handle])
+
+
+def nvmlDeviceGetUUID(handle: int) -> str:
+    return str(_gpu(handle)["uuid"])
+
+
+def nvmlDeviceGetName(handle: int) -> str:
+    return str(_gpu(handle)["name"])
+
+
+def nvmlDeviceGetMemoryInfo(handle: int) -> Any:
+    total = int(_gpu(handle)["memory_mb"]) * _MiB
+    return SimpleNamespace(total=total, free=total, used=0)
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[Any]:
+    uuid = nvmlDeviceGetUUID(handle)
+    procs = _state().get("processes", {}).get(uuid, [])
+    return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p["used_mb"] * _MiB) for p in procs]

@@ -1,0 +1,303 @@
+"""``gpu-lease agent`` as a REAL subprocess against a REAL broker subprocess.
+
+NVML cannot exist here: the agent gets a stand-in ``pynvml`` (``tests/fake_nvml``, first
+on its ``PYTHONPATH``) that reports the GPUs and processes a JSON file declares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .test_nodes import NodeBroker, node_state, pool, wait_for
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FAKE_NVML = HERE / "fake_nvml"
+
+
+class Agent:
+    """``python -m provisioner.agent`` for one node, its NVML state in a JSON file."""
+
+    def __init__(self, broker: NodeBroker, node: str, tmp: Path, *args: str) -> None:
+        self.broker = broker
+        self.node = node
+        self.args = args
+        self.nvml_file = tmp / f"nvml-{node}.json"
+        self.gpus = [
+            {"uuid": f"GPU-{node}-{i}-{uuid.uuid4().hex[:8]}", "name": "T4", "memory_mb": 16384}
+            for i in range(2)
+        ]
+        self.set_processes({})
+        self.log_path = tmp / f"agent-{node}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def set_processes(self, processes: dict[str, list[dict[str, int]]]) -> None:
+        tmp = self.nvml_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gpus": self.gpus, "processes": processes}))
+        os.replace(tmp, self.nvml_file)
+
+    def start(self, token_of: str | None = None) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(FAKE_NVML), str(ROOT), env.get("PYTHONPATH", "")])
+        env["FAKE_NVML_FILE"] = str(self.nvml_file)
+        env["GPU_LEASE_AGENT_TOKEN"] = self.broker.tokens[f"agent:{token_of or self.node}"]
+        cmd = [sys.executable, "-m", "provisioner.agent", "--broker-url", self.broker.url]
+        cmd += ["--node", self.node, "--interval", "0.3", *self.args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def signal(self, sig: int) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        return self.proc.wait(20)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def nb(tmp_path: Path) -> Iterator[NodeBroker]:
+    b = NodeBroker(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        ("--GPULeaseBroker.node_grace=3", "--GPULeaseBroker.reap_interval=0.2"),
+    )
+    b.start(timeout=60)
+    try:
+        yield b
+    finally:
+        b.stop()
+        b.kill9()
+    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
+
+
+@pytest.fixture
+def agents(nb: NodeBroker, tmp_path: Path) -> Iterator[dict[str, Agent]]:
+    made = {node: Agent(nb, node, tmp_path) for node in ("gpu-a", "gpu-b")}
+    try:
+        yield made
+    finally:
+        for agent in made.values():
+            agent.stop()
+
+
+def nodes_of(nb: NodeBroker, who: str = "admin") -> dict[str, dict[str, Any]]:
+    with nb.http(who) as c:
+        return {n["node"]: n for n in c.get("/nodes").json()["nodes"]}
+
+
+def test_two_agents_register_and_report_processes(nb: NodeBroker, agents: dict[str, Agent]) -> None:
+    a, b = agents["gpu-a"], agents["gpu-b"]
+    a.set_processes({a.gpus[1]["uuid"]: [{"pid": 4321, "used_mb": 700}]})
+    a.start()
+    b.start()
+    wait_for(lambda: set(nodes_of(nb)) == {"gpu-a", "gpu-b"})
+    with nb.http("alice") as u:
+        gpus = pool(u)
+    assert {g["uuid"] for g in a.gpus + b.gpus} <= set(gpus)
+    assert gpus[a.gpus[0]["uuid"]]["node"] == "gpu-a"
+    wait_for(lambda: nodes_of(nb)["gpu-a"]["usage"] != [])
+    assert nodes_of(nb)["gpu-a"]["usage"] == [
+        {"pid": 4321, "gpu_uuid": a.gpus[1]["uuid"], "used_mb": 700}
+    ]
+    assert nodes_of(nb)["gpu-b"]["usage"] == []
+
+
+def test_killed_agent_loses_its_node_until_it_restarts(
+    nb: NodeBroker, agents: dict[str, Agent]
+) -> None:
+    a = agents["gpu-a"]
+    a.start()
+    wait_for(lambda: nodes_of(nb).get("gpu-a", {}).get("state") == "up")
+    assert a.signal(signal.SIGKILL) == -signal.SIGKILL
+    with nb.http("alice") as u:
+        wait_for(lambda: node_state(u, "gpu-a") == "lost")
+        ask = {"kernel_id": "k1", "fraction": 0.25, "node": "gpu-a"}
+        assert u.post("/leases", json=ask).status_code == 202  # no placement on a lost node
+        a.start()
+        wait_for(lambda: node_state(u, "gpu-a") == "up")
+        r = u.post("/leases", json=ask)
+        assert r.status_code in (200, 201) and r.json()["gpu"]["node"] == "gpu-a"
+        # the restarted agent registered the same GPUs again, not a second copy
+        assert sum(1 for g in pool(u).values() if g["node"] == "gpu-a") == 2
+
+
+def test_clean_stop_drains_the_node(nb: NodeBroker, agents: dict[str, Agent]) -> None:
+    a = agents["gpu-a"]
+    a.start()
+    wait_for(lambda: nodes_of(nb).get("gpu-a", {}).get("state") == "up")
+    with nb.http("alice") as u:
+        held = u.post("/leases", json={"kernel_id": "k1", "fraction": 0.25, "node": "gpu-a"})
+        assert held.status_code == 201
+        assert a.signal(signal.SIGTERM) == 0
+        assert node_state(u, "gpu-a") == "drained"
+        ask = {"kernel_id": "k2", "fraction": 0.25, "node": "gpu-a"}
+        assert u.post("/leases", json=ask).status_code == 202
+        assert u.get(f"/leases/{held.json()['id']}").json()["state"] == "active"
+    assert "Drained node gpu-a" in a.log_path.read_text()
+
+
+def test_agent_without_nvml_declares_its_gpus(nb: NodeBroker, tmp_path: Path) -> None:
+    agent = Agent(nb, "gpu-b", tmp_path, "--gpus", "1x24576:L4")
+    try:
+        agent.start()
+        wait_for(lambda: nodes_of(nb).get("gpu-b", {}).get("state") == "up")
+        (gpu,) = nodes_of(nb)["gpu-b"]["gpus"]
+        assert (gpu["name"], gpu["memory_mb"], gpu["node"]) == ("L4", 24576, "gpu-b")
+        assert gpu["uuid"] not in {g["uuid"] for g in agent.gpus}  # NVML was not asked
+    finally:
+        agent.stop()
+
+
+def test_agent_with_another_nodes_token_is_refused(nb: NodeBroker, tmp_path: Path) -> None:
+    agent = Agent(nb, "gpu-a", tmp_path)
+    agent.start(token_of="gpu-b")
+    assert agent.proc is not None and agent.proc.wait(30) == 1
+    assert "belongs to node 'gpu-b'" in agent.log_path.read_text()
+    assert nodes_of(nb) == {}
+
+
+# -- per-lease usage and enforcement -------------------------------------------------------
+
+KERNEL = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+class Kernel:
+    """A real process standing for a kernel, with a child that holds GPU memory."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        self.child = int(self.proc.stdout.readline())
+
+    def child_alive(self) -> bool:
+        try:
+            os.kill(self.child, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{self.child}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+    def stop(self) -> None:
+        for pid in (self.child, self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def enforcing(tmp_path: Path) -> Iterator[NodeBroker]:
+    b = NodeBroker(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        (
+            "--GPULeaseBroker.node_grace=5",
+            "--GPULeaseBroker.overuse_grace=1",
+            "--GPULeaseBroker.overuse_tolerance_mb=0",
+            "--GPULeaseBroker.reap_interval=0.2",
+        ),
+    )
+    b.start(timeout=60)
+    try:
+        yield b
+    finally:
+        b.stop()
+        b.kill9()
+    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
+
+
+@pytest.mark.parametrize("mode", ["revoke", "kill"])
+def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
+    enforcing: NodeBroker, tmp_path: Path, mode: str
+) -> None:
+    agent = Agent(enforcing, "gpu-a", tmp_path, "--enforce", mode)
+    hog, modest = Kernel(), Kernel()
+    try:
+        agent.start()
+        wait_for(lambda: nodes_of(enforcing).get("gpu-a", {}).get("state") == "up")
+        gpu = agent.gpus[0]["uuid"]
+        with enforcing.http("alice") as u:
+            leases = {}
+            for name, kernel in (("hog", hog), ("modest", modest)):
+                ask = {"kernel_id": name, "fraction": 0.1, "gpu_uuids": [gpu]}
+                r = u.post("/leases", json=ask)
+                assert r.status_code == 201, r.text
+                leases[name] = r.json()
+                # the provisioner reports the kernel's pid in its renewals
+                r = u.post(f"/leases/{r.json()['id']}/renew", json={"pid": kernel.proc.pid})
+                assert r.status_code == 200
+            cap = leases["hog"]["memory_limit_mb"]  # 1126 MiB: 0.1 of 16 GiB less 512
+            agent.set_processes(
+                {
+                    gpu: [
+                        {"pid": hog.child, "used_mb": 4000},  # a child of the hog kernel
+                        {"pid": modest.child, "used_mb": cap},  # at its cap: never touched
+                        {"pid": 999_999, "used_mb": 300},  # nobody's
+                    ]
+                }
+            )
+
+            def state(name: str) -> dict[str, Any]:
+                return dict(u.get(f"/leases/{leases[name]['id']}").json())
+
+            wait_for(lambda: state("modest")["used_mb"] == cap)
+            assert state("modest")["enforcement"] == f"agent-{mode}"
+            wait_for(lambda: state("hog")["state"] == "revoked", timeout=30)
+            reason = state("hog")["reason"]
+            assert "used 3.9 GiB of GPU memory on a 1.6 GiB lease" in reason, reason
+            r = u.post(f"/leases/{leases['hog']['id']}/renew", json={"pid": hog.proc.pid})
+            assert r.status_code == 410 and "3.9 GiB" in r.json()["message"]
+            assert state("modest")["state"] == "active"
+        metrics = httpx.get(f"{enforcing.url}/metrics", timeout=30).text
+        assert 'gpu_lease_nodes{state="up"} 1.0' in metrics
+        used_line = next(
+            x
+            for x in metrics.splitlines()
+            if x.startswith("gpu_lease_gpu_used_memory_bytes") and gpu in x
+        )
+        assert float(used_line.split()[-1]) >= (cap + 300) * 1024 * 1024
+        top = subprocess.run(
+            [sys.executable, "-m", "provisioner", "top"],
+            env={
+                **os.environ,
+                "GPU_LEASE_URL": enforcing.url,
+                "GPU_LEASE_TOKEN": enforcing.tokens["admin"],
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert f"{cap}/{cap} MiB" in top.stdout, top.stdout + top.stderr
+        unleased = nodes_of(enforcing)["gpu-a"]["unleased"]
+        assert {"pid": 999_999, "gpu_uuid": gpu, "used_mb": 300} in unleased
+        if mode == "kill":
+            wait_for(lambda: not hog.child_alive())
+        else:
+            assert hog.child_alive()
+        assert modest.child_alive()
+    finally:
+        agent.stop()
+        hog.stop()
+        modest.stop()
