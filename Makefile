@@ -1,4 +1,5 @@
-# jupyter-gpu-lease: everything installs from nothing (a .venv, npm's configurable-http-proxy).
+# jupyter-gpu-lease: everything installs from nothing (a .venv, npm's configurable-http-proxy;
+# `pip install -e .` builds the JupyterLab extension from src/ with npm).
 # `make demo` runs the system on 127.0.0.1; `make test` runs every check CI runs.
 
 PYTHON ?= python3
@@ -8,9 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint typecheck unit bench clean chromium
+.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool
 
-install: $(STAMP) $(CHP) chromium
+install: $(STAMP) $(CHP) chromium promtool
 
 # Debian's chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
 chromium:
@@ -18,7 +19,17 @@ chromium:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	fi
 
-$(STAMP): pyproject.toml requirements-test.txt
+# Debian's prometheus for promtool: tests/test_metrics.py lints a live broker's /metrics with it
+promtool:
+	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
+	fi
+
+# the package build (hatch-jupyter-builder) runs `npm install` and `npm run build:prod` when
+# src/ is newer than provisioner/labextension; the extension is then copied into the venv
+LAB_SOURCES := package.json tsconfig.json $(wildcard src/*.ts schema/*.json style/*)
+
+$(STAMP): pyproject.toml requirements-test.txt $(LAB_SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-test.txt -e .
@@ -28,8 +39,22 @@ $(CHP): package.json
 	npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
-demo: install
-	$(BIN)/python -m provisioner.demo
+# `make demo` installs only what the demo runs: the package with its runtime dependencies
+# (and its JupyterLab extension, built by the package build), JupyterLab for the students,
+# and configurable-http-proxy; not the test toolchain (tensorflow, torch, playwright, mypy,
+# chromium). DEMO_ARGS: options of python -m provisioner.devtools.demo (e.g. --port 8001).
+DEMO_STAMP := $(VENV)/.demo-stamp
+DEMO_ARGS ?=
+
+demo-install: $(DEMO_STAMP) $(CHP)
+
+$(DEMO_STAMP): pyproject.toml requirements-demo.txt $(LAB_SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements-demo.txt -e .
+	touch $@
+
+demo: demo-install
+	$(BIN)/python -m provisioner.devtools.demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check provisioner tests benchmarks examples hub_config
@@ -48,4 +73,5 @@ bench: install
 	$(BIN)/python benchmarks/simulate.py
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo \
+		lib provisioner/labextension tsconfig.tsbuildinfo

@@ -264,12 +264,17 @@ class Classroom:
                     idle = True
             return "".join(out)
         finally:
+            protocol = conn.protocol  # close() forgets it
             conn.close()
-            try:  # wait for the server's close frame, so the socket is closed, not leaked
+            try:  # wait for the server's close frame (a clean close)
                 while await asyncio.wait_for(conn.read_message(), 5.0) is not None:
                     pass
             except (asyncio.TimeoutError, OSError):
                 pass
+            # Without the server's answer, tornado closes the socket only from a 5 s timer,
+            # which never fires once this event loop has ended: close it now (idempotent).
+            if protocol is not None and protocol.stream is not None:
+                protocol.stream.close()
 
     # -- broker ------------------------------------------------------------------------------
     async def leases(self, users: set[str] | None = None) -> list[dict[str, Any]]:

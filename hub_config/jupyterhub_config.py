@@ -1,7 +1,7 @@
 """JupyterHub configuration: a GPU classroom on one machine.
 
 ``jupyterhub -f hub_config/jupyterhub_config.py`` (``make demo`` runs it through
-``python -m provisioner.demo``, which sets the environment below and prints how to
+``python -m provisioner.devtools.demo``, which sets the environment below and prints how to
 log in). What it wires:
 
 - the broker as the hub-managed service ``gpu-lease`` (URL prefix /services/gpu-lease/),
@@ -29,11 +29,12 @@ RBAC, and why each scope:
                                        instructor's ``gpu-lease top`` works in a terminal.
 ``users:activity!user``,               the default ``server`` role's scopes, kept: a
 ``access:servers!server``              server reports activity; its token reaches itself.
-broker service: no scopes              it identifies callers by asking ``/hub/api/user``
-                                       *with the caller's token*; JupyterHub adds the
-                                       token owner's ``name``, ``admin`` and ``groups`` to
-                                       that model (identify scopes), so the broker needs no
-                                       ``read:users:groups`` of its own.
+``read:users:groups`` (the broker)      it identifies callers by asking ``/hub/api/user``
+                                       *with the caller's token* (JupyterHub adds the
+                                       owner's ``name``, ``admin`` and ``groups``: no scope
+                                       needed); this one scope lets it read *another*
+                                       user's groups for an admin's ``gpu-lease quota show
+                                       --user NAME`` (role ``gpu-lease-broker``).
 service ``gpu-lease-admin``            the demo's operator token (CLI, examples/classroom.py):
                                        admin:users, admin:servers, tokens, access:servers,
                                        list/read:users, the broker's access scope and
@@ -43,21 +44,24 @@ service ``gpu-lease-admin``            the demo's operator token (CLI, examples/
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import psutil
 from jupyterhub.app import JupyterHub
 from jupyterhub.spawner import SimpleLocalProcessSpawner
 
 from provisioner.broker.courses import load_courses
-from provisioner.inventory import NoGPUFound, discover_nvml
+from provisioner.errors import NoGPUFound
+from provisioner.inventory import discover_nvml
 
 c = get_config()  # noqa: F821 - provided by JupyterHub when it loads this file
 
@@ -164,6 +168,14 @@ roles = [
         "services": ["gpu-lease-admin"],
     },
 ]
+roles.append(
+    {
+        "name": "gpu-lease-broker",
+        "description": "The broker reads users' groups for an admin's effective-quota view.",
+        "scopes": ["read:users:groups"],
+        "services": [SERVICE],
+    }
+)
 if "extra_user_scopes" in JupyterHub.class_trait_names():  # JupyterHub >= 6
     c.JupyterHub.extra_user_scopes = {ACCESS_SCOPE}
 else:  # JupyterHub 5: redefine the user role with the same scope added
@@ -171,9 +183,16 @@ else:  # JupyterHub 5: redefine the user role with the same scope added
 c.JupyterHub.load_roles = roles
 
 # -- the broker, a hub-managed service ----------------------------------------------------
+# make demo (GPU_LEASE_FAST_EXIT=1) runs the broker and the servers through
+# provisioner/devtools/fastexit.py: they stop as usual but skip Python's teardown at exit,
+# so that Ctrl-C stops 60 servers in seconds rather than a minute
+FAST_EXIT = (
+    [sys.executable, "-m", "provisioner.devtools.fastexit"]
+    if env("GPU_LEASE_FAST_EXIT") == "1"
+    else []
+)
 broker_cmd = [
-    sys.executable,
-    "-m",
+    *(FAST_EXIT or [sys.executable, "-m"]),
     "provisioner.broker.app",
     "--auth",
     "hub",
@@ -208,22 +227,25 @@ c.JupyterHub.services = [
 
 # -- single-user servers ----------------------------------------------------------------
 SERVER_PORT_BASE = int(env("GPU_LEASE_SERVER_PORT_BASE") or 21000)
+#: servers listen on a port in [SERVER_PORT_BASE, SERVER_PORT_BASE + SERVER_PORT_SPAN)
+SERVER_PORT_SPAN = 8000
+#: ports a spawn tries before it fails (each one taken by someone else meanwhile)
+SERVER_PORT_ATTEMPTS = 3
 
 
-def _server_port(user_id: int) -> int:
-    """A port for the user's server below Linux's ephemeral range (32768+), free now.
+def _server_port() -> int:
+    """A random port below Linux's ephemeral range (32768+) that nothing listens on now.
 
-    The stock spawner picks a random *ephemeral* port and the server binds it only after
-    it has started (over a minute when 50 start at once), while every kernel takes 5
-    ephemeral ports meanwhile: with 50 students a port was taken by the time the server
-    bound it, and the hub, which counts any HTTP answer as "up", routed that student to
-    another student's server. Ports outside that range, one per user, cannot collide
-    with kernels. 0 (GPU_LEASE_SERVER_PORT_BASE=0) restores the stock random port.
+    The stock spawner picks a random *ephemeral* port, where kernels and outgoing
+    connections take ports all the time. A port outside that range, chosen at random
+    (not per user: two hubs on one machine number their users alike), rarely collides;
+    when it does, ``GracefulLocalProcessSpawner.start`` skips it. 0
+    (GPU_LEASE_SERVER_PORT_BASE=0) restores the stock random port.
     """
     if not SERVER_PORT_BASE:
         return 0
-    for k in range(8):
-        port = SERVER_PORT_BASE + (user_id + k * 997) % 8000
+    for _ in range(20):
+        port = SERVER_PORT_BASE + secrets.randbelow(SERVER_PORT_SPAN)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -233,20 +255,63 @@ def _server_port(user_id: int) -> int:
     return 0
 
 
-class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
-    """SimpleLocalProcessSpawner that stops a server with SIGTERM first.
+def _listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` (or a child, with a ``shell_cmd``) listens on TCP ``port``."""
+    try:
+        process = psutil.Process(pid)
+        for p in (process, *process.children(recursive=True)):
+            for conn in p.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr[1] == port:
+                    return True
+    except psutil.Error:
+        return False
+    return False
 
-    The stock spawner sends SIGINT first; jupyter_server installs its graceful SIGINT
-    handler only when its stdin is a terminal, so a hub started without one (a service
-    manager, a test) made SIGINT a KeyboardInterrupt: the server exited without shutting
-    its kernels down, and their GPU leases stayed held until they expired. SIGTERM always
-    runs jupyter_server's cleanup, which shuts every kernel down (releasing its lease).
+
+class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
+    """SimpleLocalProcessSpawner that routes a student only to their own server, and
+    stops a server with SIGTERM first.
+
+    The port: the hub counts any HTTP answer at a server's address as "up" and then routes
+    the student there. A port free when chosen may be bound by another process before the
+    server binds it (over a minute when 50 start at once) -- another hub's server on this
+    machine spawning at the same moment, say; the server then exits
+    (``--ServerApp.port_retries=0``) and the hub would send the student to that other
+    server. So ``start`` returns only once the server's own process listens on its port;
+    if the process exits first, the port is skipped and the server starts again on
+    another (``SERVER_PORT_ATTEMPTS`` in all), and the spawn fails rather than route
+    anywhere else.
+
+    The stop: the stock spawner sends SIGINT first; jupyter_server installs its graceful
+    SIGINT handler only when its stdin is a terminal, so a hub started without one (a
+    service manager, a test) made SIGINT a KeyboardInterrupt: the server exited without
+    shutting its kernels down, and their GPU leases stayed held until they expired. SIGTERM
+    always runs jupyter_server's cleanup, which shuts every kernel down (releasing its lease).
     """
 
     async def start(self) -> object:
-        """Give the server a port of its own (see ``_server_port``), then start it."""
-        self.port = _server_port(self.user.id)
-        return await super().start()
+        """Start the server on a free port; return once it listens there (see above)."""
+        for attempt in range(1, SERVER_PORT_ATTEMPTS + 1):
+            self.port = _server_port()
+            url = await super().start()
+            port = self.port
+            while self.proc is not None and self.proc.poll() is None:
+                if _listens_on(self.pid, port):
+                    return url
+                await asyncio.sleep(0.2)
+            self.log.warning(
+                "%s's server exited before it listened on port %d (attempt %d of %d): "
+                "the port was probably taken meanwhile.",
+                self.user.name,
+                port,
+                attempt,
+                SERVER_PORT_ATTEMPTS,
+            )
+            await super().stop(now=True)
+        raise RuntimeError(
+            f"The server of {self.user.name} exited {SERVER_PORT_ATTEMPTS} times before it "
+            "listened on its port; see the hub's log for its errors."
+        )
 
     async def stop(self, now: bool = False) -> None:
         if not now and await self.poll() is None:
@@ -254,17 +319,37 @@ class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
             await self.wait_for_death(self.term_timeout)
         await super().stop(now=True)
 
+    async def wait_for_death(self, timeout: float = 10) -> None:
+        """Notice a server's exit within 0.2 s.
+
+        The stock spawner polls with an exponential backoff (0.1, 0.3, 0.7, 1.5, 3.1, 6.3,
+        12.7 s after the signal): a server that took 4 s to exit counted as stopped after
+        6.3 s, one that took 7 s after 12.7 s, and stopping a class took that much longer.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while await self.poll() is None:
+            if asyncio.get_running_loop().time() >= deadline:
+                self.log.warning("Process %s did not die in %.0f seconds", self.pid, timeout)
+                return
+            await asyncio.sleep(0.2)
+
 
 c.JupyterHub.spawner_class = GracefulLocalProcessSpawner
 c.Spawner.term_timeout = 30  # kernels get jupyter_client's shutdown, then leases are released
 c.SimpleLocalProcessSpawner.home_dir_template = str(STATE / "home" / "{username}")
 c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
+if FAST_EXIT:
+    c.Spawner.cmd = [*FAST_EXIT, "jupyterhub.singleuser"]
 c.Spawner.default_url = "/lab"
 c.Spawner.start_timeout = int(env("GPU_LEASE_SPAWN_TIMEOUT") or 300)
 c.Spawner.http_timeout = int(env("GPU_LEASE_SPAWN_TIMEOUT") or 300)
 # forgets refused GPU kernel starts so servers stop in seconds (see provisioner/kernel/server.py)
 c.Spawner.args = [
     "--ServerApp.kernel_manager_class=provisioner.kernel.server.GPULeaseKernelManager",
+    # the launcher offers each user only the GPU kernels the broker would let them start
+    # (course, quota; see provisioner/kernel/specs.py); "mark" lists the others with why
+    "--ServerApp.kernel_spec_manager_class=provisioner.kernel.specs.GPULeaseKernelSpecManager",
+    f"--GPULeaseKernelSpecManager.unavailable={env('GPU_LEASE_UNAVAILABLE_KERNELS') or 'hide'}",
     # the spawner picks a random free port; if another server took it meanwhile, fail the
     # spawn instead of silently moving to the next port (the proxy would then route this
     # user to someone else's server: seen with 50 concurrent spawns)
@@ -295,9 +380,31 @@ c.Spawner.args.append(f"--LabApp.app_settings_dir={LAB_SETTINGS}")
 # while the proxy restarts. With servers on other machines (KubeSpawner) use the proxy:
 # f"http://<hub-host>:{HUB_PORT}/services/gpu-lease".
 server_env: dict[str, Any] = {"GPU_LEASE_URL": f"http://127.0.0.1:{BROKER_PORT}/services/{SERVICE}"}
+# `gpu-lease` (and this Python's other commands) on the servers' PATH, first: an
+# instructor runs `gpu-lease kernelspec install` in a JupyterLab terminal. The hub may run
+# without its environment activated (`make demo`, a service manager), so its PATH lacks
+# this directory. Not resolved: the venv's bin is where the console scripts are.
+BIN = str(Path(sys.executable).parent)
+server_env["PATH"] = os.pathsep.join([BIN, *[p for p in env("PATH", "").split(os.pathsep) if p]])
+# ... and the terminals keep that PATH: started without a terminal (by a spawner), a
+# server's terminals run a *login* shell, and Debian's /etc/profile sets PATH anew, which
+# drops this directory. An interactive non-login bash keeps the server's environment
+# (sites that need /etc/profile put this directory in an /etc/profile.d/ file instead).
+c.Spawner.args.append(
+    f"--ServerApp.terminado_settings=shell_command={shutil.which('bash') or '/bin/bash'}"
+)
 if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix (tests)
     server_env["JUPYTER_PATH"] = str(Path(env("GPU_LEASE_KERNELS_PREFIX", "")) / "share/jupyter")
-if KERNEL_TRANSPORT == "ipc":
-    RUNTIME_ROOT = Path(tempfile.gettempdir()) / f"gpu-lease-rt-{HUB_PORT}"
-    server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(RUNTIME_ROOT / spawner.user.name)
+# The servers' runtime files (cookie secrets, kernels' connection files and sockets) and
+# temporary files (ipykernel's per-kernel folders) stay in the state directory: stopping
+# the hub leaves nothing of its users in the system's temporary folder. A kernel's sockets
+# are <runtime dir>/kernel-<uuid>-ipc-N, 50 bytes after the directory of Linux's 107, so the
+# per-user directories are named by user id; `make demo` moves the runtime directory to
+# the system's temporary folder only when the state directory's path is too long for
+# that (GPU_LEASE_RUNTIME_DIR) and removes it when it stops.
+RUNTIME_ROOT = Path(env("GPU_LEASE_RUNTIME_DIR") or STATE / "rt")
+server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(RUNTIME_ROOT / str(spawner.user.id))
+TMP_DIR = STATE / "tmp"
+TMP_DIR.mkdir(exist_ok=True)
+server_env["TMPDIR"] = str(TMP_DIR)
 c.Spawner.environment = server_env

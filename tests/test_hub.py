@@ -1,15 +1,17 @@
 """End to end through a real JupyterHub: the classroom as students, instructors and admins use it.
 
-One hub per module (``python -m provisioner.demo`` on free ports, a fresh state
+One hub per module (``python -m provisioner.devtools.demo`` on free ports, a fresh state
 directory, kernelspecs in a temporary prefix, lease TTL 6 s, reaper every 0.5 s):
 configurable-http-proxy, the broker as the hub-managed service ``gpu-lease`` (--auth
 hub, quotas from hub_config/courses.toml), SimpleLocalProcessSpawner servers and real
 ipykernel kernels started through each server's REST API. Tests run in file order
-and share the hub; the last one stops it with SIGINT and checks nothing survives.
+and share the hub (one starts a second hub beside it, with the same server ports); the
+last one stops it with SIGINT and checks nothing survives.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
@@ -26,7 +28,8 @@ import httpx
 import psutil
 import pytest
 
-from provisioner.testing import free_port, load_example
+from provisioner.devtools.demohub import demo_command
+from provisioner.devtools.testing import free_port, load_example
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 6.0
@@ -37,37 +40,29 @@ pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 class Hub:
     """The demo subprocess and helpers speaking to the hub, the servers and the broker."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        server_port_base: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
         self.port = free_port()
+        if server_port_base is None:
+            server_port_base = random.randrange(10000, 24000)
+        self.server_port_base = server_port_base
         self.log_path = tmp / "demo.log"
-        args = [
-            sys.executable,
-            "-m",
-            "provisioner.demo",
-            "--state-dir",
-            str(self.state),
-            "--kernels-prefix",
-            str(tmp / "prefix"),
-            "--port",
-            str(self.port),
-            "--hub-api-port",
-            str(free_port()),
-            "--proxy-api-port",
-            str(free_port()),
-            "--broker-port",
-            str(free_port()),
-            "--gpus",
+        args = demo_command(
+            self.state,
+            tmp / "prefix",
+            self.port,
             "1x32768:V100",
-            "--ttl",
-            str(TTL),
-            "--reap-interval",
-            "0.5",
-            "--server-port-base",
-            str(random.randrange(10000, 24000)),
-        ]
-        env = dict(os.environ)
+            *("--ttl", str(TTL), "--reap-interval", "0.5"),
+            server_port_base=server_port_base,
+        )
+        extra, env = env, dict(os.environ)
+        env.update(extra or {})  # hub_config's GPU_LEASE_* knobs
         env.pop("JUPYTERHUB_API_TOKEN", None)
         env.pop("GPU_LEASE_TOKEN", None)
         with open(self.log_path, "wb") as log:
@@ -198,6 +193,112 @@ def test_outsider_is_refused_the_course_kernel(hub: Hub) -> None:
     assert hub.leases("guest01") == []
 
 
+def offered(hub: Hub, user: str) -> set[str]:
+    """The kernelspecs ``user``'s server lists (what JupyterLab's launcher shows)."""
+    r = hub.req("GET", f"{hub.url}/user/{user}/api/kernelspecs", hub.token(user))
+    assert r.status_code == 200, r.text
+    return set(r.json()["kernelspecs"])
+
+
+GPU_SPECS = {f"python3-gpu-{f}" for f in ("0.02", "0.05", "0.1", "0.25", "0.5", "1")}
+
+
+def test_the_launcher_offers_what_the_quota_allows(hub: Hub) -> None:
+    """ml101 (0.05 per kernel): three GPU kernels, not seven; guest01 no course kernel;
+    the admin every one. A start forced by name is still the broker's to refuse."""
+    every = GPU_SPECS | {"ml101-gpu-0.05"}
+    mine = offered(hub, "student01")
+    assert mine & every == {"python3-gpu-0.02", "python3-gpu-0.05", "ml101-gpu-0.05"}, mine
+    assert "python3" in mine
+    guest = offered(hub, "guest01")
+    assert guest & every == {"python3-gpu-0.02", "python3-gpu-0.05"}, guest
+    hub.spawn("admin")
+    assert offered(hub, "admin") >= every
+    r = hub.start_kernel("guest01", "python3-gpu-0.25")
+    assert r.status_code == 403, r.text
+    assert "above your per-kernel limit of 0.05" in " ".join(r.json()["message"].split())
+    assert hub.leases("guest01") == []
+
+
+async def terminal(hub: Hub, user: str, commands: list[str], marker: str) -> str:
+    """Run ``commands`` in a JupyterLab terminal of ``user``'s server (terminado over the
+    hub's proxy, as an instructor types them) and return its output up to ``marker``
+    (the terminal echoes what is typed: choose a marker only the commands print)."""
+    import asyncio
+    import json as json_
+
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    token = hub.token(user)
+    r = hub.req("POST", f"{hub.url}/user/{user}/api/terminals", token)
+    assert r.status_code == 200, r.text
+    name = r.json()["name"]
+    url = f"{hub.url.replace('http', 'ws', 1)}/user/{user}/terminals/websocket/{name}"
+    ws = await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {token}"}))
+    out = ""
+    try:
+        for command in commands:
+            ws.write_message(json_.dumps(["stdin", command + "\r"]))
+        deadline = asyncio.get_running_loop().time() + 120
+        while marker not in out:
+            left = deadline - asyncio.get_running_loop().time()
+            assert left > 0, f"no {marker!r} in the terminal's output:\n{out}"
+            message = await asyncio.wait_for(ws.read_message(), left)
+            assert message is not None, f"the terminal closed:\n{out}"
+            kind, *data = json_.loads(message)
+            if kind == "stdout":
+                out += str(data[0])
+    finally:
+        protocol = ws.protocol  # close() forgets it
+        ws.close()
+        # tornado closes the socket when the server answers the close frame, or from a 5 s
+        # timer that never fires once this test's event loop has ended: close it now
+        if protocol is not None and protocol.stream is not None:
+            protocol.stream.close()
+        hub.req("DELETE", f"{hub.url}/user/{user}/api/terminals/{name}", token)
+    return out
+
+
+async def test_instructor_publishes_a_kernel_from_a_server_terminal(hub: Hub) -> None:
+    """issue 13: `gpu-lease: command not found` in a hub server's terminal."""
+    hub.spawn("instructor")
+    prefix = hub.tmp / "prefix"  # in the servers' JUPYTER_PATH (--kernels-prefix)
+    out = await terminal(
+        hub,
+        "instructor",
+        [
+            "command -v gpu-lease",
+            f"gpu-lease kernelspec install --fraction 0.01 --group ml101 --prefix {prefix}"
+            "; echo rc1=$?",
+            f"gpu-lease kernelspec install --fraction 0.05 --group ml101 --name ml101-lab "
+            f"--display-name 'ML101 lab' --prefix {prefix}; echo rc2=$?",
+            f"gpu-lease kernelspec install --fraction 0.05 --name ml101-lab --prefix {prefix}"
+            "; echo rc3=$?",
+            "gpu-lease quota show --user student07; echo rc4=$?",
+            "echo END-$((40 + 2))",  # the marker appears only once the commands ran
+        ],
+        "END-42",
+    )
+    text = out.replace("\r", "")
+    assert f"{Path(sys.executable).parent}/gpu-lease" in text, text
+    assert "command not found" not in text, text
+    # the broker's pool was asked (GPU_LEASE_URL and the server's token): 0.01 never fits
+    assert "error: Not installed: a GPU fraction of 0.01 gives at most 327 MiB" in text, text
+    assert "rc1=1" in text and "rc2=0" in text, text
+    assert "already installed" in text and "rc3=1" in text, text  # no silent overwrite
+    # the instructor (custom:gpu-lease:admin) reads a student's effective quota, groups
+    # from JupyterHub: the course's limits, not the default's
+    assert "as the broker applies it to student07 in groups ml101 (from JupyterHub):" in text
+    assert "rc4=0" in text, text
+    lines = [x.split() for x in text.splitlines()]
+    assert ["max", "leases", "2", "group", "ml101"] in lines, text
+    assert ["priority", "10", "group", "ml101"] in lines, text
+    # a member's launcher offers the new course kernel at once; an outsider's does not
+    assert "ml101-lab" in offered(hub, "student01")
+    assert "ml101-lab" not in offered(hub, "guest01")
+
+
 def test_course_quota_holds_and_an_admin_change_takes_effect(hub: Hub) -> None:
     hub.spawn("student02")
     for _ in range(2):
@@ -253,7 +354,7 @@ def test_killed_server_leases_expire_within_two_ttls(hub: Hub) -> None:
     server = next(
         p
         for p in demo.children(recursive=True)
-        if "jupyterhub-singleuser" in " ".join(p.cmdline())
+        if p.ppid() == hub.info["hub_pid"]  # a server (its kernels are the server's children)
         and p.environ().get("JUPYTERHUB_USER") == "student01"
     )
     kernels = server.children(recursive=True)
@@ -285,6 +386,49 @@ async def test_classroom_of_ten_leaks_nothing(hub: Hub) -> None:
     assert report.leases_held == 10
     assert report.leaks == 0
     assert hub.leases() == []
+
+
+def user_ids(hub: Hub) -> dict[int, str]:
+    """id -> name of the students the tests above never use, from the hub's database."""
+    db = sqlite3.connect(hub.state / "jupyterhub.sqlite")
+    try:
+        rows = db.execute("SELECT id, name FROM users WHERE name >= 'student21'").fetchall()
+    finally:
+        db.close()
+    return {int(i): str(name) for i, name in rows if str(name).startswith("student")}
+
+
+def test_two_hubs_route_each_student_to_their_own_server(
+    hub: Hub, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two hubs from hub_config on one machine, with the same server port settings (as two
+    installs with the defaults): students of the same user id on each spawn at once, and
+    each one's requests through their hub reach their own server, never the other's."""
+    other = Hub(tmp_path_factory.mktemp("hub2"), server_port_base=hub.server_port_base)
+    try:
+        ids = [user_ids(h) for h in (hub, other)]
+        same_id = min(set(ids[0]) & set(ids[1]))  # never used by the tests above
+        students = [(hub, ids[0][same_id]), (other, ids[1][same_id])]
+        for h, user in students:  # a file in the student's home on that hub says which hub
+            home = h.state / "home" / user
+            home.mkdir(parents=True, exist_ok=True)
+            (home / "which-hub.txt").write_text(h.url)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(h.spawn, user) for h, user in students]:
+                done.result()
+        for h, user in students:
+            token = h.token(user)
+            me = h.req("GET", f"{h.url}/user/{user}/api/me", token)
+            assert me.status_code == 200, (h.url, user, me.status_code, me.text[:300])
+            assert me.json()["identity"]["username"] == user
+            mark = h.req("GET", f"{h.url}/user/{user}/api/contents/which-hub.txt", token)
+            assert mark.status_code == 200, (h.url, user, mark.status_code, mark.text[:300])
+            assert mark.json()["content"] == h.url  # this hub's student's server, no other
+        for h, user in students:
+            h.stop_server(user)
+    finally:
+        other.stop()
+        other.http.close()
 
 
 def test_ctrl_c_stops_everything_without_orphans(hub: Hub) -> None:

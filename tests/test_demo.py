@@ -1,0 +1,93 @@
+"""``make demo``'s Ctrl-C: the real demo, ten servers, SIGINT, and nothing left behind.
+
+The demo (``python -m provisioner.devtools.demo`` through ``devtools.demohub.DemoHub``) runs
+with a ``TMPDIR`` and ``HOME`` of its own, empty at start. After Ctrl-C with ten servers
+running (one of them with a GPU kernel): the demo exits within :data:`BOUND` seconds,
+every process it started is gone, the hub's port is free, its TMPDIR and HOME are still
+empty, and the runtime files (the servers' cookie secrets, the kernels' connection
+files) are gone from the state directory. ``benchmarks/demo_stop.py`` measures the same
+with 60 servers.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from provisioner.devtools.demo import MAX_RUNTIME_DIR, runtime_dir
+from provisioner.devtools.demohub import DemoHub
+
+pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(480)]
+
+N = 10
+#: seconds from SIGINT until every process is gone (60 servers: see benchmarks/README.md)
+BOUND = 20.0
+
+
+@pytest.fixture
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoHub]:
+    # a short path, as a checkout's .demo/ is: the runtime files then stay in it
+    hub = DemoHub(tmp_path_factory.mktemp("d"))
+    try:
+        hub.start()
+        yield hub
+    finally:
+        hub.kill()
+
+
+def test_ctrl_c_with_ten_servers_stops_everything_and_leaves_nothing(demo: DemoHub) -> None:
+    users = [f"student{i:02d}" for i in range(1, N + 1)]
+    demo.spawn(users)
+    # one server runs a GPU kernel: its lease is released before the broker stops
+    token = demo.info["admin_token"]
+    r = httpx.post(
+        f"{demo.url}/user/student01/api/kernels",
+        json={"name": "python3-gpu-0.02"},
+        headers={"Authorization": f"token {token}"},
+        timeout=120,
+    )
+    assert r.status_code == 201, r.text
+    runtime = Path(demo.info["runtime_dir"])
+    assert runtime.is_relative_to(demo.state)  # short enough to stay in the state directory
+    assert any(runtime.rglob("jupyter_cookie_secret")) and any(runtime.rglob("kernel-*.json"))
+    names = " ".join(" ".join(p.cmdline()) for p in demo.processes())
+    assert names.count("jupyterhub.singleuser") == N and "ipykernel" in names
+
+    stopped = demo.interrupt()
+    print(
+        f"Ctrl-C with {N} servers: demo exited in {stopped.exit_s:.1f} s, "
+        f"all {stopped.processes} processes gone in {stopped.all_gone_s:.1f} s"
+    )
+    assert stopped.exit_code == 0, stopped.log_tail
+    assert stopped.survivors == [], stopped.log_tail
+    assert stopped.all_gone_s <= BOUND, stopped.log_tail
+    assert stopped.port_free
+    assert stopped.left_outside == []  # nothing in the system's temporary folder or HOME
+    assert not runtime.exists()
+    assert list((demo.state / "tmp").iterdir()) == []
+    db = sqlite3.connect(demo.state / "gpu-lease.sqlite")
+    try:
+        active = db.execute("SELECT count(*) FROM leases WHERE state = 'active'").fetchone()
+    finally:
+        db.close()
+    assert active == (0,)  # released by its kernel's shutdown while the broker still ran
+
+
+@pytest.mark.parametrize(
+    ("state", "inside"),
+    [
+        ("/work/wt/x/.demo", True),
+        ("/tmp/pytest-of-someone/pytest-123/test_a_long_name0/.demo", False),
+    ],
+)
+def test_runtime_dir_stays_in_the_state_dir_when_short_enough(state: str, inside: bool) -> None:
+    where = runtime_dir(Path(state), 8000)
+    assert where.is_relative_to(state) is inside
+    assert len(str(where)) <= MAX_RUNTIME_DIR
+    # a kernel's socket: <runtime>/<user id>/kernel-<uuid>-ipc-N within Linux's 107 bytes
+    socket = f"{where}/1234/kernel-{'0' * 8}-{'0' * 4}-{'0' * 4}-{'0' * 4}-{'0' * 12}-ipc-5"
+    assert len(socket) <= 107
