@@ -122,7 +122,15 @@ def lease(user: str, kernel: str, fraction: float, **kw: Any) -> dict[str, Any]:
 def test_format_top() -> None:
     leases = [
         lease("alice", "0a1b2c3d-4e5f", 0.25, execution_state="busy"),
-        lease("bob", "99887766-5544", 0.25, created_at=NOW - 30),
+        lease(
+            "bob",
+            "99887766-5544",
+            0.25,
+            created_at=NOW - 30,
+            used_mb=900,
+            enforcement="agent-revoke",
+            mps="running",
+        ),
     ]
     queue = [
         {"position": 1, "user": "carol", "kernel_id": "feedface-0000", "fraction": 0.75,
@@ -131,9 +139,9 @@ def test_format_top() -> None:
     text = tables.format_top([GPU0, GPU1], leases, queue, NOW, width=10)
     assert text.splitlines() == [
         "GPU 0 V100  [#####.....] 50% allocated  16384/32768 MiB  2 leases",
-        "  USER   KERNEL    FRACTION  MEMORY    IDLE  AGE    LEASE",
-        "  alice  0a1b2c3d  0.25      7680 MiB  busy  1h01m  lease-alic",
-        "  bob    99887766  0.25      7680 MiB  42s   30s    lease-bob-",
+        "  USER   KERNEL    FRACTION  MEMORY        ENFORCED          IDLE  AGE    LEASE",
+        "  alice  0a1b2c3d  0.25      7680 MiB      cooperative       busy  1h01m  lease-alic",
+        "  bob    99887766  0.25      900/7680 MiB  agent-revoke+mps  42s   30s    lease-bob-",
         "",
         "GPU 1 V100 (node gpu-b)  [..........] 0% allocated  0/32768 MiB  0 leases",
         "",
@@ -370,6 +378,17 @@ def test_revoke(broker: Broker, cli: Any) -> None:
     assert r.status_code == 400 and "reason" in r.json()["message"]
 
 
+def test_lease_ids_never_begin_with_a_dash() -> None:
+    """A lease id is a CLI argument (``revoke ID``); one in 64 random ids began with ``-``,
+    which argparse read as an option (test_revoke failed in CI that way)."""
+    from provisioner.broker.service import new_id
+
+    ids = [new_id() for _ in range(20_000)]  # about 310 would begin with "-" by chance
+    assert len(set(ids)) == len(ids) and all(len(x) == 22 for x in ids)
+    assert not [x for x in ids if x.startswith("-")]
+    assert any(x.startswith("_") for x in ids)  # the other 63 first characters still occur
+
+
 @sqlite_only
 def test_errors_without_url_or_token(
     broker: Broker, cli: Any, monkeypatch: pytest.MonkeyPatch
@@ -400,7 +419,7 @@ def test_revoke_takes_the_ids_top_and_leases_print(broker: Broker, cli: Any) -> 
     leases = [acquire(broker, f"u{i % 40:02d}", f"k{i}", 0.02) for i in range(65)]
     code, out, _ = cli("admin", "leases", "--all")
     assert code == 0
-    shown = [line.split()[7] for line in out.splitlines()[1:]]  # MEMORY is "1126 MiB"
+    shown = [line.split()[8] for line in out.splitlines()[1:]]  # MEMORY is "1126 MiB"
     assert len(shown) == 65 and all(len(x) == 10 for x in shown)
     target = leases[0]
     assert target["id"][:10] in shown

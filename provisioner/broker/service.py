@@ -84,6 +84,7 @@ class Metrics(Protocol):
     def observe_queue_wait(self, seconds: float) -> None: ...
     def refused(self, reason: str) -> None: ...
     def ended(self, state: str, count: int) -> None: ...
+    def enforced(self, action: str, count: int) -> None: ...
 
 
 class _NoMetrics:
@@ -97,6 +98,9 @@ class _NoMetrics:
         pass
 
     def ended(self, state: str, count: int) -> None:
+        pass
+
+    def enforced(self, action: str, count: int) -> None:
         pass
 
 
@@ -120,8 +124,15 @@ class _Waiter:
 
 
 def new_id() -> str:
-    """An unguessable id (128 bits) for leases and queued requests."""
-    return secrets.token_urlsafe(16)
+    """An unguessable id (128 bits) for leases and queued requests.
+
+    Never one that begins with ``-``: command lines take ids as arguments
+    (``gpu-lease revoke ID``), and a leading dash reads as an option there (1 id in 64).
+    """
+    while True:
+        lease_id = secrets.token_urlsafe(16)
+        if not lease_id.startswith("-"):
+            return lease_id
 
 
 #: seconds between reaper passes unless the broker says otherwise (``GPULeaseBroker.reap_interval``)
@@ -165,6 +176,8 @@ class BrokerService:
         self.used_mb: dict[str, int] = {}
         #: lease id -> when its kernel was first seen over its lease (cleared when back under)
         self._over_since: dict[str, float] = {}
+        #: leases over their cap whose overuse was already reported (``--enforce report``)
+        self._over_reported: set[str] = set()
         #: hold times of recent leases: what estimated waits are made of
         self.holds = core.HoldTimes()
         self._etas: tuple[float, tuple[int, int], dict[tuple[str, str], float]] | None = None
@@ -804,11 +817,13 @@ class BrokerService:
         name: str,
         usage: list[tuple[int, str, int]],
         at: float | None = None,
+        mps: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage.
+        """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
+        and (agents with ``--mps``) its GPUs' MPS daemon states.
 
-        Samples on a GPU this node did not register are refused (403), memory above the
-        GPU's size is refused (400); nothing is changed then. A report never frees or
+        Samples or MPS states of a GPU this node did not register are refused (403), memory
+        above the GPU's size is refused (400); nothing is changed then. A report never frees or
         grants capacity: leases end only by release, revoke or TTL.
         """
         self.check_serving()
@@ -833,10 +848,18 @@ class BrokerService:
                     f"Process {pid} cannot use {used} MiB of GPU {uuid}, which has "
                     f"{gpu.memory_mb} MiB; report what NVML measures."
                 )
+        for uuid in mps or {}:
+            if uuid not in mine:
+                raise Forbidden(
+                    f"GPU {uuid} is not one of node {name!r}'s registered GPUs; an agent "
+                    "reports MPS daemons of its own GPUs only.",
+                    gpu_uuid=uuid,
+                )
         now = self.clock()
         was = core.node_state(node, now, self.policy)
         node.last_seen = now
         node.usage = list(usage)
+        node.mps = dict(mps or {})
         kill = self._account_usage(node, usage, now)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
@@ -879,6 +902,7 @@ class BrokerService:
             self.used_mb[lease.id] = mb
             if node.enforce == "off" or not core.over_lease(lease, mb, self.policy):
                 self._over_since.pop(lease.id, None)
+                self._over_reported.discard(lease.id)
                 continue
             since = self._over_since.setdefault(lease.id, now)
             if now - since < self.policy.overuse_grace:
@@ -888,12 +912,17 @@ class BrokerService:
                 ends.append((lease, "revoked", reason))
                 if node.enforce == "kill" and lease.pid:
                     kill.append(lease.pid)
-            elif now - since < self.policy.overuse_grace + 1.0:  # log once per episode
+            elif lease.id not in self._over_reported:  # once per episode over the cap
+                self._over_reported.add(lease.id)
+                self.metrics.enforced("reported", 1)
                 log.warning(
                     "Lease %s… of %s on node %s: %s", lease.id[:6], lease.user, node.name, reason
                 )
         if ends:
             self._end(ends, now)
+            self.metrics.enforced("revoked", len(ends))
+            if kill:
+                self.metrics.enforced("killed", len(kill))
             for lease, _, why in ends:
                 self._over_since.pop(lease.id, None)
                 self.used_mb.pop(lease.id, None)
@@ -908,11 +937,16 @@ class BrokerService:
         return kill
 
     def lease_usage(self, lease: Lease) -> dict[str, Any]:
-        """``used_mb`` (last reported, or None) and ``enforcement`` (the layer that holds)."""
+        """``used_mb`` (last reported, or None), ``enforcement`` (the layer that holds) and
+        ``mps`` (the state of the GPU's MPS daemon where the node's agent runs one)."""
         node = self._node_of(lease.gpu_uuid)
         if node is None:
-            return {"used_mb": None, "enforcement": "cooperative"}
-        return {"used_mb": self.used_mb.get(lease.id), "enforcement": f"agent-{node.enforce}"}
+            return {"used_mb": None, "enforcement": "cooperative", "mps": None}
+        return {
+            "used_mb": self.used_mb.get(lease.id),
+            "enforcement": f"agent-{node.enforce}",
+            "mps": node.mps.get(lease.gpu_uuid),
+        }
 
     def _node_of(self, gpu_uuid: str) -> Node | None:
         gpu = self.state.gpus.get(gpu_uuid)
@@ -949,6 +983,10 @@ class BrokerService:
         for node in self.nodes.values():
             counts[core.node_state(node, now, self.policy)] += 1
         return counts
+
+    def unleased_processes(self) -> int:
+        """GPU processes the agents last reported that belong to no lease (for /metrics)."""
+        return sum(len(node.unleased) for node in self.nodes.values())
 
     def gpu_used_mb(self) -> dict[str, int]:
         """GPU uuid -> MiB its processes use, from each node's last heartbeat (for /metrics)."""
@@ -1123,6 +1161,7 @@ class BrokerService:
         for x, _, _ in ends:
             self.used_mb.pop(x.id, None)
             self._over_since.pop(x.id, None)
+            self._over_reported.discard(x.id)
             self.holds.add(now - x.created_at)
         self._etas = None
         by_state: dict[str, int] = {}
