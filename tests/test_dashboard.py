@@ -35,7 +35,7 @@ from provisioner.broker.auth import HubTokens, make_hub_oauth
 from provisioner.broker.routes import make_app
 from provisioner.broker.service import BrokerService
 from provisioner.devtools import classday
-from provisioner.devtools.testing import BrokerProcess, free_port
+from provisioner.devtools.testing import BrokerProcess, free_port, wait_for_http
 from provisioner.inventory import parse_gpu_spec
 from provisioner.scheduling import Policy
 from provisioner.store import Store
@@ -241,16 +241,7 @@ def test_real_broker_with_auth_hub_redirects_to_hub(tmp_path: Path) -> None:
         proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}{PREFIX}"
-        deadline = time.monotonic() + 20
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}api/v1/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        wait_for_http(f"{base}api/v1/health", proc, log.read_text, 20, what="the broker")
         r = httpx.get(base, headers=HTML)
         assert r.status_code == 302, r.text
         assert r.headers["location"].startswith("/hub/api/oauth2/authorize?client_id=")

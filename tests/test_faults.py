@@ -33,6 +33,7 @@ from sqlalchemy.pool import NullPool
 
 from provisioner.broker.service import BrokerService
 from provisioner.client import BrokerClient
+from provisioner.devtools.testing import wait_for_async
 from provisioner.errors import LeaseExpired
 from provisioner.inventory import parse_gpu_spec
 from provisioner.kernelspecs import build_kernelspec, spec_json
@@ -323,7 +324,7 @@ async def test_kill9_broker_under_load(broker: Broker) -> None:
                 if t.done():
                     t.result()  # a client gave up: re-raise its error here
             # every holder is back at work after each restart (within its client's backoff)
-            await wait_until(
+            await wait_for_async(
                 lambda before=before: all(  # type: ignore[misc]
                     h.renewals > n for h, n in zip(holders, before, strict=True)
                 ),
@@ -403,7 +404,12 @@ async def test_kill9_server_holding_kernels(broker: Broker, tmp_path: Path) -> N
         held = active_leases(broker)
         assert sorted(x["kernel_id"] for x in held) == sorted(k["kernel_id"] for k in kernels)
         assert api(broker, "GET", "/gpus").json()["gpus"][0]["allocated_fraction"] == 0.5
-        await asyncio.sleep(1.5)  # a few renewals go through
+        since = time.time()
+        await wait_for_async(
+            lambda: all(x["renewed_at"] > since for x in active_leases(broker)),
+            10,
+            "a renewal of each lease",
+        )
         t0 = time.monotonic()
         server.send_signal(signal.SIGKILL)
         await server.wait()
@@ -628,13 +634,14 @@ async def test_postgres_restart_under_load(broker: Broker) -> None:
     tasks = [asyncio.create_task(h.run(stop)) for h in holders]
     tasks += [asyncio.create_task(churn(broker, f"u{n:02d}", stop, done)) for n in range(10, 13)]
     try:
-        await wait_until(lambda: all(h.lease_id for h in holders), 10, "the holders' leases")
+        await wait_for_async(lambda: all(h.lease_id for h in holders), 10, "the holders' leases")
         ids = {h.lease_id for h in holders}
-        await asyncio.sleep(1.0)
+        await wait_for_async(lambda: all(h.renewals for h in holders), 10, "a renewal each")
         await asyncio.to_thread(pg_restart)
         renewals = sum(h.renewals for h in holders)
-        await asyncio.sleep(3.0)
-        assert sum(h.renewals for h in holders) > renewals
+        await wait_for_async(
+            lambda: sum(h.renewals for h in holders) > renewals, 30, "renewals after the restart"
+        )
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)
         assert all(h.seen_ids == {h.lease_id} for h in holders)
@@ -677,15 +684,6 @@ def launch(b: Broker) -> None:
         )
 
 
-async def wait_until(cond: Any, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.1)
-    return time.monotonic() - t0
-
-
 def answers(b: Broker) -> bool:
     try:
         return httpx.get(f"{b.url}/api/v1/health", timeout=1.0).status_code == 200
@@ -713,12 +711,14 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
     standby.tokens, standby.tokens_file = broker.tokens, broker.tokens_file
     launch(standby)
     try:
-        await wait_until(lambda: "standby: another broker" in standby.log(), 20, "standby")
+        await wait_for_async(lambda: "standby: another broker" in standby.log(), 20, "standby")
         assert not answers(standby)
         ids = {acquire(broker, f"u{n:02d}", 0.25).json()["id"] for n in range(6)}
         assert len(ids) == 6
         broker.kill9()
-        took = await wait_until(lambda: answers(standby), 15, "the standby to answer")
+        t0 = time.monotonic()
+        await wait_for_async(lambda: answers(standby), 15, "the standby to answer")
+        took = time.monotonic() - t0
         assert took < 10, took
         assert "Leadership taken" in standby.log()
         assert check_invariants(standby) == ids
@@ -742,7 +742,7 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
             assert ended
             r = api(standby, "POST", f"/leases/{min(ids)}/renew", "admin", json={})
             assert r.status_code in (200, 503), r.text  # 503: retry (the client does)
-            await wait_until(
+            await wait_for_async(
                 lambda: api(standby, "GET", "/gpus").status_code == 200, 10, "serving again"
             )
             # renewed past the end its leadership had when the sessions were cut
@@ -756,7 +756,7 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
                         ).scalar()
                     )
 
-            await wait_until(renewed_past_the_cut, 20, "a renewal after the leadership's end")
+            await wait_for_async(renewed_past_the_cut, 20, "a renewal after the leadership's end")
             r = api(standby, "POST", f"/leases/{min(ids)}/renew", "admin", json={})
             assert r.status_code == 200, r.text
             assert standby.proc.poll() is None

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from provisioner.devtools.demohub import demo_command
-from provisioner.devtools.testing import free_port, load_example
+from provisioner.devtools.testing import free_port, load_example, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 6.0
@@ -69,13 +69,20 @@ class Hub:
             self.proc = subprocess.Popen(
                 args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
             )
-        deadline = time.monotonic() + 180
         info_file = self.state / "demo.json"
-        while not info_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the demo did not start:\n{self.log()}")
-            time.sleep(0.25)
+        try:
+            wait_for(
+                lambda: info_file.exists() or self.proc.poll() is not None,
+                180,
+                "the demo to start",
+                0.25,
+                self.log,
+            )
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the demo exited with {self.proc.returncode}:\n{self.log()}")
+        except BaseException:
+            self.stop()
+            raise
         self.info = json.loads(info_file.read_text())
         self.url = self.info["url"]
         self.broker = self.info["broker_url"]
@@ -111,23 +118,30 @@ class Hub:
     def spawn(self, user: str) -> None:
         token = self.token(user)
         self.req("POST", f"{self.url}/hub/api/users/{user}/server", token)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             model = self.req("GET", f"{self.url}/hub/api/users/{user}", token).json()
-            if (model.get("servers") or {}).get("", {}).get("ready"):
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"the server of {user} did not start:\n{self.log()}")
+            return bool((model.get("servers") or {}).get("", {}).get("ready"))
+
+        wait_for(ready, 180, f"the server of {user} to start", 0.5, self.log)
 
     def stop_server(self, user: str) -> None:
         self.req("DELETE", f"{self.url}/hub/api/users/{user}/server")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def stopped() -> bool:
             model = self.req("GET", f"{self.url}/hub/api/users/{user}").json()
-            if not model.get("servers") and not model.get("pending"):
-                return
-            time.sleep(0.3)
-        raise AssertionError(f"the server of {user} did not stop")
+            return not model.get("servers") and not model.get("pending")
+
+        wait_for(stopped, 60, f"the server of {user} to stop", 0.3, self.log)
+
+    def holding(self, user: str, spec: str = "python3-gpu-0.02") -> list[dict[str, Any]]:
+        """``user``'s active leases, after starting their server and a kernel of ``spec``
+        if they hold none: each test makes what it needs and runs alone too (``-k``)."""
+        self.spawn(user)
+        if not self.leases(user):
+            r = self.start_kernel(user, spec)
+            assert r.status_code == 201, r.text
+        return self.leases(user)
 
     def start_kernel(self, user: str, spec: str) -> httpx.Response:
         return self.req(
@@ -207,12 +221,13 @@ def test_the_launcher_offers_what_the_quota_allows(hub: Hub) -> None:
     """ml101 (0.05 per kernel): three GPU kernels, not seven; guest01 no course kernel;
     the admin every one. A start forced by name is still the broker's to refuse."""
     every = GPU_SPECS | {"ml101-gpu-0.05"}
+    for user in ("student01", "guest01", "admin"):
+        hub.spawn(user)
     mine = offered(hub, "student01")
     assert mine & every == {"python3-gpu-0.02", "python3-gpu-0.05", "ml101-gpu-0.05"}, mine
     assert "python3" in mine
     guest = offered(hub, "guest01")
     assert guest & every == {"python3-gpu-0.02", "python3-gpu-0.05"}, guest
-    hub.spawn("admin")
     assert offered(hub, "admin") >= every
     r = hub.start_kernel("guest01", "python3-gpu-0.25")
     assert r.status_code == 403, r.text
@@ -262,7 +277,8 @@ async def terminal(hub: Hub, user: str, commands: list[str], marker: str) -> str
 
 async def test_instructor_publishes_a_kernel_from_a_server_terminal(hub: Hub) -> None:
     """issue 13: `gpu-lease: command not found` in a hub server's terminal."""
-    hub.spawn("instructor")
+    for user in ("instructor", "student01", "guest01"):
+        hub.spawn(user)
     prefix = hub.tmp / "prefix"  # in the servers' JUPYTER_PATH (--kernels-prefix)
     out = await terminal(
         hub,
@@ -321,7 +337,7 @@ def test_course_quota_holds_and_an_admin_change_takes_effect(hub: Hub) -> None:
 
 
 def test_students_cannot_see_or_release_anothers_lease(hub: Hub) -> None:
-    (lease,) = hub.leases("student01")
+    lease = hub.holding("student01")[0]
     other = hub.token("student02")
     for method in ("GET", "DELETE"):
         r = hub.req(method, f"{hub.broker}/api/v1/leases/{lease['id']}", other)
@@ -343,13 +359,13 @@ def test_students_cannot_see_or_release_anothers_lease(hub: Hub) -> None:
 
 
 def test_stopping_a_server_releases_its_leases(hub: Hub) -> None:
-    assert len(hub.leases("student02")) == 3
+    assert hub.holding("student02")  # three after the quota test, one when run alone
     hub.stop_server("student02")
     assert hub.leases("student02") == []
 
 
 def test_killed_server_leases_expire_within_two_ttls(hub: Hub) -> None:
-    (lease,) = hub.leases("student01")
+    (lease,) = hub.holding("student01")
     demo = psutil.Process(hub.proc.pid)
     server = next(
         p
@@ -361,10 +377,8 @@ def test_killed_server_leases_expire_within_two_ttls(hub: Hub) -> None:
     server.send_signal(signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        while hub.leases("student01") and time.monotonic() - t0 < 4 * TTL:
-            time.sleep(0.2)
+        wait_for(lambda: not hub.leases("student01"), 4 * TTL, "the lease to expire", 0.2, hub.log)
         took = time.monotonic() - t0
-        assert hub.leases("student01") == [], hub.log()
         assert took <= 2 * TTL, f"the lease outlived its server by {took:.1f} s"
         r = hub.req("GET", f"{hub.broker}/api/v1/leases/{lease['id']}")
         assert r.json()["state"] == "expired"
@@ -433,6 +447,7 @@ def test_two_hubs_route_each_student_to_their_own_server(
 
 def test_ctrl_c_stops_everything_without_orphans(hub: Hub) -> None:
     # a live server with a GPU kernel while Ctrl-C arrives (guest01: default quota, one 0.02)
+    hub.spawn("guest01")
     r = hub.start_kernel("guest01", "python3-gpu-0.02")
     assert r.status_code == 201, r.text
     assert len(hub.leases("guest01")) == 1

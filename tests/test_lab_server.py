@@ -13,9 +13,8 @@ that says so; an admin's revoke reason kept after the kernel is gone.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import httpx
 import pytest
 
 from provisioner.devtools.labserver import JupyterServerProcess, install_kernelspecs
-from provisioner.devtools.testing import BrokerProcess
+from provisioner.devtools.testing import BrokerProcess, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -57,16 +56,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[BrokerProc
     finally:
         server.stop()
         broker.stop()
-
-
-def wait_for(what: Callable[[], Any], timeout: float = 30.0, message: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(message or f"timed out waiting for {what}")
 
 
 class Start(threading.Thread):
@@ -129,7 +118,7 @@ def test_waiting_kernel_shows_its_place_which_moves_then_runs(stack: Any) -> Non
             and m.get("d.ipynb", {}).get("position")
             and m
         ),
-        message="the waiting kernels' places never showed",
+        what="the waiting kernels' places never showed",
     )
     c, d = waiting["c.ipynb"], waiting["d.ipynb"]
     assert (c["state"], d["state"]) == ("waiting", "waiting")
@@ -142,7 +131,7 @@ def test_waiting_kernel_shows_its_place_which_moves_then_runs(stack: Any) -> Non
     assert r.status_code == 204
     moved = wait_for(
         lambda: (m := by_path(server)).get(later, {}).get("position") == 1 and m,
-        message="the place in the queue did not move when a lease ended",
+        what="the place in the queue did not move when a lease ended",
     )
     assert moved[sooner]["state"] == "active"
     assert moved[later]["waiting"] == 1
@@ -178,7 +167,7 @@ def test_revoked_lease_keeps_its_reason_after_the_kernel_is_gone(stack: Any) -> 
     assert r.status_code == 200, r.text
     ended = wait_for(
         lambda: (k := by_path(server).get(path)) and k["state"] == "revoked" and k,
-        message="the revoke never reached the server extension",
+        what="the revoke never reached the server extension",
     )
     assert ended["reason"] == "maintenance at 18:00"
     assert ended["lease"]["state"] == "revoked" and ended["lease"]["reason"] == ended["reason"]

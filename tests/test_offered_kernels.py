@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import httpx
 import pytest
 
 from provisioner import kernelspecs as ks
-from provisioner.devtools.testing import free_port
+from provisioner.devtools.testing import free_port, wait_for_http
 from provisioner.kernel.specs import never_startable, offered
 
 from .conftest import ROOT, Broker
@@ -132,16 +131,13 @@ class Server:
             )  # fmt: skip
 
     def wait(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if self.get("/api/status").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"the server did not start:\n{self.log.read_text()[-3000:]}")
+        wait_for_http(
+            f"{self.url}/api/status",
+            self.proc,
+            lambda: self.log.read_text()[-3000:],
+            timeout,
+            headers=self.headers,
+        )
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=60)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
-from provisioner.devtools.testing import free_port
+from provisioner.devtools.testing import free_port, wait_for, wait_for_async, wait_for_http
 from provisioner.errors import BrokerUnavailable, NoCapacity
 from provisioner.kernel.provisioner import GPULeaseProvisioner
 from provisioner.kernelspecs import build_kernelspec, spec_json
@@ -148,19 +148,6 @@ def queue(broker: Broker) -> list[dict[str, Any]]:
     return list(r.json()["queue"])
 
 
-async def wait_for(cond: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if isinstance(value, Awaitable):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.1)
-
-
 async def start(
     name: str, tmp_path: Path, cls: type[AsyncKernelManager] = AsyncKernelManager, **kw: Any
 ) -> AsyncKernelManager:
@@ -263,7 +250,7 @@ async def test_start_env_renew_shutdown(server_env: Broker, tmp_path: Path) -> N
         assert state["state"] == "active" and state["lease_id"] == lease["id"]
         # renewals every second, with the kernel's pid
         renewed = lease["renewed_at"]
-        fresh = await wait_for(
+        fresh = await wait_for_async(
             lambda: (x := lease_of(broker, km.kernel_id)) and x["renewed_at"] > renewed and x,
             what="a renewal",
         )
@@ -307,7 +294,7 @@ async def test_kill9_auto_restart_keeps_the_lease(server_env: Broker, tmp_path: 
         assert before is not None
         pid = km.provisioner.pid
         os.kill(pid, signal.SIGKILL)
-        await wait_for(
+        await wait_for_async(
             lambda: km.provisioner.has_process and km.provisioner.pid != pid, what="auto-restart"
         )
         assert (await kernel_env(km))["GPU_LEASE_ID"] == before["id"]
@@ -329,7 +316,7 @@ async def test_kill9_dead_kernel_releases(
     async with kernel("gpu-0.02", tmp_path, AsyncIOLoopKernelManager, config=config) as km:
         assert lease_of(broker, km.kernel_id) is not None
         os.kill(km.provisioner.pid, signal.SIGKILL)
-        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, what="release")
+        await wait_for_async(lambda: lease_of(broker, km.kernel_id) is None, what="release")
         assert "died and will not be restarted" in caplog.text
         km.stop_restarter()
         await km.cleanup_resources()  # what a careful owner does later: nothing left to release
@@ -342,7 +329,7 @@ async def test_kill9_without_restarter_releases(server_env: Broker, tmp_path: Pa
     async with kernel("gpu-0.02", tmp_path) as km:
         assert lease_of(broker, km.kernel_id) is not None
         os.kill(km.provisioner.pid, signal.SIGKILL)
-        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, what="release")
+        await wait_for_async(lambda: lease_of(broker, km.kernel_id) is None, what="release")
         # the owner may still restart it: a fresh lease, released at shutdown
         await km.restart_kernel(now=True)
         assert lease_of(broker, km.kernel_id) is not None
@@ -384,8 +371,8 @@ async def test_full_pool_third_kernel_waits_then_starts(
     async with kernel("gpu-0.5", tmp_path) as first, kernel("gpu-0.5", tmp_path):
         third = asyncio.ensure_future(start("gpu-0.5", tmp_path))
         try:
-            await wait_for(lambda: len(queue(broker)) == 1, what="the third request to queue")
-            await wait_for(lambda: "waits at position 1" in caplog.text, what="the log")
+            await wait_for_async(lambda: len(queue(broker)) == 1, what="the third request to queue")
+            await wait_for_async(lambda: "waits at position 1" in caplog.text, what="the log")
             assert not third.done()
             await first.shutdown_kernel()
             km = await asyncio.wait_for(third, 20)
@@ -443,13 +430,13 @@ async def test_broker_outage_leaves_the_kernel_running(
         lease = lease_of(broker, km.kernel_id)
         assert lease is not None
         broker.kill9()
-        await wait_for(lambda: "Could not renew GPU lease" in caplog.text, what="the warning")
+        await wait_for_async(lambda: "Could not renew GPU lease" in caplog.text, what="the warning")
         await asyncio.sleep(1.5)
         assert await km.is_alive()
         assert (await run(km, "print(6 * 7)")).strip() == "42"
         broker.start()  # same port, same database
         back = time.time()
-        renewed = await wait_for(
+        renewed = await wait_for_async(
             lambda: (x := lease_of(broker, km.kernel_id)) and x["renewed_at"] > back and x,
             what="renewals to resume",
         )
@@ -472,7 +459,7 @@ async def test_revoked_lease_stops_the_kernel(
         async with broker.client("bob") as bob:
             r = await bob.post("/leases", json={"kernel_id": "bobs", "fraction": 0.5, "wait": 15})
         assert r.status_code == 201  # the idle kernel's lease was reclaimed for bob
-        await wait_for(lambda: not km.has_kernel, what="the kernel to stop")
+        await wait_for_async(lambda: not km.has_kernel, what="the kernel to stop")
         state = read_json(state_file)
         assert state["state"] == "revoked"
         assert "idle" in state["reason"]
@@ -493,7 +480,9 @@ async def test_expired_lease_is_taken_back(server_env: Broker, tmp_path: Path) -
         task = prov.lease_keeper.renew_task
         assert task is not None
         task.cancel()  # the server stops renewing (suspended, cut off)
-        await wait_for(lambda: lease_of(broker, km.kernel_id) is None, timeout=20, what="expiry")
+        await wait_for_async(
+            lambda: lease_of(broker, km.kernel_id) is None, timeout=20, what="expiry"
+        )
         assert await prov.lease_keeper.renew_once()
         new = lease_of(broker, km.kernel_id)
         assert new is not None and new["id"] != old["id"]
@@ -528,16 +517,6 @@ def in_threads(*calls: Callable[[], Any]) -> list[Any]:
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         running = [pool.submit(then_close, call) for call in calls]
         return [x.result(timeout=60) for x in running]
-
-
-def wait_until(cond: Callable[[], Any], timeout: float = 15.0, what: str = "") -> Any:
-    """``wait_for`` for tests without a running loop (the blocking API's)."""
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        time.sleep(0.1)
-    return value
 
 
 def under_running_loop(call: Callable[[], Any]) -> Any:
@@ -589,7 +568,7 @@ def test_blocking_manager_renews_between_calls(server_env: Broker, tmp_path: Pat
         lease = lease_of(broker, km.kernel_id)
         assert lease is not None
         ttl = lease["expires_at"] - lease["renewed_at"]
-        renewed = wait_until(
+        renewed = wait_for(
             lambda: (
                 (x := lease_of(broker, km.kernel_id))
                 and x["renewed_at"] > lease["renewed_at"] + ttl
@@ -678,16 +657,14 @@ def jupyter_server(server_env: Broker, specs: Specs, tmp_path: Path) -> Iterator
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/api/status", params={"token": token}).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((tmp_path / "server.log").read_text()[-3000:])
-            time.sleep(0.2)
+        wait_for_http(
+            f"{url}/api/status",
+            proc,
+            lambda: (tmp_path / "server.log").read_text()[-3000:],
+            30,
+            what="jupyter_server",
+            params={"token": token},
+        )
         yield f"{url}?{token}"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -724,7 +701,7 @@ async def test_jupyter_server_sessions(server_env: Broker, jupyter_server: str) 
 
         r = await http.delete(f"/api/sessions/{session['id']}")
         assert r.status_code == 204
-    await wait_for(lambda: lease_of(broker, kernel_id) is None, what="release")
+    await wait_for_async(lambda: lease_of(broker, kernel_id) is None, what="release")
     assert leases(broker) == []
 
 

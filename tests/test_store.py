@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 
 import provisioner
+from provisioner.devtools.testing import wait_for
 from provisioner.errors import (
     CapacityConflict,
     Conflict,
@@ -941,13 +942,6 @@ PG_ONLY = pytest.mark.parametrize(
 )
 
 
-def _wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 @contextlib.contextmanager
 def _two_brokers(db_url: str, **kw: Any) -> Iterator[tuple[Store, Store]]:
     a, b = Store(db_url, **kw), Store(db_url, **kw)
@@ -973,7 +967,7 @@ def test_leadership_is_taken_once_and_fences_a_deposed_writer(db_url: str) -> No
         a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append((why, deposed)))
         assert b.take_leadership("b", 0.6)[:2] == (None, "a")
         a.insert_lease(_lease("by-a"), PPM)
-        _wait_for(lambda: b.take_leadership("b", 30.0)[0] is not None, 10, "the takeover")
+        wait_for(lambda: b.take_leadership("b", 30.0)[0] is not None, 10, "the takeover")
         assert b.leadership()[:2] == ("b", epoch + 1)
         assert not a.renew_leadership("a", epoch, 0.6)
         with pytest.raises(NotActive, match="another broker holds the leadership"):
@@ -996,7 +990,7 @@ def test_a_lapsed_leadership_nobody_took_is_renewed(db_url: str) -> None:
         epoch, _, _ = a.take_leadership("a", 0.3)
         assert epoch is not None
         a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append(deposed))
-        _wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to lapse")
+        wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to lapse")
         with pytest.raises(NotActive, match="expired"):
             a.insert_lease(_lease("x"), PPM)
         assert refused == [False] and a.get_lease("x") is None
@@ -1017,12 +1011,12 @@ def test_a_takeover_waits_for_a_write_in_flight_but_not_for_a_paused_one(db_url:
         with a._engine.connect() as raw:  # a write of "a" between its fence and its commit
             raw.begin()
             raw.execute(sa.text("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE"))
-            _wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to expire")
+            wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to expire")
             t0 = time.monotonic()
             assert b.take_leadership("b", 30.0, lock_wait=0.2) == (None, None, 0.2)
             assert time.monotonic() - t0 < 5
             # "a" is paused here: the server ends its transaction after pg_timeout
-            _wait_for(lambda: b.take_leadership("b", 30.0)[0] == epoch + 1, 20, "takeover")
+            wait_for(lambda: b.take_leadership("b", 30.0)[0] == epoch + 1, 20, "takeover")
             with pytest.raises(sa.exc.OperationalError):
                 raw.execute(sa.text("SELECT 1"))
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from .testing import ROOT, free_port
+from .testing import ROOT, free_port, wait_for_http
 
 
 def install_kernelspecs(prefix: Path, fractions: Sequence[float]) -> list[str]:
@@ -118,18 +117,18 @@ class JupyterServerProcess:
                 cwd=self.root,
                 env=self.env,
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the Jupyter server exited:\n{self.log()}")
-            try:
-                if self.http.get("/api/status", timeout=2.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"the Jupyter server did not start in {timeout} s:\n{self.log()}")
+        try:
+            wait_for_http(
+                f"{self.url}/api/status",
+                self.proc,
+                self.log,
+                timeout,
+                what="the Jupyter server",
+                headers=self.http.headers,
+            )
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (jupyter_server shuts every kernel down, releasing leases), then SIGKILL."""

@@ -2,14 +2,17 @@
 
 ``tests/conftest.py`` (the ``broker`` fixture) and ``benchmarks/`` (throughput, kernel
 start) start, check and stop the broker the same way through :class:`BrokerProcess` (and load
-``examples/`` scripts with :func:`load_example`):
+``examples/`` scripts with :func:`load_example`; wait for a condition, never a fixed time,
+with :func:`wait_for` and :func:`wait_for_async`):
 ``python -m provisioner.broker.app`` on a free port, with a static tokens file, waiting
 for ``/api/v1/health``. Nothing in the broker or the provisioner imports this module.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import signal
@@ -18,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,6 +39,79 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _timed_out(
+    what: object, timeout: float, last: object, detail: Callable[[], str] | None
+) -> AssertionError:
+    said = f" (last: {last!r})" if last not in (None, False, "", [], {}) else ""
+    more = f"\n{detail()}" if detail is not None else ""
+    return AssertionError(f"timed out after {timeout:g} s waiting for {what}{said}{more}")
+
+
+def wait_for(
+    cond: Callable[[], Any],
+    timeout: float = 15.0,
+    what: str = "",
+    interval: float = 0.1,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """Poll ``cond()`` until it returns something truthy and return that; AssertionError
+    naming ``what`` (and ending in ``detail()``, a log say) after ``timeout`` seconds. The
+    one way tests and benchmarks wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise _timed_out(what or cond, timeout, value, detail)
+        time.sleep(interval)
+
+
+async def wait_for_async(
+    cond: Callable[[], Any],
+    timeout: float = 15.0,
+    what: str = "",
+    interval: float = 0.1,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """:func:`wait_for` inside a running event loop; ``cond`` may return an awaitable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise _timed_out(what or cond, timeout, value, detail)
+        await asyncio.sleep(interval)
+
+
+def wait_for_http(
+    url: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    log: Callable[[], str] = lambda: "",
+    timeout: float = 30.0,
+    what: str = "the server",
+    **request: Any,
+) -> None:
+    """Wait until ``GET url`` answers 200 (``request``: httpx.get's options, such as
+    ``params`` or ``headers``). RuntimeError with ``log()`` as soon as ``proc`` exits, and
+    after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url, timeout=2.0, **request).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer {url} in {timeout:g} s:\n{log()}")
+        time.sleep(0.05)
 
 
 def load_example(name: str) -> ModuleType:
@@ -145,20 +221,13 @@ class BrokerProcess:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
             )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the broker exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/api/v1/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.kill9()
-        raise RuntimeError(
-            f"the broker did not answer /api/v1/health in {timeout} s:\n{self.log()}"
-        )
+        try:
+            wait_for_http(
+                f"{self.url}/api/v1/health", self.proc, self.log, timeout, what="the broker"
+            )
+        except RuntimeError:
+            self.kill9()
+            raise
 
     def health(self) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/api/v1/health", timeout=10.0)
