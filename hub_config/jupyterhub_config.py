@@ -206,6 +206,8 @@ broker_cmd = [
     env("GPU_LEASE_TTL") or "90",
     f"--GPULeaseBroker.reap_interval={env('GPU_LEASE_REAP_INTERVAL') or '5'}",
 ]
+if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)
+    broker_cmd += ["--tokens-file", str(Path(env("GPU_LEASE_AGENT_TOKENS")).resolve())]
 c.JupyterHub.services = [
     {
         "name": SERVICE,

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from traitlets import CaselessStrEnum, Float, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Unicode, default
 from traitlets.config import Application
 
 from . import inventory
@@ -38,6 +38,7 @@ from ._version import __version__
 from .client import BrokerClient
 from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
 from .model import GPU
+from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -116,16 +117,45 @@ def attribute(samples: Sample, kernels: set[int]) -> tuple[Sample, dict[int, lis
     return out, members
 
 
-def kill_processes(pids: list[int]) -> None:
-    """SIGKILL each pid (``--enforce kill``); one already gone is fine."""
+def kill_processes(pids: list[int], why: str = "of a revoked lease") -> None:
+    """SIGKILL each pid (``--enforce kill``, ``--kill-unleased-after``); one already gone
+    is fine."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
-            log.warning("Killed GPU process %d of a revoked lease", pid)
+            log.warning("Killed GPU process %d %s", pid, why)
         except ProcessLookupError:
             pass
         except PermissionError:
             log.error("Not allowed to kill GPU process %d: run the agent as root", pid)
+
+
+class UnleasedReaper:
+    """``--kill-unleased-after SECONDS``: the GPU processes that have belonged to no lease's
+    kernel (nor descended from one) in every sample for at least that long.
+
+    A kernel's pid reaches the broker with its first renewal (a third of the TTL after
+    its start), so ``after`` must exceed the lease TTL or a new kernel's first allocation
+    looks unleased. The agent's own pid and pid 1 are never returned.
+    """
+
+    def __init__(self, after: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.after = after
+        self.clock = clock
+        #: pid -> when it was first seen unleased (in consecutive samples)
+        self.first_seen: dict[int, float] = {}
+
+    def __call__(self, samples: Sample, kernels: set[int]) -> list[int]:
+        now = self.clock()
+        spared = {os.getpid(), 1}
+        unleased = {
+            pid for pid, _, _ in samples if pid not in spared and kernel_of(pid, kernels) is None
+        }
+        self.first_seen = {pid: self.first_seen.get(pid, now) for pid in unleased}
+        due = sorted(pid for pid, t in self.first_seen.items() if now - t >= self.after)
+        for pid in due:
+            del self.first_seen[pid]
+        return due
 
 
 def merge_samples(samples: Sample) -> list[dict[str, Any]]:
@@ -185,6 +215,8 @@ async def run_agent(
     interval: float,
     stop: asyncio.Event,
     enforce: str = "report",
+    kill_unleased_after: float = 0.0,
+    mps_states: Callable[[], dict[str, str]] | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -193,25 +225,35 @@ async def run_agent(
     A refusal (a token of another node, a GPU another node has) raises. Each heartbeat's
     answer names the kernel pids of the node's leases (``watch``): the next sample reports
     their descendants' memory under the kernel's pid; with ``enforce="kill"`` the GPU
-    processes of the kernels the broker names in ``kill`` are killed at once.
+    processes of the kernels the broker names in ``kill`` are killed at once; with
+    ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
+    With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
+    each heartbeat carries the GPUs' MPS daemon states.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
     kernels: set[int] = set()
+    reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
+        raw: Sample = []
         try:
-            samples, members = attribute(sample(), kernels)
+            raw = sample()
+            samples, members = attribute(raw, kernels)
             usage = merge_samples(samples)
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
             usage = []
         try:
-            beat = await client.node_heartbeat(node, usage, at=time.time())
+            beat = await client.node_heartbeat(
+                node, usage, at=time.time(), mps=mps_states() if mps_states else None
+            )
             kernels = {int(p) for p in beat.get("watch", [])}
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
+            if reaper is not None:  # judged against the kernels the broker names now
+                kill_processes(reaper(raw, kernels), "that belongs to no GPU lease")
         except LeaseNotFound:
             log.warning("The broker does not know node %s (any more); registering again", node)
             if not await _register(client, node, gpus, stop, enforce):
@@ -242,7 +284,18 @@ class GPULeaseAgent(Application):
         "gpus": "GPULeaseAgent.gpus",
         "enforce": "GPULeaseAgent.enforce",
         "interval": "GPULeaseAgent.interval",
+        "kill-unleased-after": "GPULeaseAgent.kill_unleased_after",
+        "mps-dir": "GPULeaseAgent.mps_dir",
+        "mps-control": "GPULeaseAgent.mps_control",
         "log-level": "Application.log_level",
+    }
+
+    flags = {
+        **Application.flags,
+        "mps": (
+            {"GPULeaseAgent": {"mps": True}},
+            "Run and supervise an MPS control daemon per GPU (for enforcement=mps kernels).",
+        ),
     }
 
     broker_url = Unicode(
@@ -286,6 +339,31 @@ class GPULeaseAgent(Application):
         "broker's node_grace (default 30 s). Default: 5.",
     ).tag(config=True)
 
+    kill_unleased_after = Float(
+        0.0,
+        help="SIGKILL GPU processes that belong to no lease's kernel for this many seconds "
+        "(0, the default: never; they are reported as unleased). Set it above the lease "
+        "TTL: a kernel's pid reaches the broker with its first renewal. Only for nodes "
+        "where every GPU user goes through a lease (not shared with batch jobs).",
+    ).tag(config=True)
+
+    mps = Bool(
+        False,
+        help="Run one MPS control daemon per GPU (nvidia-cuda-mps-control -f), restart it "
+        "when it exits and report its state, so that kernels with enforcement=mps are "
+        "capped by the driver. Default: False.",
+    ).tag(config=True)
+
+    mps_dir = Unicode(
+        DEFAULT_MPS_DIR,
+        help="Where each GPU's MPS pipe and log directories go (<dir>/<uuid>/pipe); the "
+        f"provisioners' mps_dir must be the same. Default: {DEFAULT_MPS_DIR}.",
+    ).tag(config=True)
+
+    mps_control = Unicode(
+        MPS_CONTROL, help=f"The MPS control program. Default: {MPS_CONTROL} (on PATH)."
+    ).tag(config=True)
+
     nvml_module = Unicode(
         inventory.NVML_MODULE,
         help="The NVML binding's module name (nvidia-ml-py installs 'pynvml').",
@@ -321,6 +399,14 @@ class GPULeaseAgent(Application):
                 self.node,
             )
             return 2
+        if 0 < self.kill_unleased_after < 3 * self.interval:
+            log.critical(
+                "--kill-unleased-after %g is too short: give it at least 3 heartbeats "
+                "(%g s), and more than the lease TTL.",
+                self.kill_unleased_after,
+                3 * self.interval,
+            )
+            return 2
         try:
             gpus = node_gpus(self.gpus, self.node, self.nvml_module)
         except GPULeaseError as exc:
@@ -336,12 +422,27 @@ class GPULeaseAgent(Application):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         client = BrokerClient(self.broker_url, token, retries=1, timeout=10.0)
+        mps = MPSSupervisor([g.uuid for g in gpus], self.mps_dir, self.mps_control)
+        daemons = asyncio.ensure_future(mps.run(stop)) if self.mps else None
         try:
-            await run_agent(client, self.node, gpus, sampler, self.interval, stop, self.enforce)
+            await run_agent(
+                client,
+                self.node,
+                gpus,
+                sampler,
+                self.interval,
+                stop,
+                self.enforce,
+                self.kill_unleased_after,
+                mps.states if daemons is not None else None,
+            )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
             return 1
         finally:
+            if daemons is not None:  # the daemons stop with the agent (``quit``)
+                stop.set()
+                await daemons
             await client.aclose()
             if nvml_sampler is not None:
                 nvml_sampler.close()

@@ -444,12 +444,21 @@ class BrokerClient:
         return self._dict(await self._send("PUT", f"/nodes/{_quote(node)}", body=body))
 
     async def node_heartbeat(
-        self, node: str, usage: list[dict[str, Any]], at: float | None = None
+        self,
+        node: str,
+        usage: list[dict[str, Any]],
+        at: float | None = None,
+        mps: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered."""
+        """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
+
+        ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``).
+        """
         body: dict[str, Any] = {"usage": usage}
         if at is not None:
             body["at"] = at
+        if mps is not None:
+            body["mps"] = mps
         return self._dict(
             await self._send("POST", f"/nodes/{_quote(node)}/heartbeat", body=body, retries=0)
         )

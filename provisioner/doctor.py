@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from .inventory import NVML_MODULE, _error_types, _nvml_module, _nvml_reason, _text
+from .mps import MPS_CONTROL
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -33,7 +34,6 @@ EXIT_NOT_RUN = 3
 
 #: frameworks whose memory caps the kernel sets (kernel/env.py), by import name
 FRAMEWORKS = {"torch": "PyTorch", "tensorflow": "TensorFlow", "jax": "JAX", "cupy": "CuPy"}
-MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
 @dataclass

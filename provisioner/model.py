@@ -161,6 +161,8 @@ class Identity:
 #: what ``GET /api/v1/nodes`` says of a node: its agent heartbeats, is silent longer than
 #: the grace, or was stopped cleanly (no new leases there; held ones stay)
 NODE_STATES = ("up", "lost", "drained")
+#: a GPU's MPS control daemon as its node agent (``--mps``) reports it
+MPS_STATES = ("running", "down")
 
 
 @dataclass
@@ -180,6 +182,8 @@ class Node:
     usage: list[tuple[int, str, int]] = field(default_factory=list)
     #: the samples of that heartbeat that belong to no lease
     unleased: list[tuple[int, str, int]] = field(default_factory=list)
+    #: GPU uuid -> its MPS control daemon's state, from the last heartbeat (agent ``--mps``)
+    mps: dict[str, str] = field(default_factory=dict)
 
     def summary(self, state: str) -> dict[str, Any]:
         return {
@@ -198,6 +202,7 @@ class Node:
             "registered_at": self.registered_at,
             "usage": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.usage],
             "unleased": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.unleased],
+            "mps": dict(self.mps),
         }
 
 

@@ -97,7 +97,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]], indent: str = ""
 
 
 # -- views ------------------------------------------------------------------------------
-LEASE_HEADER = ("USER", "KERNEL", "FRACTION", "MEMORY", "IDLE", "AGE", "LEASE")
+LEASE_HEADER = ("USER", "KERNEL", "FRACTION", "MEMORY", "ENFORCED", "IDLE", "AGE", "LEASE")
 
 
 def memory(lease: Mapping[str, Any]) -> str:
@@ -109,12 +109,26 @@ def memory(lease: Mapping[str, Any]) -> str:
     return f"{int(used)}/{int(cap)} MiB"
 
 
+def enforced(lease: Mapping[str, Any]) -> str:
+    """The layers beyond the kernel's own framework caps that hold its memory cap, as the
+    broker knows them: ``cooperative`` (none), ``agent-revoke`` (the node agent's mode),
+    ``+mps`` / ``+mps down`` (the GPU's MPS daemon, for kernels with enforcement=mps)."""
+    out = str(lease.get("enforcement") or "cooperative")
+    mps = lease.get("mps")
+    if mps == "running":
+        out += "+mps"
+    elif mps == "down":
+        out += "+mps down"
+    return out
+
+
 def lease_row(lease: Mapping[str, Any], now: float) -> list[str]:
     return [
         str(lease.get("user", "?")),
         short(lease.get("kernel_id")),
         fraction(lease.get("fraction")),
         memory(lease),
+        enforced(lease),
         idle(lease, now),
         duration(now - float(lease["created_at"])) if lease.get("created_at") else "-",
         short(lease.get("id"), 10),

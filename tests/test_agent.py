@@ -19,7 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_nodes import NodeBroker, node_state, pool, wait_for
+from provisioner.devtools.testing import wait_for
+
+from .test_nodes import NodeBroker, node_state, pool
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -228,6 +230,14 @@ def enforcing(tmp_path: Path) -> Iterator[NodeBroker]:
     assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
 
 
+def metric(text: str, name: str, has: str = "") -> float | None:
+    """The value of the first sample of ``name`` whose line contains ``has`` (else None)."""
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and has in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 @pytest.mark.parametrize("mode", ["revoke", "kill"])
 def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
     enforcing: NodeBroker, tmp_path: Path, mode: str
@@ -278,6 +288,14 @@ def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
             if x.startswith("gpu_lease_gpu_used_memory_bytes") and gpu in x
         )
         assert float(used_line.split()[-1]) >= (cap + 300) * 1024 * 1024
+        # per lease, and what enforcement did (the hog: revoked once; killed once in kill)
+        assert metric(metrics, "gpu_lease_lease_used_memory_bytes", leases["modest"]["id"]) == (
+            cap * 1024 * 1024
+        )
+        assert metric(metrics, "gpu_lease_unleased_gpu_processes") == 1
+        assert metric(metrics, "gpu_lease_enforcement_actions_total", 'action="revoked"') == 1
+        killed = metric(metrics, "gpu_lease_enforcement_actions_total", 'action="killed"')
+        assert killed == (1 if mode == "kill" else None)
         top = subprocess.run(
             [sys.executable, "-m", "provisioner", "top"],
             env={
@@ -301,3 +319,113 @@ def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
         agent.stop()
         hog.stop()
         modest.stop()
+
+
+def test_report_mode_flags_once_and_unleased_processes_die_when_asked(
+    enforcing: NodeBroker, tmp_path: Path
+) -> None:
+    """``--enforce report``: a kernel over its lease is flagged once per episode and left
+    running; ``--kill-unleased-after``: a GPU process of no lease is killed, a leased
+    kernel's child never."""
+    agent = Agent(enforcing, "gpu-a", tmp_path, "--enforce", "report", "--kill-unleased-after", "1")
+    hog, stray = Kernel(), Kernel()
+    try:
+        agent.start()
+        wait_for(lambda: nodes_of(enforcing).get("gpu-a", {}).get("state") == "up")
+        gpu = agent.gpus[0]["uuid"]
+        with enforcing.http("alice") as u:
+            r = u.post("/leases", json={"kernel_id": "hog", "fraction": 0.1, "gpu_uuids": [gpu]})
+            assert r.status_code == 201, r.text
+            lease = r.json()
+            r = u.post(f"/leases/{lease['id']}/renew", json={"pid": hog.proc.pid})
+            assert r.status_code == 200
+            seen = nodes_of(enforcing)["gpu-a"]["last_seen"]
+            wait_for(lambda: nodes_of(enforcing)["gpu-a"]["last_seen"] > seen)  # watch has it
+            agent.set_processes(
+                {
+                    gpu: [
+                        {"pid": hog.child, "used_mb": 4000},
+                        {"pid": stray.child, "used_mb": 300},
+                    ]
+                }
+            )
+
+            def actions() -> float | None:
+                text = httpx.get(f"{enforcing.url}/metrics", timeout=30).text
+                return metric(text, "gpu_lease_enforcement_actions_total", 'action="reported"')
+
+            wait_for(lambda: not stray.child_alive(), 20, "the unleased process to be killed")
+            wait_for(actions, 20, "the over-use to be reported")
+            flagged = nodes_of(enforcing)["gpu-a"]["last_seen"]
+            wait_for(lambda: nodes_of(enforcing)["gpu-a"]["last_seen"] > flagged + 1.0)
+            assert actions() == 1  # once per episode, not once per heartbeat
+            assert u.get(f"/leases/{lease['id']}").json()["state"] == "active"
+        assert hog.child_alive()
+        log = agent.log_path.read_text()
+        assert f"Killed GPU process {stray.child} that belongs to no GPU lease" in log, log
+        assert str(hog.child) not in log
+    finally:
+        agent.stop()
+        hog.stop()
+        stray.stop()
+
+
+def test_kill_unleased_after_shorter_than_three_heartbeats_is_refused(
+    nb: NodeBroker, tmp_path: Path
+) -> None:
+    agent = Agent(nb, "gpu-a", tmp_path, "--kill-unleased-after", "0.5")  # interval 0.3
+    agent.start()
+    assert agent.proc is not None and agent.proc.wait(30) == 2
+    assert "--kill-unleased-after 0.5 is too short" in agent.log_path.read_text()
+    assert nodes_of(nb) == {}
+
+
+# -- MPS daemons (agent --mps), against a stand-in nvidia-cuda-mps-control ---------------------
+
+FAKE_MPS = HERE / "fake_mps" / "nvidia-cuda-mps-control"
+
+
+def test_agent_runs_restarts_and_stops_an_mps_daemon_per_gpu(
+    nb: NodeBroker, tmp_path: Path
+) -> None:
+    """``--mps``: one daemon per GPU with its own pipe directory (the one an
+    enforcement=mps kernel is pointed at), restarted when it dies, reported per lease,
+    stopped with ``quit`` when the agent stops."""
+    mps_dir = tmp_path / "mps"
+    agent = Agent(
+        nb, "gpu-a", tmp_path, "--mps", "--mps-dir", str(mps_dir), "--mps-control", str(FAKE_MPS)
+    )
+    uuids = [g["uuid"] for g in agent.gpus]
+
+    def pid_of(gpu: str) -> int:
+        path = mps_dir / gpu / "pipe" / "control.pid"
+        return int(path.read_text()) if path.exists() and path.read_text() else 0
+
+    def log_of(gpu: str) -> str:
+        path = mps_dir / gpu / "log" / "control.log"
+        return path.read_text() if path.exists() else ""
+
+    try:
+        agent.start()
+        wait_for(
+            lambda: nodes_of(nb).get("gpu-a", {}).get("mps") == dict.fromkeys(uuids, "running")
+        )
+        for gpu in uuids:  # each daemon sees its own GPU only
+            assert f"started {pid_of(gpu)} for {gpu}" in log_of(gpu)
+        with nb.http("alice") as u:
+            r = u.post("/leases", json={"kernel_id": "k", "fraction": 0.1, "gpu_uuids": [uuids[0]]})
+            assert r.status_code == 201, r.text
+            assert r.json()["mps"] == "running" and r.json()["enforcement"] == "agent-report"
+        first = pid_of(uuids[0])
+        os.kill(first, signal.SIGKILL)  # the daemon dies: restarted
+        wait_for(lambda: pid_of(uuids[0]) not in (0, first), 20, "the daemon's restart")
+        assert "exited with -9; restarting" in agent.log_path.read_text()
+        wait_for(lambda: nodes_of(nb)["gpu-a"]["mps"][uuids[0]] == "running")
+        pids = [pid_of(g) for g in uuids]
+        assert agent.signal(signal.SIGTERM) == 0
+        for gpu, pid in zip(uuids, pids, strict=True):
+            assert log_of(gpu).endswith("quit\n"), log_of(gpu)  # stopped with `quit`
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        agent.stop()

@@ -169,3 +169,30 @@ def test_hub_tokens_need_the_service_token(monkeypatch: pytest.MonkeyPatch) -> N
     assert tokens.hub_auth.api_url == "http://127.0.0.1:8081/hub/api"
     assert tokens.hub_auth.cache_max_age == 60
     assert "service-token" not in repr(tokens)
+
+
+async def test_hub_tokens_identify_node_agents_from_their_own_file(tmp_path: Path) -> None:
+    """issue 14: agents are not hub users; under --auth hub their tokens come from a tokens
+    file that may hold nothing else, and are never sent to the hub."""
+    path = tmp_path / "agents.json"
+    path.write_text(json.dumps({"agent-secret": {"agent": True, "node": "gpu-a"}}))
+    hub = FakeHubAuth({"name": "alice", "groups": [], "scopes": []})
+    tokens = HubTokens(hub_auth=hub, agent_tokens=StaticTokens(str(path)))
+    assert await tokens.identify("agent-secret") == Identity("agent:gpu-a", node="gpu-a")
+    assert hub.calls == []  # the agent's token never went to the hub
+    assert (await tokens.identify(SECRET)).user == "alice"  # anyone else: the hub decides
+    assert hub.calls == [(SECRET, True, False)]
+    # a user's token in that file would let the file, not the hub, say who a user is
+    path.write_text(
+        json.dumps(
+            {
+                "agent-secret": {"agent": True, "node": "gpu-a"},
+                "user-secret": {"user": "mallory", "admin": True},
+            }
+        )
+    )
+    with pytest.raises(TokensFileError, match="may hold only node agents' tokens") as info:
+        HubTokens.for_broker(tokens_file=str(path))
+    assert "secret" not in info.value.message
+    # ... and one added while the broker runs is not honoured either
+    assert (await tokens.identify("user-secret")).user == "alice"

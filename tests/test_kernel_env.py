@@ -81,7 +81,14 @@ def test_mps_adds_pinned_limit_for_device_zero():
     env = lease_environment(make_lease(), enforcement="mps")
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1126M"
     assert env["GPU_LEASE_ENFORCEMENT"] == "mps"
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in lease_environment(make_lease())
+    # the pipe of the GPU's own daemon, as the node agent (--mps) lays them out
+    uuid = env["CUDA_VISIBLE_DEVICES"]
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == f"/run/gpu-lease/mps/{uuid}/pipe"
+    moved = lease_environment(make_lease(), enforcement="mps", mps_dir="/srv/mps")
+    assert moved["CUDA_MPS_PIPE_DIRECTORY"] == f"/srv/mps/{uuid}/pipe"
+    plain = lease_environment(make_lease())
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in plain
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in plain
 
 
 def test_server_environment_is_respected_not_clobbered():

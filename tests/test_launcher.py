@@ -441,3 +441,42 @@ async def test_real_ipykernel_with_gpu_magic(tmp_path):
     finally:
         client.stop_channels()
         await km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize(
+    "enforcement, state, first, more",
+    [
+        ("cooperative", {}, "framework caps (cooperative: code can lift them)", []),
+        (
+            "mps",
+            {"mps": "running", "node_enforcement": "agent-revoke", "used_mb": 900},
+            "MPS (the driver refuses allocations past the cap)",
+            ["node agent (revoke: revokes the lease", "in use:     900 MiB"],
+        ),
+        (
+            "mps",
+            {"mps": "down", "node_enforcement": "agent-report"},
+            "framework caps",
+            ["the GPU's MPS daemon is down: not enforced", "node agent (report:"],
+        ),
+        ("mps", {}, "framework caps", ["no node agent reports an MPS daemon on this GPU"]),
+    ],
+)
+def test_magic_says_which_layers_hold_the_cap(
+    magic, monkeypatch, tmp_path, enforcement, state, first, more
+):
+    """issue 14: %gpu names each enforcement layer that holds for this kernel, from what
+    the broker said at the last renewal (the state file)."""
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"state": "active", "expires_at": 1090.4, **state}))
+    env = lease_environment(LEASE, enforcement=enforcement, state_file=str(path))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    info = magic.lease_info()
+    assert info["enforced_by"][0].startswith(first)
+    text = magic.format_info(info, now=1000.0)
+    assert f"  held by:    {info['enforced_by'][0]}" in text
+    for words in more:
+        assert words in text, text
+    if "used_mb" not in state:
+        assert "in use:" not in text

@@ -7,7 +7,6 @@ the broker declares one V100 itself, so the pool is that GPU plus the registered
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from provisioner.broker.validation import (
     parse_node_heartbeat,
     parse_node_registration,
 )
+from provisioner.devtools.testing import wait_for
 from provisioner.errors import InvalidRequest
 
 from .conftest import Broker
@@ -71,13 +71,6 @@ def nb(tmp_path: Path, broker_db_url: str) -> Iterator[NodeBroker]:
         b.stop()
         b.kill9()
     assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
-
-
-def wait_for(predicate: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def register(c: httpx.Client, node: str, gpus: list[dict[str, Any]]) -> httpx.Response:
@@ -262,8 +255,16 @@ _sample = st.dictionaries(
     max_size=4,
 )
 _bodies = st.dictionaries(
-    st.sampled_from(["usage", "at", "other"]),
-    st.one_of(_json_leaf, st.lists(st.one_of(_sample, _json_leaf), max_size=5)),
+    st.sampled_from(["usage", "at", "mps", "other"]),
+    st.one_of(
+        _json_leaf,
+        st.lists(st.one_of(_sample, _json_leaf), max_size=5),
+        st.dictionaries(
+            st.text(max_size=6),
+            st.one_of(st.sampled_from(["running", "down"]), _json_leaf),
+            max_size=3,
+        ),
+    ),
     max_size=3,
 )
 
@@ -272,10 +273,13 @@ _bodies = st.dictionaries(
 @given(_bodies)
 def test_heartbeat_validation_accepts_only_well_formed_reports(body: dict[str, Any]) -> None:
     try:
-        usage, at = parse_node_heartbeat(body)
+        usage, at, mps = parse_node_heartbeat(body)
     except InvalidRequest:
         return
-    assert set(body) <= {"usage", "at"}
+    assert set(body) <= {"usage", "at", "mps"}
+    assert mps is None or all(
+        isinstance(k, str) and k and v in ("running", "down") for k, v in mps.items()
+    )
     assert at is None or 0 <= at <= 1e11
     assert len({(p, g) for p, g, _ in usage}) == len(usage)
     for pid, gpu_uuid, used in usage:

@@ -213,6 +213,13 @@ class GPULeaseBroker(Application):
         help="Whether GET /metrics needs a valid token. Default: False (anyone may scrape).",
     ).tag(config=True)
 
+    metrics_per_user = Bool(
+        True,
+        help="Export the per-user and per-lease series on /metrics "
+        "(gpu_lease_user_held_fraction, gpu_lease_lease_used_memory_bytes): one series per "
+        "user or lease. Turn off on very large hubs. Default: True.",
+    ).tag(config=True)
+
     # -- state -----------------------------------------------------------------
     db_url = Unicode(
         "sqlite:///gpu-lease.sqlite",
@@ -306,7 +313,9 @@ class GPULeaseBroker(Application):
         help="""JSON file of tokens for --auth static:
         {"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}; an entry may add
         "expires_at" (POSIX seconds or ISO 8601, no zone = UTC), after which the token gets
-        401. Re-read when it changes. Default: none.""",
+        401. Node agents' tokens are {"agent": true, "node": "NODE"}; with --auth hub the
+        file may hold only those (users come from JupyterHub). Re-read when it changes.
+        Default: none.""",
     ).tag(config=True)
 
     hub_cache_max_age = Integer(
@@ -507,7 +516,7 @@ class GPULeaseBroker(Application):
     def build_service(self, store: Store, gpus: list[GPU]) -> tuple[BrokerService, BrokerMetrics]:
         """The service over ``store`` and ``gpus``, and the metrics that read it."""
         service: BrokerService | None = None
-        metrics = BrokerMetrics(lambda: service)
+        metrics = BrokerMetrics(lambda: service, per_user=self.metrics_per_user)
         service = BrokerService(
             store, gpus, self.policy(), metrics=metrics, reap_interval=self.reap_interval
         )

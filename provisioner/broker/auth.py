@@ -393,6 +393,10 @@ class HubTokens(Authenticator):
     service's own token needs no special scope to identify tokens; each user's
     token needs ``access:services!service=gpu-lease`` and, for course kernels,
     ``read:users:groups`` on itself so the model lists the user's groups.
+
+    Node agents are not hub users: ``agent_tokens`` (a :class:`StaticTokens` of a tokens
+    file that holds only ``{"agent": true, "node": ...}`` entries, ``--tokens-file``
+    beside ``--auth hub``) identifies them first, without asking the hub.
     """
 
     auth_name = "hub"
@@ -403,9 +407,11 @@ class HubTokens(Authenticator):
         api_token: str | None = None,
         cache_max_age: int = HUB_CACHE_MAX_AGE,
         hub_auth: Any = None,
+        agent_tokens: StaticTokens | None = None,
         **traits: Any,
     ) -> None:
         super().__init__(**traits)
+        self.agent_tokens = agent_tokens
         if hub_auth is None:
             from jupyterhub.services.auth import HubAuth
 
@@ -430,11 +436,23 @@ class HubTokens(Authenticator):
         parent: Any = None,
         cache_max_age: int = HUB_CACHE_MAX_AGE,
         base_url: str = "/",
+        tokens_file: str = "",
         **_: Any,
     ) -> HubTokens:
-        """As a hub service with a URL, browsers also log in to the dashboard (hub OAuth)."""
+        """As a hub service with a URL, browsers also log in to the dashboard (hub OAuth).
+        ``tokens_file`` (optional): the node agents' tokens, and nothing else."""
+        agents = None
+        if tokens_file:
+            agents = StaticTokens(tokens_file, parent=parent)
+            people = [e.identity.user for e in agents._tokens.values() if e.identity.node is None]
+            if people:
+                raise TokensFileError(
+                    f"With --auth hub the tokens file {tokens_file!r} may hold only node "
+                    f'agents\' tokens ({{"agent": true, "node": "NODE"}}); it names '
+                    f"{len(people)} user token(s): users are identified by JupyterHub."
+                )
         oauth = make_hub_oauth(base_url, cache_max_age=cache_max_age)
-        return cls(cache_max_age=cache_max_age, hub_auth=oauth, parent=parent)
+        return cls(cache_max_age=cache_max_age, hub_auth=oauth, parent=parent, agent_tokens=agents)
 
     def __repr__(self) -> str:
         return f"HubTokens({getattr(self.hub_auth, 'api_url', '?')!r})"
@@ -500,6 +518,10 @@ class HubTokens(Authenticator):
     async def identify(self, token: str) -> Identity:
         from tornado.web import HTTPError
 
+        if self.agent_tokens is not None:
+            agent = self.agent_tokens.lookup(token)
+            if agent is not None and agent.node is not None:
+                return agent
         try:
             model = await self.hub_auth.user_for_token(token, use_cache=True, sync=False)
         except HTTPError as exc:

@@ -543,14 +543,14 @@ class NodeHandler(APIHandler):
 
 
 class NodeHeartbeatHandler(APIHandler):
-    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at}``: the node's agent is alive."""
+    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at, mps}``: the node's agent is alive."""
 
     agent_allowed = True
 
     @api
     def post(self, node: str) -> None:
-        usage, at = validation.parse_node_heartbeat(self.json_body())
-        self.write_json(self.service.node_heartbeat(self.ident, node, usage, at))
+        usage, at, mps = validation.parse_node_heartbeat(self.json_body())
+        self.write_json(self.service.node_heartbeat(self.ident, node, usage, at, mps))
 
 
 class QueueHandler(APIHandler):

@@ -20,6 +20,11 @@ Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, na
   the ``gpu_memory_mb`` and ``gpu_allocated_memory_mb`` of 0.1.0 are gone)
 * ``gpu_used_memory_bytes`` per GPU of a node with an agent: what its processes use
 * ``nodes{state}`` gauge: registered nodes up | lost | drained
+* ``lease_used_memory_bytes{lease_id, user, uuid}`` gauge: what a lease's kernel (and its
+  child processes) use, as its node agent last reported (left out with ``per_user=False``)
+* ``unleased_gpu_processes`` gauge: GPU processes on agents' nodes that belong to no lease
+* ``enforcement_actions_total{action}`` counter: what the agents' enforcement did to
+  leases over their cap (reported | revoked | killed); see docs/admins.md, "Node agents"
 * ``queue_length``, ``active_leases`` gauges
 * ``user_held_fraction{user}`` gauge (left out with ``per_user=False``)
 * ``info{version}`` gauge, always 1
@@ -81,11 +86,13 @@ class ServiceView(Protocol):
     def policy(self) -> Policy: ...
 
 
-def _node_view(service: ServiceView) -> tuple[dict[str, int], dict[str, int]]:
-    """Node states and per-GPU used MiB, where the service has node agents (else none)."""
+def _node_view(service: ServiceView) -> tuple[dict[str, int], dict[str, int], int]:
+    """Node states, per-GPU used MiB and the unleased GPU processes, where the service has
+    node agents (else none)."""
     states = getattr(service, "node_states", None)
     used = getattr(service, "gpu_used_mb", None)
-    return (states() if states else {}), (used() if used else {})
+    unleased = getattr(service, "unleased_processes", None)
+    return (states() if states else {}), (used() if used else {}), (unleased() if unleased else 0)
 
 
 class _PoolCollector(Collector):
@@ -146,7 +153,7 @@ class _PoolCollector(Collector):
             "(only GPUs of nodes with an agent).",
             labels=labels,
         )
-        node_states, used_mb = _node_view(service)
+        node_states, used_mb, unleased = _node_view(service)
         for gpu in list(state.ordered_gpus()):
             if gpu.uuid in used_mb:
                 used.add_metric([gpu.uuid, gpu.node, gpu.name], used_mb[gpu.uuid] * MIB)
@@ -157,6 +164,24 @@ class _PoolCollector(Collector):
         for node_state, count in node_states.items():
             nodes.add_metric([node_state], count)
         yield nodes
+        yield GaugeMetricFamily(
+            "gpu_lease_unleased_gpu_processes",
+            "GPU processes on nodes with an agent that belong to no lease.",
+            unleased,
+        )
+        lease_used: dict[str, int] = dict(getattr(service, "used_mb", {}))
+        if self._per_user and lease_used:
+            by_lease = GaugeMetricFamily(
+                "gpu_lease_lease_used_memory_bytes",
+                "GPU memory in bytes a lease's kernel and its child processes use, as its "
+                "node agent last reported.",
+                labels=["lease_id", "user", "uuid"],
+            )
+            for lease_id, mb in sorted(lease_used.items()):
+                lease = state.leases.get(lease_id)
+                if lease is not None:
+                    by_lease.add_metric([lease_id, lease.user, lease.gpu_uuid], mb * MIB)
+            yield by_lease
         yield GaugeMetricFamily(
             "gpu_lease_queue_length", "Acquire requests waiting in the queue.", len(state.queue)
         )
@@ -216,6 +241,13 @@ class BrokerMetrics:
             ["state"],
             registry=self.registry,
         )
+        self._enforced = Counter(
+            "gpu_lease_enforcement_actions",
+            "What node agents' enforcement did to leases over their cap, by action "
+            "(reported, revoked, killed).",
+            ["action"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(service_getter, per_user))
 
     # -- service.Metrics ------------------------------------------------------------
@@ -235,6 +267,11 @@ class BrokerMetrics:
         """Called by the service after ``count`` leases ended in ``state``."""
         if count > 0:
             self._ended.labels(state=state).inc(count)
+
+    def enforced(self, action: str, count: int) -> None:
+        """Called by the service when enforcement reported, revoked or killed ``count``."""
+        if count > 0:
+            self._enforced.labels(action=action).inc(count)
 
     # -- exposition -------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:

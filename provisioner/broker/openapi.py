@@ -41,6 +41,12 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 #: the broker counts fractions in millionths (ppm): 0.000001 is the smallest it accepts
 _FRACTION = {"type": "number", "minimum": 0.000001, "maximum": 1}
 _TIME = {"type": "number", "description": "POSIX time in seconds."}
+_MPS_STATES: dict[str, Any] = {
+    "type": "object",
+    "maxProperties": 64,
+    "additionalProperties": {"type": "string", "enum": ["running", "down"]},
+    "description": "GPU uuid -> state of its MPS control daemon (agents with --mps).",
+}
 
 _QUOTA_PROPS: dict[str, Any] = {
     "max_fraction": _nullable(
@@ -219,6 +225,15 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "The layer that holds the memory cap: 'cooperative' (framework "
                 "caps only), or 'agent-off' / 'agent-report' / 'agent-revoke' / 'agent-kill'.",
             },
+            "mps": _nullable(
+                {
+                    "type": "string",
+                    "enum": ["running", "down"],
+                    "description": "The MPS control daemon of the lease's GPU, as its node "
+                    "agent (--mps) last reported it (null: no agent runs one). A kernel "
+                    "with enforcement=mps is capped by the driver only while it runs.",
+                }
+            ),
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
             "groups": {
@@ -492,6 +507,7 @@ _SCHEMAS: dict[str, Any] = {
         "properties": {
             "usage": {"type": "array", "maxItems": 4096, "items": _ref("UsageSample")},
             "at": {**_TIME, "minimum": 0, "maximum": 100000000000},
+            "mps": _MPS_STATES,
         },
     },
     "NodeBeat": {
@@ -533,6 +549,7 @@ _SCHEMAS: dict[str, Any] = {
             "enforce": {"type": "string"},
             "usage": {"type": "array", "items": _ref("UsageSample")},
             "unleased": {"type": "array", "items": _ref("UsageSample")},
+            "mps": _MPS_STATES,
         },
     },
     "NodeList": {

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import BodyTooLarge, InvalidRequest
 from ..model import (
     GPU,
+    MPS_STATES,
     PPM,
     QUOTA_FIELDS,
     Identity,
@@ -476,7 +477,7 @@ __all__ = [
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 ENFORCE_MODES = ("off", "report", "revoke", "kill")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = ("usage", "at")
+NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 #: the most GPUs one node may register
 MAX_NODE_GPUS = 64
@@ -538,8 +539,11 @@ def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU],
     return out, version, str(enforce)
 
 
-def parse_node_heartbeat(body: dict[str, Any]) -> tuple[list[tuple[int, str, int]], float | None]:
-    """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples, ``at``.
+def parse_node_heartbeat(
+    body: dict[str, Any],
+) -> tuple[list[tuple[int, str, int]], float | None, dict[str, str] | None]:
+    """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples,
+    ``at``, and the MPS daemons' states (GPU uuid -> running | down; None: no ``--mps``).
 
     ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it against
     the GPU's memory); one sample per ``(pid, gpu_uuid)``.
@@ -561,4 +565,20 @@ def parse_node_heartbeat(body: dict[str, Any]) -> tuple[list[tuple[int, str, int
         )
     if len({(p, u) for p, u, _ in usage}) != len(usage):
         raise InvalidRequest("Two usage samples name the same pid and GPU; send one of each.")
-    return usage, at
+    mps: dict[str, str] | None = None
+    if body.get("mps") is not None:
+        raw = body["mps"]
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"'mps' must be a JSON object, not a {_json_type(raw)}.")
+        if len(raw) > MAX_NODE_GPUS:
+            raise InvalidRequest(f"'mps' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+        mps = {}
+        for gpu_uuid, state in raw.items():
+            _text(gpu_uuid, "mps key", max_chars=MAX_UUID_CHARS)
+            if state not in MPS_STATES:
+                raise InvalidRequest(
+                    f"'mps' states are {' or '.join(MPS_STATES)}, not {_json_type(state)} "
+                    f"{str(state)[:40]!r}."
+                )
+            mps[gpu_uuid] = state
+    return usage, at, mps

@@ -29,7 +29,9 @@ How each framework's GPU memory is capped, and why here or in the launcher:
 - **TensorFlow**: capped by the launcher (a logical device with ``memory_limit``),
   because TensorFlow has no environment variable for a hard cap.
 - ``enforcement="mps"`` adds ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<cap>M``, which the
-  MPS server enforces for every framework, including code that calls CUDA directly.
+  MPS server enforces for every framework, including code that calls CUDA directly, and
+  ``CUDA_MPS_PIPE_DIRECTORY`` of the GPU's daemon, which the node agent runs (``--mps``;
+  :func:`provisioner.mps.pipe_directory` under ``mps_dir``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import NamedTuple
 from ..errors import InvalidRequest
 from ..kernelspecs import format_fraction
 from ..model import ENFORCEMENTS
+from ..mps import DEFAULT_MPS_DIR, pipe_directory
 from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)
@@ -62,6 +65,7 @@ def lease_environment(
     enforcement: str = "cooperative",
     state_file: str | None = None,
     base_env: Mapping[str, str] | None = None,
+    mps_dir: str = DEFAULT_MPS_DIR,
 ) -> dict[str, str]:
     """The variables to add to the kernel's environment for ``lease``.
 
@@ -111,6 +115,7 @@ def lease_environment(
     if enforcement == "mps":
         # device 0 as the kernel sees it: CUDA_VISIBLE_DEVICES holds one GPU
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={cap_mb}M"
+        env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_directory(mps_dir, gpu.uuid)
     return env
 
 

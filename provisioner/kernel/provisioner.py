@@ -51,6 +51,7 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import ENFORCEMENTS, validate_fraction
+from ..mps import DEFAULT_MPS_DIR
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
 from .env import kernel_argv, lease_environment
@@ -98,6 +99,12 @@ class GPULeaseProvisioner(LocalProvisioner):
         default_value="cooperative",
         help="How the GPU memory cap is enforced: 'cooperative' (framework caps) or 'mps' "
         "(also CUDA_MPS_PINNED_DEVICE_MEM_LIMIT). Default: cooperative.",
+    ).tag(config=True)
+
+    mps_dir = Unicode(
+        DEFAULT_MPS_DIR,
+        help="With enforcement='mps': the node agent's --mps-dir, where each GPU's MPS "
+        f"daemon has its pipe directory (<dir>/<gpu uuid>/pipe). Default: {DEFAULT_MPS_DIR}.",
     ).tag(config=True)
 
     node = Unicode(
@@ -213,6 +220,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                     enforcement=self.enforcement,
                     state_file=self.lease_keeper.state_file.path,
                     base_env=env,
+                    mps_dir=self.mps_dir,
                 )
             )
             wrapped = kernel_argv(kwargs["cmd"])

@@ -66,6 +66,11 @@ class StateFile:
             "fraction": lease.fraction if lease.fraction is not None else fraction,
             "memory_limit_mb": lease.memory_limit_mb,
             "gpu": lease.gpu.to_json(),
+            # what the broker last said holds the cap beyond the kernel's own framework
+            # caps (a node agent's mode, the GPU's MPS daemon) and what the agent measured
+            "node_enforcement": lease.raw.get("enforcement"),
+            "mps": lease.raw.get("mps"),
+            "used_mb": lease.raw.get("used_mb"),
             "updated_at": time.time(),
         }
         tmp = f"{self.path}.{os.getpid()}.tmp"

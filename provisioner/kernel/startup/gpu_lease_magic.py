@@ -107,10 +107,37 @@ def lease_info():
         "expires_at": (state or {}).get("expires_at"),
         "reason": (state or {}).get("reason"),
         "state_note": state_note,
+        "enforced_by": enforced_by(env.get("GPU_LEASE_ENFORCEMENT", "cooperative"), state),
+        "agent_used_mb": (state or {}).get("used_mb"),
         "caps": caps_report(),
         "process_memory_mb": used_mb,
         "process_memory_note": used_note,
     }
+
+
+def enforced_by(enforcement, state):
+    """Which layers hold this kernel's memory cap, in words (``%gpu`` and ``--json``)."""
+    state = state or {}
+    layers = ["framework caps (cooperative: code can lift them)"]
+    if enforcement == "mps":
+        mps = state.get("mps")
+        if mps == "running":
+            layers.insert(0, "MPS (the driver refuses allocations past the cap)")
+        elif mps == "down":
+            layers.append("MPS requested, but the GPU's MPS daemon is down: not enforced")
+        else:
+            layers.append("MPS requested; no node agent reports an MPS daemon on this GPU")
+    node = state.get("node_enforcement")
+    if node and node.startswith("agent-"):
+        mode = node[len("agent-") :]
+        what = {
+            "off": "measures usage only",
+            "report": "reports use past the cap to admins",
+            "revoke": "revokes the lease when use stays past the cap",
+            "kill": "revokes the lease and kills its GPU processes when use stays past the cap",
+        }.get(mode, mode)
+        layers.append(f"node agent ({mode}: {what})")
+    return layers
 
 
 def format_info(info, now=None):
@@ -126,6 +153,10 @@ def format_info(info, now=None):
         f"  fraction:   {info.get('fraction') or 'unknown'}",
         f"  memory cap: {info.get('memory_limit_mb')} MiB ({info['enforcement']})",
     ]
+    for n, layer in enumerate(info.get("enforced_by") or []):
+        lines.append(f"  {'held by:' if n == 0 else '':<11} {layer}")
+    if info.get("agent_used_mb") is not None:
+        lines.append(f"  in use:     {info['agent_used_mb']} MiB (the node agent's last sample)")
     if info.get("state"):
         state = str(info["state"])
         expires = info.get("expires_at")
