@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,18 +52,6 @@ def pg_engine(url: str) -> sa.Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg2://" + url[len("postgresql://") :]
     return sa.create_engine(url, poolclass=NullPool)
-
-
-def launch(b: BrokerProcess) -> None:
-    """Start a broker without waiting for it to answer (a standby does not listen)."""
-    b.starts += 1
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.pop("JUPYTERHUB_API_TOKEN", None)
-    with open(b.log_path, "wb") as log:
-        b.proc = subprocess.Popen(
-            b.command(), stdout=log, stderr=subprocess.STDOUT, cwd=b.tmp, env=env
-        )
 
 
 def wait_for(cond: object, timeout: float, what: str) -> None:
@@ -133,7 +120,7 @@ def one_cycle(
     if late:
         raise RuntimeError(f"the old active answered 200 after the new one did: {late}")
     gap = first_new - polls[old.name].before(first_new)[-1]
-    launch(old)  # back as the standby
+    old.launch()  # back as the standby
     return gap
 
 
@@ -175,7 +162,7 @@ def main() -> int:
                 body = {"kernel_id": f"k{n}", "fraction": 0.25}
                 r = httpx.post(f"{a.url}/api/v1/leases", json=body, headers=headers)
                 r.raise_for_status()
-            launch(b)
+            b.launch()
             for p in polls.values():
                 p.start()
             old, new = a, b

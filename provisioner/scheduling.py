@@ -620,7 +620,7 @@ def decide_acquire(
                 touched,
                 position_of(state, waiting.key, now, policy),
                 new=False,
-                reason=why_waiting(state, ok, waiting.fraction_ppm, policy),
+                reason=why_waiting(state, ok, waiting.fraction_ppm, policy, waiting.node),
             )
         )
 
@@ -653,19 +653,31 @@ def decide_acquire(
         return AcquireDecision(mine, grants)
     position = position_of(state, req.key, now, policy, extra=req)
     return AcquireDecision(
-        Queued(req, position, new=True, reason=why_waiting(state, ok, req.fraction_ppm, policy)),
+        Queued(
+            req,
+            position,
+            new=True,
+            reason=why_waiting(state, ok, req.fraction_ppm, policy, req.node),
+        ),
         grants,
     )
 
 
-def why_waiting(state: PoolState, ok: list[GPU], ppm: int = 0, policy: Policy | None = None) -> str:
+def why_waiting(
+    state: PoolState,
+    ok: list[GPU],
+    ppm: int = 0,
+    policy: Policy | None = None,
+    node: str | None = None,
+) -> str:
     """Sentences for a student whose request (of ``ppm``) waits: how full its GPUs are.
 
     GPUs are named as ``gpu-lease top`` names them (``GPU 0 (V100)``, with the node when
     the pool has several), never by UUID. When a smaller kernel could be placed right
     now (some usable GPU has room for at least the smallest fraction that works there,
     but less than ``ppm``), it says how much is free; otherwise it gives no such advice
-    (a student on the smallest kernel that works has nothing smaller to pick).
+    (a student on the smallest kernel that works has nothing smaller to pick). A request
+    bound to ``node`` (its server's node) that another node has room for says so.
     """
     if not ok:
         return "No GPU can take this request right now."
@@ -692,6 +704,24 @@ def why_waiting(state: PoolState, ok: list[GPU], ppm: int = 0, policy: Policy | 
         text += (
             f" {title(roomiest)} has {ppm_to_fraction(free):g} of a GPU free: a kernel with "
             "a smaller GPU fraction may start sooner."
+        )
+    elsewhere = sorted(
+        {
+            g.node
+            for g in state.gpus.values()
+            if node is not None
+            and g.node != node
+            and g.uuid not in state.closed
+            and policy.capacity_ppm - state.allocated.get(g.uuid, 0) >= ppm
+            and memory_cap_mb(ppm, g.memory_mb, policy.context_overhead_mb) > 0
+        }
+    )
+    if elsewhere:
+        text += (
+            f" Node {', '.join(elsewhere[:3])}{' and others' if len(elsewhere) > 3 else ''} "
+            f"{'has' if len(elsewhere) == 1 else 'have'} room, but your server runs on node "
+            f"{node} and its kernels can use only that node's GPUs: a server started on "
+            "another node could start this kernel now."
         )
     return text
 

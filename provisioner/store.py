@@ -101,7 +101,11 @@ from .model import (
 )
 
 __all__ = [
+    "DEFAULT_PG_TIMEOUT",
+    "DEFAULT_SQLITE_BUSY_TIMEOUT",
+    "DEFAULT_SQLITE_SYNCHRONOUS",
     "MIGRATIONS",
+    "SQLITE_SYNCHRONOUS",
     "Fence",
     "Migration",
     "Store",
@@ -558,7 +562,11 @@ _FENCE = sa.text(
     "FROM leadership WHERE id = 1 FOR SHARE"
 )
 
-_SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+#: the store's defaults (the broker's traits of the same names start from these)
+DEFAULT_SQLITE_SYNCHRONOUS = "NORMAL"
+DEFAULT_SQLITE_BUSY_TIMEOUT = 5.0
+DEFAULT_PG_TIMEOUT = 5.0
 
 
 def _lease_row(lease: Lease) -> dict[str, Any]:
@@ -646,16 +654,16 @@ class Store:
         self,
         url: str,
         *,
-        sqlite_synchronous: str = "NORMAL",
-        sqlite_busy_timeout: float = 5.0,
-        pg_timeout: float = 5.0,
+        sqlite_synchronous: str = DEFAULT_SQLITE_SYNCHRONOUS,
+        sqlite_busy_timeout: float = DEFAULT_SQLITE_BUSY_TIMEOUT,
+        pg_timeout: float = DEFAULT_PG_TIMEOUT,
         application_name: str = "gpu-lease",
         echo: bool = False,
     ) -> None:
         sync = sqlite_synchronous.upper()
-        if sync not in _SQLITE_SYNCHRONOUS:
+        if sync not in SQLITE_SYNCHRONOUS:
             raise StoreError(
-                f"sqlite_synchronous must be one of {', '.join(_SQLITE_SYNCHRONOUS)}, "
+                f"sqlite_synchronous must be one of {', '.join(SQLITE_SYNCHRONOUS)}, "
                 f"not {sqlite_synchronous!r}; fix the broker's configuration."
             )
         if not 0 <= sqlite_busy_timeout < 86400:
@@ -807,8 +815,8 @@ class Store:
     def _require_pg(self) -> None:
         if not self.supports_ha_lock:
             raise StoreError(
-                "Broker leadership (--ha-lock) needs a PostgreSQL database "
-                "(postgresql://USER@HOST/DB); with SQLite run one broker only."
+                "Broker leadership needs a PostgreSQL database (postgresql://USER@HOST/DB); "
+                "with SQLite run one broker only."
             )
 
     def take_leadership(

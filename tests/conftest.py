@@ -65,6 +65,13 @@ class Broker(BrokerProcess):
                 ]
         return out
 
+    @contextlib.contextmanager
+    def running(self, timeout: float = 20.0) -> Iterator[Broker]:
+        """:meth:`BrokerProcess.running`; then a crash in its log fails the test."""
+        with super().running(timeout):
+            yield self
+        assert not self.problems(), "the broker logged errors:\n" + "\n".join(self.problems())
+
     # -- helpers for tests ---------------------------------------------------------
     def headers(self, user: str | None) -> dict[str, str]:
         return {} if user is None else {"Authorization": f"token {self.tokens[user]}"}
@@ -111,14 +118,8 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -
     """A running broker subprocess (see the module docstring)."""
     marker = request.node.get_closest_marker("broker_args")
     extra = tuple(marker.args) if marker else ()
-    b = Broker(tmp_path, broker_db_url, extra)
-    b.start()
-    try:
+    with Broker(tmp_path, broker_db_url, extra).running() as b:
         yield b
-    finally:
-        b.stop()
-        b.kill9()
-    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
 
 
 # -- a real browser: Debian's chromium driven by Playwright (never `playwright install`) --

@@ -77,13 +77,8 @@ def nb(tmp_path: Path) -> Iterator[NodeBroker]:
         f"sqlite:///{tmp_path / 'b.sqlite'}",
         ("--GPULeaseBroker.node_grace=3", "--GPULeaseBroker.reap_interval=0.2"),
     )
-    b.start(timeout=60)
-    try:
+    with b.running(timeout=60):
         yield b
-    finally:
-        b.stop()
-        b.kill9()
-    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
 
 
 @pytest.fixture
@@ -221,13 +216,8 @@ def enforcing(tmp_path: Path) -> Iterator[NodeBroker]:
             "--GPULeaseBroker.reap_interval=0.2",
         ),
     )
-    b.start(timeout=60)
-    try:
+    with b.running(timeout=60):
         yield b
-    finally:
-        b.stop()
-        b.kill9()
-    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
 
 
 def metric(text: str, name: str, has: str = "") -> float | None:

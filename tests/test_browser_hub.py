@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .test_hub import Hub
+from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -39,19 +39,22 @@ SPAWN_MS = 180_000  # a server spawn takes 10-60 s on a busy machine
 KERNEL_MS = 120_000
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+def require_demo_password() -> None:
+    """The browser logs in with the demo's password: skip where it was changed."""
     env_password = os.environ.get("GPU_LEASE_USER_PASSWORD")
     if env_password and env_password != PASSWORD:
         pytest.skip("GPU_LEASE_USER_PASSWORD is set to another password")
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    require_demo_password()
     # "mark": a kernel the user can never start stays in the launcher, marked (the hub's
     # default hides it), so that guest01 can click the course kernel and read the refusal
-    h = Hub(tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"})
-    try:
+    with running_hub(
+        tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
+    ) as h:
         yield h
-    finally:
-        h.stop()
-        h.http.close()
 
 
 def log_in(chromium: Any, url: str, user: str) -> tuple[Any, Any]:

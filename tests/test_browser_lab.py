@@ -36,7 +36,7 @@ import pytest
 from jupyter_core.paths import jupyter_path
 
 from .test_browser_hub import KERNEL_MS, SPAWN_MS, launcher_card, log_in
-from .test_hub import ROOT, Hub
+from .test_hub import ROOT, Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,12 +54,8 @@ def _extension_installed() -> bool:
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     if not _extension_installed():
         pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
-    h = Hub(tmp_path_factory.mktemp("hub"))
-    try:
+    with running_hub(tmp_path_factory.mktemp("hub")) as h:
         yield h
-    finally:
-        h.stop()
-        h.http.close()
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,14 @@ import pytest
 
 from provisioner import kernelspecs as ks
 
-from .test_browser_hub import KERNEL_MS, PASSWORD, held_lease, launcher_card, open_lab
-from .test_hub import Hub
+from .test_browser_hub import (
+    KERNEL_MS,
+    held_lease,
+    launcher_card,
+    open_lab,
+    require_demo_password,
+)
+from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -43,11 +49,10 @@ FILLER = "student59"  # holds the whole V100 for the queue timeout
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    env_password = os.environ.get("GPU_LEASE_USER_PASSWORD")
-    if env_password and env_password != PASSWORD:
-        pytest.skip("GPU_LEASE_USER_PASSWORD is set to another password")
-    h = Hub(tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"})
-    try:
+    require_demo_password()
+    with running_hub(
+        tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
+    ) as h:
         prefix = str(h.tmp / "prefix")  # the servers' JUPYTER_PATH: new specs show at once
         ks.install(ks.build_kernelspec(0.01), "python3-gpu-0.01", prefix=prefix)
         ks.install(
@@ -56,9 +61,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
             prefix=prefix,
         )
         yield h
-    finally:
-        h.stop()
-        h.http.close()
 
 
 GEOMETRY = """() => {

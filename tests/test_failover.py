@@ -49,7 +49,6 @@ from .test_faults import (
     check_invariants,
     db_facts,
     engine,
-    launch,
 )
 
 PG_ONLY = pytest.mark.parametrize(
@@ -76,7 +75,7 @@ async def start_standby(active: Broker, tmp_path: Path, name: str = "standby") -
     (tmp_path / name).mkdir()
     standby = Broker(tmp_path / name, active.db_url, active.extra)
     standby.tokens, standby.tokens_file = active.tokens, active.tokens_file
-    launch(standby)
+    standby.launch()
     await wait_for_async(lambda: "standby:" in standby.log(), SLACK, "the standby to stand by")
     assert not answers(standby)
     return standby
@@ -655,7 +654,7 @@ async def test_chaos_two_brokers_under_load(broker: Broker, tmp_path: Path) -> N
         epochs.append(last)
 
     async def restart_as_standby(b: Broker) -> None:
-        launch(b)
+        b.launch()
         await wait_for_async(
             lambda: "standby:" in b.log(), SLACK, "the restarted broker to stand by"
         )

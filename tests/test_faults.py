@@ -672,18 +672,6 @@ def test_ha_lock_needs_postgres(tmp_path: Path, broker_db_url: str) -> None:
     assert "--ha-lock needs a PostgreSQL database" in str(info.value)
 
 
-def launch(b: Broker) -> None:
-    """Start a broker process without waiting for it to answer (a standby does not)."""
-    b.starts += 1
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.pop("JUPYTERHUB_API_TOKEN", None)
-    with open(b.log_path, "wb") as log:
-        b.proc = subprocess.Popen(
-            b.command(), stdout=log, stderr=subprocess.STDOUT, cwd=b.tmp, env=env
-        )
-
-
 def answers(b: Broker) -> bool:
     try:
         return httpx.get(f"{b.url}/api/v1/health", timeout=1.0).status_code == 200
@@ -709,7 +697,7 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
     (tmp_path / "standby").mkdir()
     standby = Broker(tmp_path / "standby", broker.db_url, broker.extra)
     standby.tokens, standby.tokens_file = broker.tokens, broker.tokens_file
-    launch(standby)
+    standby.launch()
     try:
         await wait_for_async(lambda: "standby: another broker" in standby.log(), 20, "standby")
         assert not answers(standby)

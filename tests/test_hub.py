@@ -12,6 +12,7 @@ last one stops it with SIGINT and checks nothing survives.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -158,14 +159,21 @@ class Hub:
         ]
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    h = Hub(tmp_path_factory.mktemp("hub"))
+@contextlib.contextmanager
+def running_hub(tmp: Path, **kw: Any) -> Iterator[Hub]:
+    """A :class:`Hub` for the ``with`` block (``kw``: Hub's options), then stopped."""
+    h = Hub(tmp, **kw)
     try:
         yield h
     finally:
         h.stop()
         h.http.close()
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    with running_hub(tmp_path_factory.mktemp("hub")) as h:
+        yield h
 
 
 def run_cell(hub: Hub, user: str, kernel_id: str) -> str:
@@ -418,8 +426,9 @@ def test_two_hubs_route_each_student_to_their_own_server(
     """Two hubs from hub_config on one machine, with the same server port settings (as two
     installs with the defaults): students of the same user id on each spawn at once, and
     each one's requests through their hub reach their own server, never the other's."""
-    other = Hub(tmp_path_factory.mktemp("hub2"), server_port_base=hub.server_port_base)
-    try:
+    with running_hub(
+        tmp_path_factory.mktemp("hub2"), server_port_base=hub.server_port_base
+    ) as other:
         ids = [user_ids(h) for h in (hub, other)]
         same_id = min(set(ids[0]) & set(ids[1]))  # never used by the tests above
         students = [(hub, ids[0][same_id]), (other, ids[1][same_id])]
@@ -440,9 +449,6 @@ def test_two_hubs_route_each_student_to_their_own_server(
             assert mark.json()["content"] == h.url  # this hub's student's server, no other
         for h, user in students:
             h.stop_server(user)
-    finally:
-        other.stop()
-        other.http.close()
 
 
 def test_ctrl_c_stops_everything_without_orphans(hub: Hub) -> None:

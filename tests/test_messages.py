@@ -172,6 +172,28 @@ def test_why_waiting_names_nodes_when_there_are_several() -> None:
     assert "GPU 0 (H100) on node gpu-a is 100% allocated" in reason, reason
 
 
+def test_why_waiting_says_another_node_has_room() -> None:
+    """issue 15: a server's kernels may use only its node's GPUs; when that node is full
+    while another has room, the student reads that (not just "full")."""
+    a = GPU("GPU-a", "node1", "T4", 16384, 0)
+    b = GPU("GPU-b", "node2", "T4", 16384, 0)
+    state = state_with(lease("x", "k", PPM, b), gpus=(a, b))
+    ask = Ask("late", "k", 250_000, node="node2")
+    decision = core.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
+    assert isinstance(decision.outcome, core.Queued)
+    reason = decision.outcome.reason
+    assert reason.startswith("The GPU you may use is full: GPU 0 (T4) on node node2"), reason
+    assert "Node node1 has room, but your server runs on node node2" in reason, reason
+    # not bound to a node, the request is simply placed on node1
+    free = core.decide_acquire(state, Ask("late", "k2", 250_000), Quota(), 1.0, Policy(), str)
+    assert not isinstance(free.outcome, core.Queued)
+    # and a node with room too small for the ask is not offered
+    state = state_with(lease("x", "k", PPM, b), lease("y", "k", 900_000, a), gpus=(a, b))
+    decision = core.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
+    assert isinstance(decision.outcome, core.Queued)
+    assert "has room" not in decision.outcome.reason
+
+
 # -- the queue timeout (the provisioner's sentence) -------------------------------------------
 ANSWER: dict[str, Any] = {
     "queued": True,

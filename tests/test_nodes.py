@@ -64,13 +64,8 @@ def nb(tmp_path: Path, broker_db_url: str) -> Iterator[NodeBroker]:
             "--GPULeaseBroker.reap_interval=0.2",
         ),
     )
-    b.start(timeout=60)
-    try:
+    with b.running(timeout=60):
         yield b
-    finally:
-        b.stop()
-        b.kill9()
-    assert not b.problems(), "the broker logged errors:\n" + "\n".join(b.problems())
 
 
 def register(c: httpx.Client, node: str, gpus: list[dict[str, Any]]) -> httpx.Response:

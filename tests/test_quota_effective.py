@@ -42,12 +42,8 @@ def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
     users: dict[str, tuple[list[str], bool]] = {n: (g, False) for n, g in MEMBERS.items()}
     users["admin"] = ([], True)
     b = BrokerProcess(tmp_path, f"sqlite:///{tmp_path / 'b.sqlite'}", users, gpus="1x81920:H100")
-    b.start()
-    try:
+    with b.running():
         yield b
-    finally:
-        b.stop()
-        b.kill9()
 
 
 quota_value = {

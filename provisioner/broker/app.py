@@ -44,7 +44,13 @@ from ..errors import GPULeaseError, NotActive, StoreError
 from ..inventory import load_gpus
 from ..model import GPU, fraction_to_ppm, ppm_to_fraction
 from ..scheduling import Policy
-from ..store import Store
+from ..store import (
+    DEFAULT_PG_TIMEOUT,
+    DEFAULT_SQLITE_BUSY_TIMEOUT,
+    DEFAULT_SQLITE_SYNCHRONOUS,
+    SQLITE_SYNCHRONOUS,
+    Store,
+)
 from .auth import AUTHENTICATORS, HUB_CACHE_MAX_AGE, Authenticator
 from .handlers import DRAIN_LIMIT, MAX_BODY_BYTES, normalize_base_url
 from .leadership import Leadership
@@ -228,17 +234,19 @@ class GPULeaseBroker(Application):
     ).tag(config=True)
 
     sqlite_synchronous = CaselessStrEnum(
-        ["OFF", "NORMAL", "FULL", "EXTRA"],
-        "NORMAL",
-        help="""SQLite's synchronous pragma (SQLite only). NORMAL (default, with WAL) may
-        lose the last transactions on power loss but never corrupts; FULL survives it.""",
+        list(SQLITE_SYNCHRONOUS),
+        DEFAULT_SQLITE_SYNCHRONOUS,
+        help=f"""SQLite's synchronous pragma (SQLite only). NORMAL (with WAL) may lose the
+        last transactions on power loss but never corrupts; FULL survives it. Default:
+        {DEFAULT_SQLITE_SYNCHRONOUS}.""",
     ).tag(config=True)
 
     sqlite_busy_timeout = Float(
-        5.0,
-        help="""Seconds a write waits for another process's lock on the SQLite database
+        DEFAULT_SQLITE_BUSY_TIMEOUT,
+        help=f"""Seconds a write waits for another process's lock on the SQLite database
         before the request fails with 503 (SQLite only). The broker answers nothing
-        else meanwhile, so keep it short if other tools write the file. Default: 5.""",
+        else meanwhile, so keep it short if other tools write the file. Default:
+        {DEFAULT_SQLITE_BUSY_TIMEOUT:g}.""",
     ).tag(config=True)
 
     ha_lock = Bool(
@@ -262,11 +270,12 @@ class GPULeaseBroker(Application):
     ).tag(config=True)
 
     pg_timeout = Float(
-        5.0,
-        help="""Seconds that bound every wait of the broker on PostgreSQL (PostgreSQL only):
+        DEFAULT_PG_TIMEOUT,
+        help=f"""Seconds that bound every wait of the broker on PostgreSQL (PostgreSQL only):
         connect timeout, statement_timeout, idle_in_transaction_session_timeout, TCP
         keepalives and tcp_user_timeout; with --ha-lock at most half of leadership_ttl.
-        Settings in the --db-url query (e.g. ?connect_timeout=10) win. Default: 5.""",
+        Settings in the --db-url query (e.g. ?connect_timeout=10) win. Default:
+        {DEFAULT_PG_TIMEOUT:g}.""",
     ).tag(config=True)
 
     gpus = Unicode(

@@ -11,6 +11,7 @@ for ``/api/v1/health``. Nothing in the broker or the provisioner imports this mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -212,6 +213,18 @@ class BrokerProcess:
 
     def start(self, timeout: float = 20.0) -> None:
         """Start it and wait until ``/api/v1/health`` answers 200."""
+        self.launch()
+        assert self.proc is not None
+        try:
+            wait_for_http(
+                f"{self.url}/api/v1/health", self.proc, self.log, timeout, what="the broker"
+            )
+        except RuntimeError:
+            self.kill9()
+            raise
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to answer (a standby does not listen)."""
         assert self.proc is None or self.proc.poll() is not None
         self.starts += 1
         env = dict(os.environ if self.env is None else self.env)
@@ -221,13 +234,6 @@ class BrokerProcess:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
             )
-        try:
-            wait_for_http(
-                f"{self.url}/api/v1/health", self.proc, self.log, timeout, what="the broker"
-            )
-        except RuntimeError:
-            self.kill9()
-            raise
 
     def health(self) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/api/v1/health", timeout=10.0)
@@ -262,6 +268,16 @@ class BrokerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.terminate()
         self.start()
+
+    @contextlib.contextmanager
+    def running(self, timeout: float = 20.0) -> Iterator[BrokerProcess]:
+        """Started for the ``with`` block, stopped (and surely gone) after it."""
+        self.start(timeout=timeout)
+        try:
+            yield self
+        finally:
+            self.stop()
+            self.kill9()
 
     def stop(self) -> None:
         """SIGTERM if running (SIGKILL if it does not exit in time)."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -58,6 +59,7 @@ from .env import kernel_argv, lease_environment
 from .lease import GrantedLease
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
+from .placement import discover, resolve_indexes
 from .refusals import for_jupyter_server
 from .state_file import StateFile, state_file_path
 from .status import LeaseBoard, board_for
@@ -110,14 +112,16 @@ class GPULeaseProvisioner(LocalProvisioner):
     node = Unicode(
         None,
         allow_none=True,
-        help="Node name whose GPUs the lease must be on (multi-node pools). "
-        "Default: env GPU_LEASE_NODE, else any node.",
+        help="Node name whose GPUs the lease must be on (multi-node pools). Default: from "
+        "the server's environment (GPU_LEASE_NODE, else Slurm's SLURMD_NODENAME), else "
+        "any node; see provisioner/kernel/placement.py.",
     ).tag(config=True)
 
     gpu_uuids = List(
         Unicode(),
-        help="UUIDs of the GPUs this machine exposes (e.g. a KubeSpawner pod); the lease is "
-        "placed on one of them. Default: env GPU_LEASE_GPU_UUIDS (comma-separated), else any.",
+        help="UUIDs of the GPUs this server may use; the lease is placed on one of them. "
+        "Default: from the server's environment (GPU_LEASE_GPU_UUIDS, a Slurm job's GPUs, "
+        "a Kubernetes pod's NVIDIA_VISIBLE_DEVICES), else any GPU of the node.",
     ).tag(config=True)
 
     renew_interval = Float(
@@ -137,15 +141,6 @@ class GPULeaseProvisioner(LocalProvisioner):
     @default("broker_url")
     def _default_broker_url(self) -> str:
         return broker_env().url or ""
-
-    @default("node")
-    def _default_node(self) -> str | None:
-        return os.environ.get("GPU_LEASE_NODE") or None
-
-    @default("gpu_uuids")
-    def _default_gpu_uuids(self) -> list[str]:
-        raw = os.environ.get("GPU_LEASE_GPU_UUIDS", "")
-        return [u.strip() for u in raw.split(",") if u.strip()]
 
     @validate("fraction")
     def _validate_fraction(self, proposal: Any) -> float:
@@ -201,7 +196,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                     '"config": {"fraction": 0.02} under metadata.kernel_provisioner in its '
                     "kernel.json (or reinstall it with `gpu-lease kernelspec install --fraction`)."
                 )
-            lease = await self.lease_keeper.acquire(self._ask())
+            lease = await self.lease_keeper.acquire(await self._placed_ask())
         except GPULeaseError as exc:
             if board is not None and self.kernel_id:
                 board.forget(str(self.kernel_id))  # its start error says why
@@ -372,6 +367,19 @@ class GPULeaseProvisioner(LocalProvisioner):
         self._death.stop()
 
     # -- helpers -------------------------------------------------------------------------
+    async def _placed_ask(self) -> LeaseAsk:
+        """:meth:`_ask` on the node and GPUs the server's engine gives it (configured
+        ``node``/``gpu_uuids`` win); GPU indexes are looked up in the broker's pool."""
+        ask = self._ask()
+        placement = discover(os.environ)
+        node = ask.node if ask.node is not None else placement.node
+        uuids = ask.gpu_uuids or placement.gpu_uuids
+        if not uuids and placement.gpu_indexes and ask.node is None:
+            uuids = resolve_indexes(placement, await self._clients.get().gpus())
+        if (node, uuids) != (ask.node, ask.gpu_uuids):
+            self.log.debug("Kernel %s asks for a lease on %s", self.kernel_id, placement.describe())
+        return replace(ask, node=node, gpu_uuids=tuple(uuids))
+
     def _ask(self) -> LeaseAsk:
         """What to ask the broker for, from the traits now."""
         return LeaseAsk(
