@@ -9,9 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool
+.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool slurm
 
-install: $(STAMP) $(CHP) chromium promtool
+install: $(STAMP) $(CHP) chromium promtool slurm
 
 # Debian's chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
 chromium:
@@ -23,6 +23,13 @@ chromium:
 promtool:
 	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
+	fi
+
+# Debian's slurm-wlm for the Slurm variant's test (tests/test_slurm.py): slurmctld and two
+# slurmd run on this machine (provisioner/devtools/slurmcluster.py); no daemon is started here
+slurm:
+	@if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm; \
 	fi
 
 # the package build (hatch-jupyter-builder) runs `npm install` and `npm run build:prod` when

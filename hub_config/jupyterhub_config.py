@@ -206,6 +206,8 @@ broker_cmd = [
     env("GPU_LEASE_TTL") or "90",
     f"--GPULeaseBroker.reap_interval={env('GPU_LEASE_REAP_INTERVAL') or '5'}",
 ]
+if env("GPU_LEASE_NODE_GRACE"):  # seconds a node agent may be silent before its node is lost
+    broker_cmd.append(f"--GPULeaseBroker.node_grace={float(env('GPU_LEASE_NODE_GRACE', ''))}")
 if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)
     broker_cmd += ["--tokens-file", str(Path(env("GPU_LEASE_AGENT_TOKENS")).resolve())]
 c.JupyterHub.services = [
@@ -410,3 +412,7 @@ TMP_DIR = STATE / "tmp"
 TMP_DIR.mkdir(exist_ok=True)
 server_env["TMPDIR"] = str(TMP_DIR)
 c.Spawner.environment = server_env
+
+# -- variants ------------------------------------------------------------------------------
+if env("GPU_LEASE_SPAWNER") == "slurm":  # every server a Slurm job (batchspawner)
+    load_subconfig(str(HERE / "slurm_config.py"))  # type: ignore[name-defined]  # noqa: F821

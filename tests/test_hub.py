@@ -46,6 +46,7 @@ class Hub:
         tmp: Path,
         server_port_base: int | None = None,
         env: dict[str, str] | None = None,
+        gpus: str = "1x32768:V100",
     ) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
@@ -58,7 +59,7 @@ class Hub:
             self.state,
             tmp / "prefix",
             self.port,
-            "1x32768:V100",
+            gpus,
             *("--ttl", str(TTL), "--reap-interval", "0.5"),
             server_port_base=server_port_base,
         )
@@ -122,7 +123,10 @@ class Hub:
 
         def ready() -> bool:
             model = self.req("GET", f"{self.url}/hub/api/users/{user}", token).json()
-            return bool((model.get("servers") or {}).get("", {}).get("ready"))
+            server = (model.get("servers") or {}).get("")
+            if server is None and not model.get("pending"):  # the spawn failed: say why now
+                raise AssertionError(f"the server of {user} failed to start:\n{self.log()}")
+            return bool((server or {}).get("ready"))
 
         wait_for(ready, 180, f"the server of {user} to start", 0.5, self.log)
 

@@ -1,0 +1,225 @@
+"""A real Slurm cluster on this machine: ``slurmctld`` and one ``slurmd -N NODE`` per node.
+
+For the Slurm variant's tests and benchmarks (Debian's ``slurm-wlm``, which ``make install``
+installs). Every daemon listens on loopback on a free port, with ``AuthType=auth/none``
+(no munge), its state, spool, logs and pid files in one temporary directory, and runs as
+this user; jobs run as the user who submits them. A job takes one CPU, so each node runs
+``cpus`` jobs at once (``oversubscribe``: Slurm's ``OverSubscribe`` of the partition).
+Nodes are all ``127.0.0.1``, so the hub reaches a job's server at 127.0.0.1
+(``GPU_LEASE_SLURM_HOST``). Use::
+
+    cluster = SlurmCluster(tmp)
+    cluster.start()            # returns once every node is idle
+    env = cluster.env()        # SLURM_CONF for sbatch, squeue, the hub
+    cluster.kill_node("node2") # as a host that died: its slurmd and its jobs' processes
+    cluster.stop()             # cancels every job, stops every daemon
+
+Nothing in the runtime imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+from .testing import free_port, wait_for
+
+SLURMCTLD = "slurmctld"
+SLURMD = "slurmd"
+
+
+def available() -> str | None:
+    """None when ``slurmctld`` and ``slurmd`` are installed, else why not."""
+    missing = [p for p in (SLURMCTLD, SLURMD, "sbatch", "squeue") if shutil.which(p) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (make install installs Debian's slurm-wlm)"
+    return None
+
+
+class SlurmCluster:
+    """slurmctld and one slurmd per node in ``tmp``; see the module docstring."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        nodes: Sequence[str] = ("node1", "node2"),
+        *,
+        cpus: int = 2,
+        partition: str = "gpu",
+        oversubscribe: str = "NO",
+    ) -> None:
+        self.dir = tmp
+        self.nodes = list(nodes)
+        self.partition = partition
+        self.conf = tmp / "slurm.conf"
+        self.ctld_port = free_port()
+        self.node_ports = {n: free_port() for n in self.nodes}
+        self.ctld: subprocess.Popen[bytes] | None = None
+        self.slurmds: dict[str, subprocess.Popen[bytes]] = {}
+        node_lines = [
+            f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={self.node_ports[n]} "
+            f"CPUs={cpus} RealMemory=1000 State=UNKNOWN"
+            for n in self.nodes
+        ]
+        (tmp / "state").mkdir(parents=True, exist_ok=True)
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=gpulease",
+                    "SlurmctldHost=localhost(127.0.0.1)",
+                    f"SlurmctldPort={self.ctld_port}",
+                    "AuthType=auth/none",
+                    "CredType=cred/none",
+                    f"SlurmUser={_user()}",
+                    f"StateSaveLocation={tmp / 'state'}",
+                    f"SlurmdSpoolDir={tmp / 'spool-%n'}",
+                    f"SlurmctldPidFile={tmp / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={tmp / 'slurmd-%n.pid'}",
+                    f"SlurmctldLogFile={tmp / 'slurmctld.log'}",
+                    f"SlurmdLogFile={tmp / 'slurmd-%n.log'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SchedulerType=sched/backfill",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "SlurmdTimeout=30",
+                    "KillWait=10",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    *node_lines,
+                    f"PartitionName={partition} Nodes={','.join(self.nodes)} Default=YES "
+                    f"MaxTime=INFINITE State=UP OverSubscribe={oversubscribe}",
+                    "",
+                ]
+            )
+        )
+
+    def env(self) -> dict[str, str]:
+        return {"SLURM_CONF": str(self.conf)}
+
+    def _run(self, *cmd: str, timeout: float = 30.0) -> str:
+        done = subprocess.run(
+            cmd,
+            env={**os.environ, **self.env()},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        return done.stdout if done.returncode == 0 else ""
+
+    def states(self) -> dict[str, str]:
+        """node -> its state as ``sinfo`` says it (idle, mixed, down*, ...)."""
+        out = self._run("sinfo", "-h", "-N", "-o", "%N %t")
+        return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    def start(self, timeout: float = 60.0) -> None:
+        env = {**os.environ, **self.env()}
+        with open(self.dir / "slurmctld.out", "wb") as out:
+            self.ctld = subprocess.Popen(
+                [SLURMCTLD, "-D", "-c", "-f", str(self.conf)],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.dir,
+            )
+        wait_for(lambda: "UP" in self._run("scontrol", "ping"), timeout, "slurmctld", 0.2, self.log)
+        for node in self.nodes:
+            self.start_node(node)
+        wait_for(
+            lambda: all(self.states().get(n) == "idle" for n in self.nodes),
+            timeout,
+            "every node idle",
+            0.2,
+            self.log,
+        )
+
+    def start_node(self, node: str) -> None:
+        with open(self.dir / f"slurmd-{node}.out", "wb") as out:
+            self.slurmds[node] = subprocess.Popen(
+                [SLURMD, "-D", "-N", node, "-f", str(self.conf)],
+                env={**os.environ, **self.env()},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.dir,
+            )
+
+    def jobs_on(self, node: str) -> list[psutil.Process]:
+        """The processes of the jobs running on ``node`` (their environment names it)."""
+        out = []
+        for p in psutil.process_iter():
+            try:
+                environ = p.environ()
+            except psutil.Error:
+                continue
+            if environ.get("SLURMD_NODENAME") == node and environ.get("SLURM_CONF") == str(
+                self.conf
+            ):
+                out.append(p)
+        return out
+
+    def kill_node(self, node: str) -> None:
+        """SIGKILL ``node``'s slurmd and every process of its jobs, as a host that died."""
+        daemon = self.slurmds.pop(node, None)
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
+        for p in self.jobs_on(node):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    def stop(self) -> None:
+        """Cancel every job, then stop the daemons (and kill what is left of the jobs)."""
+        if self.ctld is not None and self.ctld.poll() is None:
+            self._run("scancel", "--partition", self.partition)
+            deadline = time.monotonic() + 30
+            while self._run("squeue", "-h", "-o", "%i").strip() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        for node in list(self.slurmds):
+            daemon = self.slurmds.pop(node)
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        for node in self.nodes:
+            for p in self.jobs_on(node):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        if self.ctld is not None and self.ctld.poll() is None:
+            self.ctld.send_signal(signal.SIGTERM)
+            try:
+                self.ctld.wait(15)
+            except subprocess.TimeoutExpired:
+                self.ctld.kill()
+                self.ctld.wait()
+
+    def log(self) -> str:
+        parts = []
+        for name in ("slurmctld.log", *(f"slurmd-{n}.log" for n in self.nodes)):
+            path = self.dir / name
+            if path.exists():
+                parts.append(f"--- {name}\n" + path.read_text(errors="replace")[-2000:])
+        return "\n".join(parts)
+
+
+def _user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+__all__ = ["SlurmCluster", "available"]
