@@ -55,10 +55,12 @@ AIM_P99_RATIO = 1.1
 AIM_AGENT_CPU_SHARE = 0.01
 
 
-def node_gpus(node: str) -> list[dict[str, Any]]:
+def node_gpus(
+    node: str, count: int = GPUS_PER_NODE, memory_mb: int = GPU_MB
+) -> list[dict[str, Any]]:
     return [
-        {"uuid": f"GPU-{node}-{i}", "name": "A100", "memory_mb": GPU_MB, "index": i}
-        for i in range(GPUS_PER_NODE)
+        {"uuid": f"GPU-{node}-{i}", "name": "A100", "memory_mb": memory_mb, "index": i}
+        for i in range(count)
     ]
 
 
@@ -83,13 +85,25 @@ def add_agent_tokens(broker: BrokerProcess, nodes: list[str]) -> dict[str, str]:
     return tokens
 
 
-async def register(broker: BrokerProcess, tokens: dict[str, str], simulated: list[str]) -> None:
+async def register(
+    broker: BrokerProcess,
+    tokens: dict[str, str],
+    simulated: list[str],
+    gpus_per_node: int = GPUS_PER_NODE,
+    memory_mb: int = GPU_MB,
+) -> None:
+    """``PUT /api/v1/nodes/{node}`` for each node, ten at a time, with its agent's token."""
+
     async def one(node: str) -> None:
         conn = HTTPConn(broker.port, tokens[node])
         await conn.open()
         try:
             body = json.dumps(
-                {"gpus": node_gpus(node), "agent_version": "bench", "enforce": "report"}
+                {
+                    "gpus": node_gpus(node, gpus_per_node, memory_mb),
+                    "agent_version": "bench",
+                    "enforce": "report",
+                }
             ).encode()
             request = conn.post_json(f"/api/v1/nodes/{node}", body).replace(b"POST", b"PUT", 1)
             status, answer = await conn.send(request)
