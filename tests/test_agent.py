@@ -400,8 +400,12 @@ def test_agent_runs_restarts_and_stops_an_mps_daemon_per_gpu(
         wait_for(
             lambda: nodes_of(nb).get("gpu-a", {}).get("mps") == dict.fromkeys(uuids, "running")
         )
-        for gpu in uuids:  # each daemon sees its own GPU only
-            assert f"started {pid_of(gpu)} for {gpu}" in log_of(gpu)
+        # each daemon sees its own GPU only ("running" is reported once the process is
+        # spawned; the stand-in writes its pid and log a moment later)
+        wait_for(
+            lambda: all(pid_of(g) and f"started {pid_of(g)} for {g}" in log_of(g) for g in uuids),
+            what="each daemon's start, for its own GPU",
+        )
         with nb.http("alice") as u:
             r = u.post("/leases", json={"kernel_id": "k", "fraction": 0.1, "gpu_uuids": [uuids[0]]})
             assert r.status_code == 201, r.text
