@@ -13,6 +13,12 @@ stops and no lease may remain::
     .venv/bin/python benchmarks/classroom.py            # N=50 (several minutes on 2 cores)
     .venv/bin/python benchmarks/classroom.py -n 20 --json
     .venv/bin/python benchmarks/classroom.py --hub-url http://127.0.0.1:8000 --token T
+    .venv/bin/python benchmarks/classroom.py --slurm -n 20   # servers as Slurm jobs
+
+``--slurm``: the Slurm variant (hub_config ``GPU_LEASE_SPAWNER=slurm``) on a Slurm cluster
+on this machine (``provisioner/devtools/slurmcluster.py``: slurmctld, two slurmd, two CPUs
+each, up to 16 jobs a CPU), every server a job, the pool the two nodes' agents register
+(a declared V100 each), each kernel leasing on its own server's node.
 
 Reported: time from the first login to the last kernel ready, median server start,
 median GPU and plain kernel start (POST /api/kernels to the first cell's reply) and
@@ -46,7 +52,9 @@ sys.path.insert(0, str(ROOT))
 from provisioner.devtools.testing import free_port, load_example  # noqa: E402
 
 
-def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+def start_demo(
+    state: Path, gpus: str, extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     args = [sys.executable, "-m", "provisioner.devtools.demo", "--state-dir", str(state)]
     args += ["--kernels-prefix", str(state / "prefix"), "--gpus", gpus]
     args += ["--server-port-base", str(random.randrange(10000, 24000))]
@@ -55,6 +63,7 @@ def start_demo(state: Path, gpus: str) -> tuple[subprocess.Popen[bytes], dict[st
     env = {
         k: v for k, v in os.environ.items() if k not in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_TOKEN")
     }
+    env.update(extra_env or {})
     log = open(state / "demo.log", "wb")  # noqa: SIM115 - lives as long as the demo
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     info_file = state / "demo.json"
@@ -99,6 +108,72 @@ async def check_51st(room: Any, name: str, out: dict[str, Any]) -> None:
     await room.logout(name, token_id)
 
 
+class SlurmSite:
+    """A Slurm cluster on this machine, and the environment of its hub (see ``--slurm``)."""
+
+    def __init__(self, tmp: Path) -> None:
+        from provisioner.devtools.slurmcluster import SlurmCluster, available
+
+        why = available()
+        if why:
+            raise SystemExit(f"--slurm: {why}")
+        self.cluster = SlurmCluster(tmp / "slurm", cpus=2, oversubscribe="FORCE:16")
+        self.tokens = {n: f"agent-{n}-{os.urandom(16).hex()}" for n in self.cluster.nodes}
+        self.tokens_file = tmp / "agents.json"
+        self.tokens_file.write_text(
+            json.dumps({t: {"agent": True, "node": n} for n, t in self.tokens.items()})
+        )
+        self.agents: list[subprocess.Popen[bytes]] = []
+        self.tmp = tmp
+
+    def env(self) -> dict[str, str]:
+        return {
+            **self.cluster.env(),
+            "GPU_LEASE_SPAWNER": "slurm",
+            "GPU_LEASE_SLURM_HOST": "127.0.0.1",
+            "GPU_LEASE_SLURM_PARTITION": self.cluster.partition,
+            "GPU_LEASE_AGENT_TOKENS": str(self.tokens_file),
+        }
+
+    def start_agents(self, broker_url: str, admin_token: str) -> None:
+        for node, token in self.tokens.items():
+            env = {**os.environ, "GPU_LEASE_AGENT_TOKEN": token}
+            log = open(self.tmp / f"agent-{node}.log", "wb")  # noqa: SIM115 - the agent's
+            self.agents.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "provisioner.agent",
+                        "--broker-url",
+                        broker_url,
+                        "--node",
+                        node,
+                        "--gpus",
+                        "1x32768:V100",
+                        "--interval",
+                        "2",
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                )  # fmt: skip
+            )
+        deadline = time.monotonic() + 60
+        headers = {"Authorization": f"token {admin_token}"}
+        while len(httpx.get(f"{broker_url}/api/v1/gpus", headers=headers).json()["gpus"]) < 2:
+            if time.monotonic() > deadline:
+                raise SystemExit("the node agents did not register; see agent-*.log")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(30)
+        self.cluster.stop()
+
+
 async def bench(
     hub_url: str, token: str, n: int, extra_student: str, rounds: int
 ) -> tuple[Any, dict[str, Any]]:
@@ -126,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="kernel rounds per run: all stop, all start again (3; each adds ~40 s at N=50)",
     )
+    p.add_argument("--slurm", action="store_true", help="servers as Slurm jobs (see above)")
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--keep",
@@ -135,11 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     demo = None
     tmp = None
+    site = None
     if args.hub_url:
         hub_url, token = args.hub_url, args.token
     else:
         tmp = tempfile.mkdtemp(prefix="gpu-lease-classroom-")
-        demo, info = start_demo(Path(tmp), args.gpus)
+        if args.slurm:
+            site = SlurmSite(Path(tmp))
+            site.cluster.start()
+            demo, info = start_demo(Path(tmp), "agents", site.env())
+            site.start_agents(info["broker_url"], info["admin_token"])
+        else:
+            demo, info = start_demo(Path(tmp), args.gpus)
         hub_url, token = info["url"], info["admin_token"]
     try:
         with httpx.Client() as http:
@@ -154,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         if demo is not None:
             demo.send_signal(signal.SIGINT)
             demo.wait(120)
+        if site is not None:
+            site.stop()
         if tmp is not None and args.keep:
             print(f"kept {tmp} (demo.log: hub, proxy, broker and server logs)", file=sys.stderr)
         elif tmp is not None:
@@ -173,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {
         "n": args.n,
+        "slurm": args.slurm,
         "jupyterhub": version,
         "cpus": os.cpu_count(),
         "load_before": [round(x, 2) for x in load],
