@@ -193,11 +193,13 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
             "is available to leases. Pick a kernel with a smaller GPU fraction.",
             max_fraction=most,
         )
-    ok = [
-        g
-        for g in cands
-        if memory_cap_mb(ask.fraction_ppm, g.memory_mb, policy.context_overhead_mb) > 0
-    ]
+    # the cap depends on a GPU's memory only: decided once per memory size, not per GPU
+    too_small = {
+        m
+        for m in {g.memory_mb for g in cands}
+        if memory_cap_mb(ask.fraction_ppm, m, policy.context_overhead_mb) <= 0
+    }
+    ok = [g for g in cands if g.memory_mb not in too_small] if too_small else cands
     if not ok:
         overhead = policy.context_overhead_mb
         biggest = max(cands, key=lambda g: g.memory_mb)
@@ -211,7 +213,7 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
             min_fraction=ppm_to_fraction(smallest),
         )
     # a lost or drained node's GPUs could take it later: wait for them, never place there now
-    return [g for g in ok if g.uuid not in state.closed]
+    return [g for g in ok if g.uuid not in state.closed] if state.closed else list(ok)
 
 
 # -- nodes ----------------------------------------------------------------------
@@ -267,16 +269,20 @@ def place(
     best: GPU | None = None
     best_alloc = -1
     mode = policy.placement
+    fullest = cap - ppm  # best-fit can do no better than a GPU this full
+    get = allocated.get
     for g in gpus:
-        if g.uuid in exclude:
+        if exclude and g.uuid in exclude:
             continue
-        a = allocated.get(g.uuid, 0)
-        if a + ppm > cap:
+        a = get(g.uuid, 0)
+        if a > fullest:
             continue
         if mode == "first-fit":
             return g
         if best is None or (a > best_alloc if mode == "best-fit" else a < best_alloc):
             best, best_alloc = g, a
+            if mode == "best-fit" and a == fullest:
+                return g
     return best
 
 
