@@ -19,6 +19,7 @@ Screenshots go to the test's ``tmp_path``. Tests share the hub; each also runs a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
@@ -46,14 +47,18 @@ def require_demo_password() -> None:
         pytest.skip("GPU_LEASE_USER_PASSWORD is set to another password")
 
 
+def marked_hub(tmp_path_factory: pytest.TempPathFactory) -> contextlib.AbstractContextManager[Hub]:
+    """A hub for a browser: the demo's password, and kernels a user can never start kept in
+    the launcher, marked (the hub's default hides them), so that a student can click one
+    and read the refusal."""
+    require_demo_password()
+    env = {"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
+    return running_hub(tmp_path_factory.mktemp("hub"), env=env)
+
+
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    require_demo_password()
-    # "mark": a kernel the user can never start stays in the launcher, marked (the hub's
-    # default hides it), so that guest01 can click the course kernel and read the refusal
-    with running_hub(
-        tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
-    ) as h:
+    with marked_hub(tmp_path_factory) as h:
         yield h
 
 

@@ -35,10 +35,10 @@ from .test_browser_hub import (
     KERNEL_MS,
     held_lease,
     launcher_card,
+    marked_hub,
     open_lab,
-    require_demo_password,
 )
-from .test_hub import Hub, running_hub
+from .test_hub import Hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,10 +49,7 @@ FILLER = "student59"  # holds the whole V100 for the queue timeout
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    require_demo_password()
-    with running_hub(
-        tmp_path_factory.mktemp("hub"), env={"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
-    ) as h:
+    with marked_hub(tmp_path_factory) as h:
         prefix = str(h.tmp / "prefix")  # the servers' JUPYTER_PATH: new specs show at once
         ks.install(ks.build_kernelspec(0.01), "python3-gpu-0.01", prefix=prefix)
         ks.install(

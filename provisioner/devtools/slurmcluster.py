@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -182,30 +181,20 @@ class SlurmCluster:
         """Cancel every job, then stop the daemons (and kill what is left of the jobs)."""
         if self.ctld is not None and self.ctld.poll() is None:
             self._run("scancel", "--partition", self.partition)
-            deadline = time.monotonic() + 30
-            while self._run("squeue", "-h", "-o", "%i").strip() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        for node in list(self.slurmds):
-            daemon = self.slurmds.pop(node)
-            daemon.send_signal(signal.SIGTERM)
             try:
-                daemon.wait(15)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+                wait_for(lambda: not self._run("squeue", "-h", "-o", "%i").strip(), 30, "", 0.2)
+            except AssertionError:
+                pass  # their processes are killed below
+        for node in list(self.slurmds):
+            _terminate(self.slurmds.pop(node))
         for node in self.nodes:
             for p in self.jobs_on(node):
                 try:
                     p.kill()
                 except psutil.Error:
                     pass
-        if self.ctld is not None and self.ctld.poll() is None:
-            self.ctld.send_signal(signal.SIGTERM)
-            try:
-                self.ctld.wait(15)
-            except subprocess.TimeoutExpired:
-                self.ctld.kill()
-                self.ctld.wait()
+        if self.ctld is not None:
+            _terminate(self.ctld)
 
     def log(self) -> str:
         parts = []
@@ -214,6 +203,17 @@ class SlurmCluster:
             if path.exists():
                 parts.append(f"--- {name}\n" + path.read_text(errors="replace")[-2000:])
         return "\n".join(parts)
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _user() -> str:
