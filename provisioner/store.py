@@ -599,24 +599,28 @@ class _Checkpointer:
         self._thread.start()
 
     def _run(self) -> None:
-        conn = None
+        conn: sqlite3.Connection | None = None
+        failing = False
         try:
-            conn = sqlite3.connect(self.path, timeout=1.0, check_same_thread=False)
-            while not self._stop.wait(self.interval):
-                self.checkpoint(conn)
-            self.checkpoint(conn)  # the last one, at close
-        except sqlite3.Error as exc:
-            log.warning("Background WAL checkpoints of %s stopped: %s", self.path, exc)
+            while True:
+                stopping = self._stop.wait(self.interval)
+                try:  # auto-checkpoints are off: keep trying, or the log only grows
+                    if conn is None:
+                        conn = sqlite3.connect(self.path, timeout=1.0, check_same_thread=False)
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    failing = False
+                except sqlite3.Error as exc:
+                    if not failing:  # once per run of failures
+                        log.warning("WAL checkpoint of %s failed (retrying): %s", self.path, exc)
+                    failing = True
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                if stopping:  # that was the last one, at close
+                    return
         finally:
             if conn is not None:
                 conn.close()
-
-    @staticmethod
-    def checkpoint(conn: sqlite3.Connection) -> None:
-        try:
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-        except sqlite3.OperationalError as exc:  # busy or locked: the next one will do
-            log.debug("WAL checkpoint skipped: %s", exc)
 
     def stop(self) -> None:
         self._stop.set()
