@@ -422,8 +422,12 @@ class GPULeaseAgent(Application):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         client = BrokerClient(self.broker_url, token, retries=1, timeout=10.0)
-        mps = MPSSupervisor([g.uuid for g in gpus], self.mps_dir, self.mps_control)
-        daemons = asyncio.ensure_future(mps.run(stop)) if self.mps else None
+        mps = (
+            MPSSupervisor([g.uuid for g in gpus], self.mps_dir, self.mps_control)
+            if self.mps
+            else None
+        )
+        daemons = asyncio.ensure_future(mps.run(stop)) if mps is not None else None
         try:
             await run_agent(
                 client,
@@ -434,7 +438,7 @@ class GPULeaseAgent(Application):
                 stop,
                 self.enforce,
                 self.kill_unleased_after,
-                mps.states if daemons is not None else None,
+                mps.states if mps is not None else None,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
