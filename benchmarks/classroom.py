@@ -49,7 +49,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.devtools.testing import free_port, load_example  # noqa: E402
+from provisioner.devtools import slurmcluster  # noqa: E402
+from provisioner.devtools.testing import free_port, load_example, wait_for  # noqa: E402
 
 
 def start_demo(
@@ -112,60 +113,36 @@ class SlurmSite:
     """A Slurm cluster on this machine, and the environment of its hub (see ``--slurm``)."""
 
     def __init__(self, tmp: Path) -> None:
-        from provisioner.devtools.slurmcluster import SlurmCluster, available
-
-        why = available()
+        why = slurmcluster.available()
         if why:
             raise SystemExit(f"--slurm: {why}")
-        self.cluster = SlurmCluster(tmp / "slurm", cpus=2, oversubscribe="FORCE:16")
-        self.tokens = {n: f"agent-{n}-{os.urandom(16).hex()}" for n in self.cluster.nodes}
+        self.cluster = slurmcluster.SlurmCluster(tmp / "slurm", cpus=2, oversubscribe="FORCE:16")
         self.tokens_file = tmp / "agents.json"
-        self.tokens_file.write_text(
-            json.dumps({t: {"agent": True, "node": n} for n, t in self.tokens.items()})
-        )
+        self.tokens = slurmcluster.agent_tokens(self.tokens_file, self.cluster.nodes)
         self.agents: list[subprocess.Popen[bytes]] = []
         self.tmp = tmp
 
     def env(self) -> dict[str, str]:
-        return {
-            **self.cluster.env(),
-            "GPU_LEASE_SPAWNER": "slurm",
-            "GPU_LEASE_SLURM_HOST": "127.0.0.1",
-            "GPU_LEASE_SLURM_PARTITION": self.cluster.partition,
-            "GPU_LEASE_AGENT_TOKENS": str(self.tokens_file),
-        }
+        return self.cluster.hub_env(self.tokens_file)
 
     def start_agents(self, broker_url: str, admin_token: str) -> None:
         for node, token in self.tokens.items():
-            env = {**os.environ, "GPU_LEASE_AGENT_TOKEN": token}
-            log = open(self.tmp / f"agent-{node}.log", "wb")  # noqa: SIM115 - the agent's
+            log = self.tmp / f"agent-{node}.log"
             self.agents.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "provisioner.agent",
-                        "--broker-url",
-                        broker_url,
-                        "--node",
-                        node,
-                        "--gpus",
-                        "1x32768:V100",
-                        "--interval",
-                        "2",
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=ROOT,
-                )  # fmt: skip
+                slurmcluster.start_agent(broker_url, node, token, "1x32768:V100", log, 2.0)
             )
-        deadline = time.monotonic() + 60
         headers = {"Authorization": f"token {admin_token}"}
-        while len(httpx.get(f"{broker_url}/api/v1/gpus", headers=headers).json()["gpus"]) < 2:
-            if time.monotonic() > deadline:
-                raise SystemExit("the node agents did not register; see agent-*.log")
-            time.sleep(0.2)
+        try:
+            wait_for(
+                lambda: (
+                    len(httpx.get(f"{broker_url}/api/v1/gpus", headers=headers).json()["gpus"]) >= 2
+                ),
+                60,
+                "the node agents' registration",
+                0.2,
+            )
+        except AssertionError as exc:
+            raise SystemExit(f"{exc}; see agent-*.log") from None
 
     def stop(self) -> None:
         for agent in self.agents:

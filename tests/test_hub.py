@@ -153,6 +153,15 @@ class Hub:
             "POST", f"{self.url}/user/{user}/api/kernels", self.token(user), json={"name": spec}
         )
 
+    def active_in_database(self) -> list[str]:
+        """The users of active leases in the broker's database file (read after it stopped)."""
+        db = sqlite3.connect(self.state / "gpu-lease.sqlite")
+        try:
+            rows = db.execute("SELECT user FROM leases WHERE state = 'active'").fetchall()
+        finally:
+            db.close()
+        return [str(user) for (user,) in rows]
+
     def leases(self, user: str | None = None) -> list[dict[str, Any]]:
         r = self.req("GET", f"{self.broker}/api/v1/leases", params={"all": "1"})
         assert r.status_code == 200, r.text
@@ -480,9 +489,4 @@ def test_ctrl_c_stops_everything_without_orphans(hub: Hub) -> None:
         except psutil.NoSuchProcess:
             pass
     assert survivors == [], survivors
-    db = sqlite3.connect(hub.state / "gpu-lease.sqlite")
-    try:
-        active = db.execute("SELECT user FROM leases WHERE state = 'active'").fetchall()
-    finally:
-        db.close()
-    assert active == []  # the servers stopped (and released) before the broker
+    assert hub.active_in_database() == []  # the servers stopped (and released) first

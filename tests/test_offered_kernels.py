@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from provisioner import kernelspecs as ks
-from provisioner.devtools.testing import free_port, wait_for_http
+from provisioner.devtools.testing import free_port, stop_process, wait_for_http
 from provisioner.kernel.specs import never_startable, offered
 
 from .conftest import ROOT, Broker
@@ -152,13 +152,7 @@ class Server:
         return {name: s["spec"]["display_name"] for name, s in r.json()["kernelspecs"].items()}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 @pytest.fixture

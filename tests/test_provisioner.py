@@ -33,7 +33,13 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
-from provisioner.devtools.testing import free_port, wait_for, wait_for_async, wait_for_http
+from provisioner.devtools.testing import (
+    free_port,
+    stop_process,
+    wait_for,
+    wait_for_async,
+    wait_for_http,
+)
 from provisioner.errors import BrokerUnavailable, NoCapacity
 from provisioner.kernel.provisioner import GPULeaseProvisioner
 from provisioner.kernelspecs import build_kernelspec, spec_json
@@ -668,12 +674,7 @@ def jupyter_server(server_env: Broker, specs: Specs, tmp_path: Path) -> Iterator
         )
         yield f"{url}?{token}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 

@@ -12,13 +12,9 @@ the hub and the cluster's stop leave no process and no lease.
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import os
 import signal
 import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +23,10 @@ import psutil
 import pytest
 
 from provisioner.devtools import slurmcluster
-from provisioner.devtools.slurmcluster import SlurmCluster
+from provisioner.devtools.slurmcluster import SlurmCluster, agent_tokens, start_agent
 from provisioner.devtools.testing import wait_for
 
-from .test_hub import ROOT, TTL, Hub, running_hub
+from .test_hub import TTL, Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -44,16 +40,8 @@ class Site:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def start_agent(self, node: str, token: str) -> None:
-        env = {**os.environ, "GPU_LEASE_AGENT_TOKEN": token}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        with open(self.tmp / f"agent-{node}.log", "ab") as log:
-            self.agents[node] = subprocess.Popen(
-                [
-                    sys.executable, "-m", "provisioner.agent", "--broker-url", self.hub.broker,
-                    "--node", node, "--gpus", "1x16384:T4", "--interval", "0.5",
-                ],
-                env=env, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        log = self.tmp / f"agent-{node}.log"
+        self.agents[node] = start_agent(self.hub.broker, node, token, "1x16384:T4", log)
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         r = self.hub.req("GET", f"{self.hub.broker}/api/v1/nodes")
@@ -89,23 +77,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     cluster.start()
     tmp = tmp_path_factory.mktemp("site")
-    tokens = {f"agent-{n}-{uuid.uuid4().hex}": n for n in cluster.nodes}
-    (tmp / "agents.json").write_text(
-        json.dumps({t: {"agent": True, "node": n} for t, n in tokens.items()})
-    )
-    env = {
-        **cluster.env(),
-        "GPU_LEASE_SPAWNER": "slurm",
-        "GPU_LEASE_SLURM_HOST": "127.0.0.1",  # the test cluster's nodes are this machine
-        "GPU_LEASE_SLURM_PARTITION": cluster.partition,
-        "GPU_LEASE_AGENT_TOKENS": str(tmp / "agents.json"),
-        "GPU_LEASE_NODE_GRACE": str(NODE_GRACE),
-    }
+    tokens = agent_tokens(tmp / "agents.json", cluster.nodes)
+    env = {**cluster.hub_env(tmp / "agents.json"), "GPU_LEASE_NODE_GRACE": str(NODE_GRACE)}
     try:
         with running_hub(tmp, env=env, gpus="agents") as hub:
             s = Site(hub, cluster, tmp)
             try:
-                for token, node in tokens.items():
+                for node, token in tokens.items():
                     s.start_agent(node, token)
                 wait_for(
                     lambda: (
@@ -201,11 +179,4 @@ def test_everything_stops_with_no_process_left(site: Site) -> None:
     cluster.stop()
     left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert left == [], left
-    import sqlite3
-
-    db = sqlite3.connect(hub.state / "gpu-lease.sqlite")
-    try:
-        active = db.execute("SELECT user FROM leases WHERE state = 'active'").fetchall()
-    finally:
-        db.close()
-    assert active == []
+    assert hub.active_in_database() == []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -22,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from .testing import ROOT, free_port, wait_for_http
+from .testing import ROOT, free_port, stop_process, wait_for_http
 
 
 def install_kernelspecs(prefix: Path, fractions: Sequence[float]) -> list[str]:
@@ -132,13 +131,8 @@ class JupyterServerProcess:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM (jupyter_server shuts every kernel down, releasing leases), then SIGKILL."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout)
         self.http.close()
 
     def log(self, limit: int = 6000) -> str:

@@ -19,16 +19,18 @@ Nothing in the runtime imports this module.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
 import subprocess
+import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 
-from .testing import free_port, wait_for
+from .testing import ROOT, free_port, stop_process, wait_for
 
 SLURMCTLD = "slurmctld"
 SLURMD = "slurmd"
@@ -104,6 +106,17 @@ class SlurmCluster:
 
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
+
+    def hub_env(self, agent_tokens: Path) -> dict[str, str]:
+        """The environment of a hub_config hub in its Slurm variant on this cluster, its
+        broker taking the agents' tokens from ``agent_tokens`` (see :func:`agent_tokens`)."""
+        return {
+            **self.env(),
+            "GPU_LEASE_SPAWNER": "slurm",
+            "GPU_LEASE_SLURM_HOST": "127.0.0.1",  # the nodes are this machine
+            "GPU_LEASE_SLURM_PARTITION": self.partition,
+            "GPU_LEASE_AGENT_TOKENS": str(agent_tokens),
+        }
 
     def _run(self, *cmd: str, timeout: float = 30.0) -> str:
         done = subprocess.run(
@@ -186,7 +199,7 @@ class SlurmCluster:
             except AssertionError:
                 pass  # their processes are killed below
         for node in list(self.slurmds):
-            _terminate(self.slurmds.pop(node))
+            stop_process(self.slurmds.pop(node))
         for node in self.nodes:
             for p in self.jobs_on(node):
                 try:
@@ -194,7 +207,7 @@ class SlurmCluster:
                 except psutil.Error:
                     pass
         if self.ctld is not None:
-            _terminate(self.ctld)
+            stop_process(self.ctld)
 
     def log(self) -> str:
         parts = []
@@ -205,15 +218,28 @@ class SlurmCluster:
         return "\n".join(parts)
 
 
-def _terminate(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def agent_tokens(path: Path, nodes: Sequence[str]) -> dict[str, str]:
+    """A fresh agent token per node, written to ``path`` as the broker reads them
+    (``{"TOKEN": {"agent": true, "node": NODE}}``); returns node -> token."""
+    tokens = {n: f"agent-{n}-{uuid.uuid4().hex}" for n in nodes}
+    path.write_text(json.dumps({t: {"agent": True, "node": n} for n, t in tokens.items()}))
+    return tokens
+
+
+def start_agent(
+    broker_url: str, node: str, token: str, gpus: str, log: Path, interval: float = 0.5
+) -> subprocess.Popen[bytes]:
+    """``python -m provisioner.agent`` for ``node`` declaring ``gpus``, logging to ``log``."""
+    env = {**os.environ, "GPU_LEASE_AGENT_TOKEN": token}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [
+                sys.executable, "-m", "provisioner.agent", "--broker-url", broker_url,
+                "--node", node, "--gpus", gpus, "--interval", str(interval),
+            ],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
 
 
 def _user() -> str:
@@ -222,4 +248,4 @@ def _user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-__all__ = ["SlurmCluster", "available"]
+__all__ = ["SlurmCluster", "agent_tokens", "available", "start_agent"]

@@ -115,6 +115,17 @@ def wait_for_http(
         time.sleep(0.05)
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds; reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def load_example(name: str) -> ModuleType:
     """``examples/<name>.py`` as a module (registered as ``name``: dataclasses need it)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
