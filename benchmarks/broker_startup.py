@@ -12,6 +12,11 @@ alternate between the trees (A B A B ...), so background load hits them alike; t
 median of each tree's starts is reported, with the fastest start and the spread, and
 the CPU seconds (user + system, Linux ``/proc``) the broker process had used by then,
 which shared-machine load disturbs less than wall time.
+
+The baseline, timed the same way and interleaved with the broker's starts (A B base A
+B base ...): ``benchmarks/noop_broker.py``, a no-op tornado app with the broker's lease
+routes; every tree's median is also given as a ratio to the baseline's median (the aim:
+a static-auth broker starts within 3x of it).
 """
 
 from __future__ import annotations
@@ -48,15 +53,20 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+#: stands for the no-op baseline among the trees
+BASELINE = Path("no-op tornado app")
+
+
 def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[float, float]:
     """Wall seconds from ``Popen`` to the first 200 of ``/api/v1/health``, and the broker's
-    CPU seconds by then (the broker is stopped afterwards)."""
+    CPU seconds by then (the broker is stopped afterwards). ``tree`` ``BASELINE``: the
+    no-op app instead."""
     port = free_port()
     tokens = tmp / "tokens.json"
     tokens.write_text(json.dumps({"startup-bench-token": {"user": "bench"}}))
     env = dict(os.environ)
     env.pop("JUPYTERHUB_API_TOKEN", None)
-    env["PYTHONPATH"] = str(tree)
+    env["PYTHONPATH"] = str(ROOT if tree == BASELINE else tree)
     cmd = [
         sys.executable,
         "-m",
@@ -72,6 +82,8 @@ def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[flo
         "--db-url",
         f"sqlite:///{tmp / f'start-{n}.sqlite'}",
     ]
+    if tree == BASELINE:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "noop_broker.py"), "--port", str(port)]
     url = f"http://127.0.0.1:{port}/api/v1/health"
     with open(tmp / f"start-{n}.log", "wb") as log:
         t0 = time.perf_counter()
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a source tree to time (repeatable; default: this checkout)",
     )
     args = p.parse_args(argv)
-    trees = [t.resolve() for t in (args.tree or [ROOT])]
+    trees = [t.resolve() for t in (args.tree or [ROOT])] + [BASELINE]
     times: dict[Path, list[float]] = {t: [] for t in trees}
     cpu: dict[Path, list[float]] = {t: [] for t in trees}
     with tempfile.TemporaryDirectory(prefix="broker-startup-") as tmp:
@@ -120,11 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                 wall, used = one_start(tree, Path(tmp), n)
                 times[tree].append(wall)
                 cpu[tree].append(used)
+    base = statistics.median(times[BASELINE])
     for tree, got in times.items():
         print(
             f"{tree}: median {statistics.median(got):.3f} s, fastest {min(got):.3f} s, "
             f"slowest {max(got):.3f} s over {len(got)} starts "
             f"({', '.join(f'{x:.3f}' for x in got)}); CPU median {statistics.median(cpu[tree]):.2f} s"
+            + ("" if tree == BASELINE else f"; {statistics.median(got) / base:.2f}x the no-op app")
         )
     return 0
 

@@ -62,17 +62,25 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.devtools.testing import BrokerProcess  # noqa: E402
+from provisioner.devtools.testing import (  # noqa: E402
+    BrokerProcess,
+    cpu_seconds,
+    free_port,
+    stop_process,
+    wait_for_http,
+)
 
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 USERS = 64
 PPM = 1_000_000
 GPU_MB = 81920
 
-#: the aims of the issue
+#: the aims of the issues
 AIM_PAIRS_64 = 500.0
 AIM_P99_MS = 50.0
 AIM_GPU_GROWTH = 2.0
+#: pairs/s at 64 clients / the no-op tornado ceiling in the same run
+AIM_CEILING = {"sqlite": 0.8, "postgresql": 0.6}
 
 
 # --------------------------------------------------------------------------- the broker
@@ -102,6 +110,54 @@ def broker_process(
         profile=profile,
         name=f"broker-{uuid.uuid4().hex[:8]}",
     )
+
+
+class NoopProcess:
+    """``benchmarks/noop_broker.py`` as a subprocess: the HTTP ceiling. ``closed_loop``
+    drives it exactly as it drives a broker (``port``, ``tokens``, ``cpu()``)."""
+
+    def __init__(self, tmp: Path, users: int = USERS) -> None:
+        self.port = free_port()
+        self.tokens = {u: f"tok-{u}" for u in bench_users(users)}
+        self.log = tmp / f"noop-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "noop_broker.py"),
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        wait_for_http(
+            f"http://127.0.0.1:{self.port}/api/v1/health",
+            self.proc,
+            self.log.read_text,
+            timeout,
+            "the no-op app",
+        )
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.proc.pid if self.proc else None)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+@contextmanager
+def running_noop(tmp: Path) -> Iterator[NoopProcess]:
+    noop = NoopProcess(tmp)
+    noop.start()
+    try:
+        yield noop
+    finally:
+        noop.stop()
 
 
 @contextmanager
@@ -216,7 +272,7 @@ def _acquire_body(kernel_id: str, fraction: float) -> bytes:
 
 
 async def closed_loop(
-    broker: BrokerProcess,
+    broker: BrokerProcess | NoopProcess,
     clients: int,
     *,
     warmup: float,
@@ -365,6 +421,20 @@ def run_throughput(args: argparse.Namespace, tmp: Path) -> tuple[list[LoadResult
     results: list[LoadResult] = []
     notes: list[str] = []
     extra = tuple(args.broker_args.split()) if args.broker_args else ()
+    with running_noop(tmp) as noop:
+        for clients in args.clients:
+            r = asyncio.run(
+                closed_loop(
+                    noop,
+                    clients,
+                    warmup=args.warmup,
+                    duration=args.duration,
+                    fraction=0.01,
+                    db="no-op",
+                )
+            )
+            results.append(r)
+            print(f"  {'no-op':<10} {clients:>3} clients: {r.pairs_per_s:7.0f} pairs/s", flush=True)
     for db in args.dbs:
         with ExitStack() as stack:
             if db == "sqlite":
@@ -604,7 +674,7 @@ def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
         async def one(i: int) -> None:
             result = await service.acquire(ident, Ask("u00", f"v{i}", 10_000))
             assert result.lease is not None
-            service.release(ident, result.lease.id)
+            await service.release(ident, result.lease.id)
 
         for i in range(50):
             await one(-1 - i)
@@ -791,10 +861,11 @@ def report(data: dict[str, Any]) -> str:
             "",
             "Throughput (closed loop, acquire+release pairs, 1 GPU, fraction 0.01)",
             f"{'db':<11}{'clients':>7}{'pairs/s':>9}{'acq p50':>9}{'acq p99':>9}{'rel p50':>9}"
-            f"{'broker':>9}{'broker':>8}{'1 core':>8}{'loadgen':>9}{'/ raw':>8}",
+            f"{'broker':>9}{'broker':>8}{'1 core':>8}{'loadgen':>9}{'/ raw':>8}{'/ no-op':>9}",
             f"{'':<11}{'':>7}{'':>9}{'ms':>9}{'ms':>9}{'ms':>9}{'us/pair':>9}{'%CPU':>8}"
-            f"{'pairs/s':>8}{'us/pair':>9}{'sqlite':>8}",
+            f"{'pairs/s':>8}{'us/pair':>9}{'sqlite':>8}{'same run':>9}",
         ]
+        noop = {r["clients"]: r["pairs_per_s"] for r in tp if r["db"] == "no-op"}
         for r in tp:
             lines.append(
                 f"{r['db']:<11}{r['clients']:>7}{r['pairs_per_s']:>9.0f}{r['acquire_p50_ms']:>9.2f}"
@@ -804,6 +875,7 @@ def report(data: dict[str, Any]) -> str:
                 f"{ratio(1e6, r['broker_cpu_us_per_pair']):>8.0f}"
                 f"{r['loadgen_cpu_us_per_pair']:>9.0f}"
                 f"{ratio(r['pairs_per_s'], raw):>8.3f}"
+                f"{ratio(r['pairs_per_s'], noop.get(r['clients'], math.nan)):>9.2f}"
             )
     if limits:
         lines += ["", "Below the broker (SQLite, WAL, synchronous=NORMAL, one client)"]
@@ -875,7 +947,20 @@ def judge(data: dict[str, Any]) -> list[dict[str, str]]:
                 "verdict": "met" if r64["pairs_per_s"] >= AIM_PAIRS_64 else "NOT met",
             }
         )
+    for db, aim in AIM_CEILING.items():
+        r, ceiling = tp.get((db, 64)), tp.get(("no-op", 64))
+        if r and ceiling:
+            share = ratio(r["pairs_per_s"], ceiling["pairs_per_s"])
+            aims.append(
+                {
+                    "aim": f">= {aim:g} of the no-op ceiling at 64 clients ({db})",
+                    "value": f"{share:.2f} ({r['pairs_per_s']:.0f} / {ceiling['pairs_per_s']:.0f})",
+                    "verdict": "met" if share >= aim else "NOT met",
+                }
+            )
     for (db, clients), r in sorted(tp.items()):
+        if db == "no-op":
+            continue
         aims.append(
             {
                 "aim": f"p99 acquire < {AIM_P99_MS:.0f} ms ({db}, {clients} clients)",

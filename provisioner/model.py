@@ -460,3 +460,41 @@ class PoolState:
             lease_count=dict(self.lease_count),
             closed=set(self.closed),
         )
+
+
+@dataclass
+class Grant:
+    """Create ``lease``; if it came from the queue, ``request`` is the entry it consumes."""
+
+    lease: Lease
+    request: Request | None = None
+
+
+@dataclass
+class Changes:
+    """What one mutation did to a ``PoolState``: what a store must persist, in this order.
+
+    ``ended`` holds each lease as it was before it ended, with its new state and reason;
+    ``granted`` the new leases (a grant from the queue names the request it consumed);
+    ``queued`` the requests that joined the queue; ``dropped`` the requests that left it
+    without a lease, with how (``cancelled`` or ``dropped``); ``renewed`` the latest
+    record of leases whose heartbeat is not persisted yet.
+    """
+
+    now: float
+    ended: list[tuple[Lease, str, str | None]] = field(default_factory=list)
+    granted: list[Grant] = field(default_factory=list)
+    queued: list[Request] = field(default_factory=list)
+    dropped: list[tuple[Request, str]] = field(default_factory=list)
+    renewed: list[Lease] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.ended or self.granted or self.queued or self.dropped or self.renewed)
+
+    def extend(self, other: Changes) -> None:
+        """Append ``other``'s changes (made after these) to these."""
+        self.ended += other.ended
+        self.granted += other.granted
+        self.queued += other.queued
+        self.dropped += other.dropped
+        self.renewed += other.renewed

@@ -2,12 +2,14 @@
 
 Everything here is a plain function over plain data (``model.PoolState``, ``Quota``,
 ``Request``, ...) with ``now`` passed in: no ``await``, no SQL, no HTTP, no
-traitlets. The broker's service calls these, persists the decisions they return and
-only then applies them to its state; the trace simulator (``benchmarks/``) calls the
-very same functions on a simulated clock.
+traitlets.
 
-Decisions never mutate the state they are given; ``apply_*`` helpers do, and the
-caller decides when (after the store committed).
+Two layers. *Decisions* (``decide_acquire``, ``drain``, ``expired``, ``idle_victims``
+...) never mutate the state they are given. *Mutations* (``acquire``, ``end``,
+``cancel``, ``reap``, ``grant_waiting``) decide AND apply, and return the
+:class:`Changes` they made, which is what a store persists. The broker's service, the
+trace simulator and the property tests all mutate the state through these, so decide
+→ apply is written once, here.
 
 Key rules (see DESIGN.md "Semantics"):
 
@@ -45,6 +47,8 @@ from .errors import CannotFit, Conflict, Forbidden, QuotaExceeded, UnknownGPU
 from .model import (
     GPU,
     PPM,
+    Changes,
+    Grant,
     Lease,
     Node,
     PoolState,
@@ -98,14 +102,6 @@ class Ask:
 
 
 # -- decisions -----------------------------------------------------------------
-
-
-@dataclass
-class Grant:
-    """Create ``lease``; if it came from the queue, ``request`` is the entry it consumes."""
-
-    lease: Lease
-    request: Request | None = None
 
 
 @dataclass
@@ -846,6 +842,124 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
             alloc[g.uuid] -= lease.fraction_ppm
         alloc[g.uuid] += req.fraction_ppm
     return victims
+
+
+# -- mutations: decide and apply, return what changed ---------------------------------
+
+
+def grant_waiting(state: PoolState, now: float, policy: Policy, changes: Changes) -> int:
+    """Grant and apply what the queue can have now; record it in ``changes``. How many."""
+    grants = drain(state, now, policy)
+    apply_grants(state, grants)
+    changes.granted += grants
+    return len(grants)
+
+
+def acquire(
+    state: PoolState,
+    ask: Ask,
+    quota: Quota,
+    now: float,
+    policy: Policy,
+    new_id: Callable[[], str],
+    used_fraction_hours: float = 0.0,
+) -> tuple[AcquireDecision, Changes]:
+    """Decide one acquire (:func:`decide_acquire`) and apply it: grants made, a new
+    request queued, a repeat's poll noted. Raises as ``decide_acquire``, changing nothing."""
+    decision = decide_acquire(state, ask, quota, now, policy, new_id, used_fraction_hours)
+    changes = Changes(now, granted=list(decision.grants))
+    outcome = decision.outcome
+    if isinstance(outcome, Queued):
+        state.queue[outcome.request.key] = outcome.request
+        if outcome.new:
+            changes.queued.append(outcome.request)
+    apply_grants(state, decision.grants)
+    return decision, changes
+
+
+def end(
+    state: PoolState,
+    ends: Iterable[tuple[Lease, str, str | None]],
+    now: float,
+    policy: Policy,
+    *,
+    drain_queue: bool = True,
+) -> Changes:
+    """End leases ``(lease, state, reason)`` and grant what the freed capacity lets waiting
+    requests have. Leases no longer in ``state`` are skipped (ending is idempotent)."""
+    changes = Changes(now)
+    for lease, new_state, reason in ends:
+        if lease.id in state.leases:
+            changes.ended.append((state.remove_lease(lease.id), new_state, reason))
+    if drain_queue:
+        grant_waiting(state, now, policy, changes)
+    return changes
+
+
+def cancel(
+    state: PoolState, requests: Iterable[Request], outcome: str, now: float, policy: Policy
+) -> Changes:
+    """Take waiting requests out of the queue (``cancelled`` by their client or ``dropped``),
+    then grant what the queue can have now (a smaller head may fit)."""
+    changes = Changes(now)
+    for req in requests:
+        if state.queue.pop(req.key, None) is not None:
+            changes.dropped.append((req, outcome))
+    grant_waiting(state, now, policy, changes)
+    return changes
+
+
+@dataclass
+class Reaped:
+    """One reaper pass: what changed, and the leases it ended by cause."""
+
+    changes: Changes
+    expired: list[Lease] = field(default_factory=list)
+    dropped: list[Request] = field(default_factory=list)
+    revoked: list[Lease] = field(default_factory=list)
+
+
+def idle_reason(policy: Policy) -> str:
+    """Why an idle lease was revoked (what its student reads)."""
+    limit = policy.idle_reclaim_after or 0
+    return (
+        f"the kernel was idle for more than {limit / 60:g} minutes while other students "
+        "waited for a GPU"
+    )
+
+
+def reap(
+    state: PoolState,
+    now: float,
+    policy: Policy,
+    polling: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
+    *,
+    drain_queue: bool = True,
+) -> Reaped:
+    """One reaper pass, applied: expire leases past their TTL, drop requests whose clients
+    stopped polling (``polling``: those in a long-poll now), revoke idle leases only while
+    someone waits, then (``drain_queue``) grant what the queue can have."""
+    gone = expired(state, now)
+    changes = end(
+        state,
+        [(x, "expired", "not renewed within its TTL") for x in gone],
+        now,
+        policy,
+        drain_queue=False,
+    )
+    stale = stale_requests(state, now, policy, polling)
+    for req in stale:
+        state.queue.pop(req.key, None)
+        changes.dropped.append((req, "dropped"))
+    victims = idle_victims(state, now, policy)
+    if victims:
+        why = idle_reason(policy)
+        changes.extend(
+            end(state, [(x, "revoked", why) for x in victims], now, policy, drain_queue=False)
+        )
+    if drain_queue:
+        grant_waiting(state, now, policy, changes)
+    return Reaped(changes, gone, stale, victims)
 
 
 # -- accounting -------------------------------------------------------------------

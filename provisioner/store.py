@@ -94,6 +94,7 @@ from .model import (
     PPM,
     QUEUE_OUTCOMES,
     QUOTA_LEVELS,
+    Changes,
     Lease,
     Node,
     QueueRecord,
@@ -458,6 +459,9 @@ _END = (
         reason=sa.bindparam("b_reason"),
     )
 )
+_ENDED_AMONG = sa.select(leases.c.id, leases.c.state, leases.c.reason).where(
+    leases.c.id.in_(sa.bindparam("ids", expanding=True)), leases.c.state != "active"
+)
 _LEASE_STATE = sa.select(leases.c.state, leases.c.reason).where(leases.c.id == sa.bindparam("lid"))
 _EXTEND = (
     leases.update()
@@ -626,6 +630,54 @@ class _Checkpointer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+
+
+def _renew_params(
+    lease_id: str,
+    renewed_at: float,
+    expires_at: float,
+    pid: int | None,
+    execution_state: str | None,
+    last_activity: float | None,
+) -> dict[str, Any]:
+    """A heartbeat's bind parameters for ``_RENEW``."""
+    return {
+        "b_id": lease_id,
+        "b_renewed_at": renewed_at,
+        "b_expires_at": expires_at,
+        "b_pid": pid,
+        "b_execution_state": execution_state,
+        "b_last_activity": last_activity,
+    }
+
+
+def _request_row(req: Request) -> dict[str, Any]:
+    return {
+        "id": req.id,
+        "user": req.user,
+        "kernel_id": req.kernel_id,
+        "fraction_ppm": req.fraction_ppm,
+        "groups": json.dumps(sorted(req.groups)),
+        "grp": req.group,
+        "node": req.node,
+        "gpu_uuids": None if req.gpu_uuids is None else json.dumps(list(req.gpu_uuids)),
+        "priority": req.priority,
+        "arrived_at": req.arrived_at,
+        "last_polled_at": req.last_polled_at,
+    }
+
+
+def _queue_log_row(req: Request) -> dict[str, Any]:
+    """The queue log's row of a request that joined the queue (it has not left yet)."""
+    return {
+        "id": req.id,
+        "user": req.user,
+        "kernel_id": req.kernel_id,
+        "fraction_ppm": req.fraction_ppm,
+        "grp": req.group,
+        "arrived_at": req.arrived_at,
+        "user_groups": json.dumps(sorted(req.groups)),
+    }
 
 
 def _lease_row(lease: Lease) -> dict[str, Any]:
@@ -1089,6 +1141,114 @@ class Store:
                     ],
                 )
 
+    def write_changes(
+        self, batch: Sequence[Changes], capacity_ppm: int
+    ) -> dict[str, tuple[str, str | None]]:
+        """Persist the changes of several mutations (made in this order) in ONE transaction.
+
+        The broker's group commit calls this with every change made while the previous
+        transaction committed. The batch's net effect is written: leases that ended are
+        updated, new leases inserted (those that also ended within the batch inserted
+        ended), requests that joined and left within the batch only logged; capacity and
+        the one-lease-per-kernel rule are re-checked for the leases still active, under
+        the same locks as :meth:`insert_leases`. All or nothing: on a refusal
+        (:class:`CapacityConflict`, :class:`DuplicateLease`, :class:`DuplicateRequest`)
+        or a failure (:class:`StoreError`) nothing of the batch is written.
+
+        Returns the renewed leases that the database holds as ended (by another writer):
+        ``{lease id: (state, reason)}``, for the caller to drop from memory.
+        """
+        new: dict[str, Lease] = {}
+        served: dict[str, float] = {}  # request id -> when its lease was granted
+        ended: dict[str, tuple[str, float, str | None]] = {}
+        queued: dict[str, Request] = {}
+        left: dict[str, tuple[str, float]] = {}  # request id -> (outcome, when)
+        renewed: dict[str, Lease] = {}
+        for ch in batch:
+            for g in ch.granted:
+                new[g.lease.id] = g.lease
+                if g.request is not None:
+                    served[g.request.id] = g.lease.created_at
+            for lease, state, reason in ch.ended:
+                if state == "active" or state not in LEASE_STATES:
+                    raise ValueError(f"a lease ends as released, expired or revoked, not {state!r}")
+                ended.setdefault(lease.id, (state, ch.now, reason))
+                renewed.pop(lease.id, None)
+            for req in ch.queued:
+                queued[req.id] = req
+            for req, outcome in ch.dropped:
+                left.setdefault(req.id, (outcome, ch.now))
+            for lease in ch.renewed:
+                if lease.id not in ended:
+                    renewed[lease.id] = lease
+        for rid, at in served.items():
+            left.setdefault(rid, ("granted", at))
+        still = [x for x in new.values() if x.id not in ended]
+        rows = [_lease_row(x) for x in still] + [
+            {
+                **_lease_row(x),
+                **dict(zip(("state", "ended_at", "reason"), ended[x.id], strict=True)),
+            }
+            for x in new.values()
+            if x.id in ended
+        ]
+        gone: dict[str, tuple[str, str | None]] = {}
+        if not (new or ended or queued or left or renewed):
+            return gone
+        with self._tx(f"record {len(batch)} change(s)") as conn:
+            old_ends = [
+                {"b_id": lid, "b_state": st, "b_ended_at": at, "b_reason": why}
+                for lid, (st, at, why) in ended.items()
+                if lid not in new
+            ]
+            if old_ends:
+                conn.execute(_END, old_ends)
+            if still:
+                self._check_grants(conn, still, capacity_ppm)
+            if rows:
+                try:
+                    conn.execute(_INSERT_LEASE, rows)
+                except IntegrityError as exc:
+                    raise DuplicateLease(
+                        "This kernel already holds an active GPU lease (granted concurrently); "
+                        "release it before asking for another.",
+                    ) from exc
+            beats = [
+                _renew_params(
+                    x.id, x.renewed_at, x.expires_at, x.pid, x.execution_state, x.last_activity
+                )
+                for x in renewed.values()
+            ]
+            if beats:
+                conn.execute(_RENEW, beats)
+                ids = sorted(renewed)
+                for i in range(0, len(ids), 500):
+                    for lid, st, why in conn.execute(_ENDED_AMONG, {"ids": ids[i : i + 500]}):
+                        gone[lid] = (st, why)
+            if queued:
+                waiting = [_request_row(r) for r in queued.values() if r.id not in left]
+                try:
+                    if waiting:
+                        conn.execute(requests.insert(), waiting)
+                    conn.execute(queue_log.insert(), [_queue_log_row(r) for r in queued.values()])
+                except IntegrityError as exc:
+                    raise DuplicateRequest(
+                        "A kernel of this batch is already waiting for a GPU; keep polling "
+                        "the same request.",
+                    ) from exc
+            out = [{"b_id": rid} for rid in left if rid not in queued]
+            if out:
+                conn.execute(_DELETE_REQUEST, out)
+            if left:
+                conn.execute(
+                    _LEAVE_QUEUE,
+                    [
+                        {"b_id": rid, "b_left_at": at, "b_outcome": outcome}
+                        for rid, (outcome, at) in left.items()
+                    ],
+                )
+        return gone
+
     @staticmethod
     def _check_grants(conn: Connection, new: list[Lease], capacity_ppm: int) -> None:
         adding: dict[str, int] = {}
@@ -1144,14 +1304,9 @@ class Store:
         Raises :class:`LeaseNotFound` for an unknown id and a
         :class:`LeaseGone` subclass when the lease is no longer active in the database.
         """
-        params = {
-            "b_id": lease_id,
-            "b_renewed_at": renewed_at,
-            "b_expires_at": expires_at,
-            "b_pid": pid,
-            "b_execution_state": execution_state,
-            "b_last_activity": last_activity,
-        }
+        params = _renew_params(
+            lease_id, renewed_at, expires_at, pid, execution_state, last_activity
+        )
         with self._tx("renew a lease") as conn:
             if conn.execute(_RENEW, params).rowcount:
                 return
@@ -1213,27 +1368,10 @@ class Store:
     # -- queue ----------------------------------------------------------------------
     def insert_request(self, req: Request) -> None:
         """Record a request that waits; raises :class:`DuplicateRequest` if the kernel already waits."""
-        row = {
-            "id": req.id,
-            "user": req.user,
-            "kernel_id": req.kernel_id,
-            "fraction_ppm": req.fraction_ppm,
-            "groups": json.dumps(sorted(req.groups)),
-            "grp": req.group,
-            "node": req.node,
-            "gpu_uuids": None if req.gpu_uuids is None else json.dumps(list(req.gpu_uuids)),
-            "priority": req.priority,
-            "arrived_at": req.arrived_at,
-            "last_polled_at": req.last_polled_at,
-        }
-        log_row = {
-            k: row[k] for k in ("id", "user", "kernel_id", "fraction_ppm", "grp", "arrived_at")
-        }
-        log_row["user_groups"] = row["groups"]
         with self._tx("queue a request") as conn:
             try:
-                conn.execute(requests.insert(), row)
-                conn.execute(queue_log.insert(), log_row)
+                conn.execute(requests.insert(), _request_row(req))
+                conn.execute(queue_log.insert(), _queue_log_row(req))
             except IntegrityError as exc:
                 raise DuplicateRequest(
                     f"Kernel {req.kernel_id} of {req.user} is already waiting for a GPU; "

@@ -36,7 +36,7 @@ import psutil
 import pytest
 import sqlalchemy as sa
 
-from provisioner.devtools.testing import wait_for_async
+from provisioner.devtools.testing import wait_for, wait_for_async
 from provisioner.store import leases as leases_table
 from provisioner.store import requests as requests_table
 
@@ -341,8 +341,9 @@ async def test_a_lease_the_broker_does_not_hold_is_looked_up_in_the_database(
 @pytest.mark.slow
 @pytest.mark.broker_args("--gpus", "2x32768:V100", "--GPULeaseBroker.reap_interval=0.5")
 async def test_a_lease_ended_in_the_database_frees_its_capacity(broker: Broker) -> None:
-    """A lease the database says has ended is dropped from memory at its next renewal
-    (it used to keep its GPU capacity in memory as a phantom until its TTL ran out)."""
+    """A lease the database says has ended is dropped from memory at the reaper pass after
+    its next renewal, which persists the heartbeat (it used to keep its GPU capacity in
+    memory as a phantom until its TTL ran out); from then on its renewal answers 410."""
     r = acquire(broker, "alice", 0.5)
     assert r.status_code == 201
     lid, gpu = r.json()["id"], r.json()["gpu"]["uuid"]
@@ -353,8 +354,10 @@ async def test_a_lease_ended_in_the_database_frees_its_capacity(broker: Broker) 
         .values(state="released", ended_at=time.time()),
     )
     r = api(broker, "POST", f"/leases/{lid}/renew", "alice", json={})
+    assert r.status_code == 200, r.text  # a heartbeat is memory: the reaper persists it
+    wait_for(lambda: allocated(broker)[gpu] == 0, 10, "the reaper drops the ended lease")
+    r = api(broker, "POST", f"/leases/{lid}/renew", "alice", json={})
     assert r.status_code == 410 and r.json()["state"] == "released", r.text
-    assert allocated(broker)[gpu] == 0
     assert check_invariants(broker) == set()
 
 

@@ -240,7 +240,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         passes = []
         for _ in range(3):
             clock.now += 5.0
-            passes.append(svc.tick())
+            passes.append(await svc.tick())
         assert [p["grace"] for p in passes] == [0, 0, 0]
         assert passes[1]["expired"] == 1  # at +10 s, its expiry (+6 s) has passed
         assert svc.state.leases == {}
@@ -248,7 +248,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         # a real stall (longer than 3 reap intervals) still gives grace
         (_,) = await take(svc, 1)
         clock.now += 16.0
-        assert svc.tick()["grace"] == 1 and len(svc.state.leases) == 1
+        assert (await svc.tick())["grace"] == 1 and len(svc.state.leases) == 1
     finally:
         svc.close()
 
@@ -265,10 +265,10 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         for _ in range(4):  # normal life: renewals and reaper passes
             clock.now += reap
             for lid in ids:
-                svc.renew(Identity(svc.state.leases[lid].user), lid)
-            assert svc.tick()["expired"] == 0
+                await svc.renew(Identity(svc.state.leases[lid].user), lid)
+            assert (await svc.tick())["expired"] == 0
         clock.now += jump
-        counts = svc.tick()
+        counts = await svc.tick()
         assert counts["expired"] == 0 and counts["grace"] == 10
         assert sorted(svc.state.leases) == sorted(ids)
         assert_store_matches(svc)
@@ -278,8 +278,8 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         while clock.now < t_jump + 2 * ttl:
             clock.now += reap
             for lid in live:
-                svc.renew(Identity(svc.state.leases[lid].user), lid)
-            if svc.tick()["expired"]:
+                await svc.renew(Identity(svc.state.leases[lid].user), lid)
+            if (await svc.tick())["expired"]:
                 assert expired_at is None
                 expired_at = clock.now
         assert expired_at is not None
@@ -287,7 +287,7 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         assert sorted(svc.state.leases) == sorted(live)
         assert_store_matches(svc)
         with pytest.raises(LeaseExpired):
-            svc.renew(Identity("u00"), dead)
+            await svc.renew(Identity("u00"), dead)
     finally:
         svc.close()
 
@@ -344,6 +344,111 @@ async def test_kill9_broker_under_load(broker: Broker) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         for h in holders:
             await h.close(release=False)
+
+
+# -- the group commit killed mid-batch ------------------------------------------------------------
+def lease_states(db_url: str, ids: set[str]) -> dict[str, str]:
+    """Each of ``ids`` that the database holds, with its state."""
+    eng = engine(db_url)
+    try:
+        with eng.connect() as conn:
+            rows = conn.execute(sa.text("SELECT id, state FROM leases")).all()
+    finally:
+        eng.dispose()
+    return {lid: st for lid, st in rows if lid in ids}
+
+
+def batch_sizes(broker: Broker) -> tuple[float, float]:
+    """(transactions, changes) the broker's group commit has made since it started."""
+    text = httpx.get(f"{broker.url}/metrics", timeout=10).text
+    found = {}
+    for line in text.splitlines():
+        for name in ("gpu_lease_commit_batch_size_count", "gpu_lease_commit_batch_size_sum"):
+            if line.startswith(name + " "):
+                found[name] = float(line.split()[1])
+    return found["gpu_lease_commit_batch_size_count"], found["gpu_lease_commit_batch_size_sum"]
+
+
+class Ledger:
+    """What the broker acknowledged to clients that do NOT retry: the truth to check."""
+
+    def __init__(self) -> None:
+        self.granted: set[str] = set()  # 201 received
+        self.release_sent: set[str] = set()  # DELETE sent (answered or not)
+        self.released: set[str] = set()  # 204 received
+        self.pairs = 0
+
+
+async def raw_churn(broker: Broker, user: str, stop: asyncio.Event, ledger: Ledger) -> None:
+    """Acquire and release as fast as the broker answers, recording only what it answered."""
+    async with httpx.AsyncClient(base_url=f"{broker.url}/api/v1", timeout=5.0) as http:
+        headers = broker.headers(user)
+        while not stop.is_set():
+            kernel = f"batch-{uuid.uuid4().hex[:10]}"
+            try:
+                r = await http.post(
+                    "/leases",
+                    json={"kernel_id": kernel, "fraction": 0.02, "wait": 0},
+                    headers=headers,
+                )
+            except httpx.HTTPError:
+                await asyncio.sleep(0.05)  # the broker is down: no answer, nothing acknowledged
+                continue
+            if r.status_code not in (200, 201, 202):
+                await asyncio.sleep(0.05)
+                continue
+            lease_id = r.json()["id"]
+            if r.status_code == 201:
+                ledger.granted.add(lease_id)
+            ledger.release_sent.add(lease_id)
+            try:
+                d = await http.delete(f"/leases/{lease_id}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if d.status_code == 204:
+                ledger.released.add(lease_id)
+                ledger.pairs += 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.broker_args("--gpus", "4x32768:V100", "--ttl", "60")
+async def test_kill9_at_the_group_commit_boundary(broker: Broker) -> None:
+    """40 clients acquire and release as fast as the broker answers, so every transaction
+    carries a batch of many changes, and the broker is killed (-9) eight times with
+    batches in flight. After each restart every answer a client got holds: an
+    acknowledged grant is active unless a release was sent for it, an acknowledged release
+    ended its lease; nothing is doubled or over-allocated (what was in flight and not
+    acknowledged is all or nothing). Clients here do not retry, so the ledger holds
+    exactly what the broker acknowledged."""
+    ledger = Ledger()
+    stop = asyncio.Event()
+    users = [f"u{n:02d}" for n in range(40)]
+    tasks = [asyncio.create_task(raw_churn(broker, u, stop, ledger)) for u in users]
+    batched = 0.0
+    try:
+        for cycle in range(8):
+            start = ledger.pairs
+            await wait_for_async(lambda start=start: ledger.pairs > start + 50, 60, "load")  # type: ignore[misc]
+            count, total = batch_sizes(broker)
+            batched = max(batched, total / max(count, 1))
+            await asyncio.sleep(random.uniform(0.0, 0.2))
+            await restart_after_kill9(broker)
+            seen = ledger.granted | ledger.released
+            states = lease_states(broker.db_url, seen)
+            lost = {x for x in ledger.granted if x not in states}
+            assert not lost, f"cycle {cycle}: acknowledged grants not in the database: {lost}"
+            held = ledger.granted - ledger.release_sent
+            assert all(states[x] == "active" for x in held), f"cycle {cycle}"
+            undone = {x for x in ledger.released if states.get(x) != "released"}
+            assert not undone, f"cycle {cycle}: acknowledged releases undone: {undone}"
+            check_invariants(broker)
+        assert batched > 1.5, f"no batches formed (mean {batched:.2f} changes per commit)"
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        t.result()
 
 
 # -- a Jupyter server killed with its kernels --------------------------------------------------
@@ -472,7 +577,10 @@ async def test_sqlite_locked_by_another_process(broker: Broker) -> None:
         assert r.json()["error"] == "store_unavailable"
         assert "database is locked" in r.json()["message"]
         assert r.headers["Retry-After"] == "5"
-        assert api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={}).status_code == 503
+        # a heartbeat is not a write: the lease stays alive while the database is locked
+        assert api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={}).status_code == 200
+        # an end is: refused while the database is locked, and the lease is still held
+        assert api(broker, "DELETE", f"/leases/{lease_id}", "alice").status_code == 503
         assert api(broker, "GET", "/gpus").status_code == 200  # reads come from memory
         assert api(broker, "GET", "/health").status_code == 200
         # a provisioner's acquire started now retries the 503s and succeeds once unlocked
@@ -526,7 +634,10 @@ async def test_sqlite_read_only(broker: Broker, tmp_path: Path) -> None:
         assert r.status_code == 503, r.text
         assert r.json()["error"] == "store_unavailable"
         assert "writable" in r.json()["message"]
-        assert api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={}).status_code == 503
+        # a heartbeat is not a write: the lease stays alive while the database is locked
+        assert api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={}).status_code == 200
+        # an end is: refused while the database is locked, and the lease is still held
+        assert api(broker, "DELETE", f"/leases/{lease_id}", "alice").status_code == 503
         assert api(broker, "GET", "/gpus").json()["gpus"][0]["leases"] == 1
         # a second broker cannot start on it, and says why
         other = Broker(tmp_path / "other", broker.db_url, broker.extra)

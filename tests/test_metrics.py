@@ -203,7 +203,7 @@ async def test_with_a_real_broker_service(tmp_path: Any) -> None:
         assert value(s, "gpu_lease_acquire_seconds_count", outcome="repeated") == 1
         assert value(s, "gpu_lease_refusals_total", reason="cannot_fit") == 1
 
-        service.release(alice, ids[0])
+        await service.release(alice, ids[0])
         s = scrape(metrics)
         assert value(s, "gpu_lease_gpu_allocated_fraction", **labels) == 0.04
         assert value(s, "gpu_lease_leases_ended_total", state="released") == 1

@@ -51,11 +51,6 @@ class Broker(RuleBasedStateMachine):
         counter = itertools.count()
         self.new_id = lambda: f"x{next(counter)}"
 
-    def _apply(self, decision) -> None:
-        core.apply_grants(self.state, decision.grants)
-        if isinstance(decision.outcome, Queued):
-            self.state.queue[decision.outcome.request.key] = decision.outcome.request
-
     @rule(
         user=st.sampled_from(USERS),
         kernel=st.sampled_from(KERNELS),
@@ -67,7 +62,7 @@ class Broker(RuleBasedStateMachine):
         quota = core.effective_quota(BOOK, user, GROUPS[user])
         before = (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
         try:
-            d = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+            d, _ = core.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         except GPULeaseError:
             # a refusal changes nothing
             assert before == (
@@ -76,7 +71,6 @@ class Broker(RuleBasedStateMachine):
                 set(self.state.queue),
             )
             return
-        self._apply(d)
         # idempotency: asking again at once yields the same lease or the same queue place
         again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         assert again.grants == []
@@ -95,8 +89,9 @@ class Broker(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
-        core.apply_ends(self.state, [lease_id])
-        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy))
+        lease = self.state.leases[lease_id]
+        changes = core.end(self.state, [(lease, "released", None)], self.now, self.policy)
+        assert [x.id for x, _, _ in changes.ended] == [lease_id]
 
     @precondition(lambda self: self.state.leases)
     @rule(data=st.data(), busy=st.booleans())
@@ -114,15 +109,12 @@ class Broker(RuleBasedStateMachine):
     def advance(self, dt):
         """The reaper's pass, as the service runs it."""
         self.now += dt
-        gone = core.expired(self.state, self.now)
-        core.apply_ends(self.state, [x.id for x in gone])
-        for r in core.stale_requests(self.state, self.now, self.policy):
-            del self.state.queue[r.key]
-        victims = core.idle_victims(self.state, self.now, self.policy)
-        if victims:
-            assert self.state.queue, "idle leases revoked while nobody waited"
-        core.apply_ends(self.state, [x.id for x in victims])
-        core.apply_grants(self.state, core.drain(self.state, self.now, self.policy))
+        reaped = core.reap(self.state, self.now, self.policy)
+        if reaped.revoked:
+            assert self.state.queue or reaped.changes.granted, (
+                "idle leases revoked while nobody waited"
+            )
+        assert not core.expired(self.state, self.now)
 
     @invariant()
     def capacity_and_bookkeeping(self):
@@ -187,7 +179,6 @@ def test_no_starvation_every_waiting_request_is_served_as_leases_end():
         if served == set(waiting):
             break
         oldest = min(m.state.leases.values(), key=lambda x: x.created_at)
-        core.apply_ends(m.state, [oldest.id])
-        core.apply_grants(m.state, core.drain(m.state, m.now, m.policy))
+        core.end(m.state, [(oldest, "released", None)], m.now, m.policy)
         core.check_invariants(m.state, m.policy)
     assert served == set(waiting)

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from provisioner.errors import (
     NotActive,
     StoreError,
 )
-from provisioner.model import GPU, PPM, Lease, Quota, QuotaBook, Request
+from provisioner.model import GPU, PPM, Changes, Grant, Lease, Quota, QuotaBook, Request
 from provisioner.store import (
     MIGRATIONS,
     Fence,
@@ -514,6 +515,76 @@ def test_requests(store: Store) -> None:
     store.delete_requests([])
     assert store.load_active()[1] == []
     store.insert_request(_request("r2", kernel="k1"))  # the place is free again
+
+
+# --------------------------------------------------------------------------- group commit
+
+
+def test_write_changes_persists_a_batchs_net_effect(store: Store) -> None:
+    """One transaction for several mutations made in order: a lease granted and released
+    within the batch is recorded released, a request queued and granted within it only
+    in the queue log, an older lease ended, heartbeats of active leases recorded, and the
+    renewed lease that another writer ended is reported."""
+    store.insert_lease(_lease("old", kernel="k-old"), PPM)
+    store.insert_lease(_lease("beat", kernel="k-beat"), PPM)
+    store.insert_lease(_lease("theirs", kernel="k-theirs"), PPM)
+    store.end_leases([("theirs", "revoked", 1001.0, "by another broker")])
+    store.insert_request(_request("waited", kernel="k-w", arrived_at=900.0))
+    r_new = _request("fast", kernel="k-fast", arrived_at=1002.0)
+    beat = replace(_lease("beat", kernel="k-beat"), renewed_at=1050.0, expires_at=1140.0, pid=42)
+    gone = store.write_changes(
+        [
+            Changes(
+                1002.0,
+                granted=[Grant(_lease("brief", kernel="k-brief", created=1002.0))],
+                queued=[r_new],
+            ),
+            Changes(
+                1003.0,
+                ended=[(_lease("old", kernel="k-old"), "released", None)],
+                granted=[
+                    Grant(_lease("fast", kernel="k-fast", created=1003.0), r_new),
+                    Grant(
+                        _lease("waited", kernel="k-w", created=1003.0),
+                        _request("waited", kernel="k-w"),
+                    ),
+                ],
+            ),
+            Changes(1004.0, ended=[(_lease("brief", kernel="k-brief"), "released", None)]),
+            Changes(1005.0, renewed=[beat, replace(_lease("theirs"), renewed_at=1050.0)]),
+        ],
+        PPM,
+    )
+    assert gone == {"theirs": ("revoked", "by another broker")}
+    active, queue = store.load_active()
+    assert sorted(x.id for x in active) == ["beat", "fast", "waited"]
+    assert queue == []
+    assert store.get_lease("brief").state == "released"  # type: ignore[union-attr]
+    assert store.get_lease("brief").ended_at == 1004.0  # type: ignore[union-attr]
+    assert store.get_lease("old").state == "released"  # type: ignore[union-attr]
+    got = store.get_lease("beat")
+    assert got is not None and (got.renewed_at, got.expires_at, got.pid) == (1050.0, 1140.0, 42)
+    _, log = store.history(0, 2000)
+    assert {(q.id, q.left_at, q.outcome) for q in log} == {
+        ("fast", 1003.0, "granted"),
+        ("waited", 1003.0, "granted"),
+    }
+
+
+def test_write_changes_is_all_or_nothing(store: Store) -> None:
+    """A batch whose grants overfill a GPU is refused whole: its release is not written either."""
+    store.insert_lease(_lease("held", kernel="k-held", ppm=900_000), PPM)
+    store.insert_lease(_lease("other", kernel="k-other", gpu="GPU-1"), PPM)
+    with pytest.raises(CapacityConflict):
+        store.write_changes(
+            [
+                Changes(1.0, ended=[(_lease("other", gpu="GPU-1"), "released", None)]),
+                Changes(2.0, granted=[Grant(_lease("big", kernel="k-big", ppm=200_000))]),
+            ],
+            PPM,
+        )
+    assert sorted(x.id for x in store.load_active()[0]) == ["held", "other"]
+    assert store.get_lease("big") is None
 
 
 def test_queue_log_records_each_stay_in_the_queue(store: Store) -> None:

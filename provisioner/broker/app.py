@@ -569,9 +569,9 @@ class GPULeaseBroker(Application):
         """Call ``service.tick()`` every ``reap_interval`` s; a failed pass is logged and
         retried at the next one (a broker that is not serving skips its passes)."""
 
-        def reap() -> None:
+        async def reap() -> None:
             try:
-                service.tick()
+                await service.tick()
             except (StoreError, NotActive) as exc:
                 self.log.warning("Reaper pass failed, will retry: %s", exc.message)
             except Exception:

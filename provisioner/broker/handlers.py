@@ -416,8 +416,8 @@ class MetricsHandler(APIHandler):
 
 class GPUsHandler(APIHandler):
     @api
-    def get(self) -> None:
-        self.write_json({"gpus": self.service.gpus()})
+    async def get(self) -> None:
+        self.write_json({"gpus": await self.service.gpus()})
 
 
 class LeasesHandler(APIHandler):
@@ -427,8 +427,8 @@ class LeasesHandler(APIHandler):
     _client_gone = False
 
     @api
-    def get(self) -> None:
-        leases = self.service.list_leases(
+    async def get(self) -> None:
+        leases = await self.service.list_leases(
             self.ident,
             user=self.query("user") or None,
             all_users=validation.parse_flag(self.query("all"), "all"),
@@ -483,12 +483,12 @@ class LeasesHandler(APIHandler):
 
 class LeaseHandler(APIHandler):
     @api
-    def get(self, lease_id: str) -> None:
-        self.write_json(self.lease_json(self.service.get_lease(self.ident, lease_id)))
+    async def get(self, lease_id: str) -> None:
+        self.write_json(self.lease_json(await self.service.get_lease(self.ident, lease_id)))
 
     @api
-    def delete(self, lease_id: str) -> None:
-        self.service.release(self.ident, lease_id)
+    async def delete(self, lease_id: str) -> None:
+        await self.service.release(self.ident, lease_id)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -496,9 +496,9 @@ class LeaseHandler(APIHandler):
 
 class RenewHandler(APIHandler):
     @api
-    def post(self, lease_id: str) -> None:
+    async def post(self, lease_id: str) -> None:
         beat = validation.parse_heartbeat(self.json_body())
-        lease = self.service.renew(self.ident, lease_id, **beat)
+        lease = await self.service.renew(self.ident, lease_id, **beat)
         self.write_json(self.lease_json(lease))
 
 
@@ -506,9 +506,9 @@ class RevokeHandler(APIHandler):
     """``POST {p}api/v1/leases/{id}/revoke {reason}``: an admin ends someone's lease."""
 
     @api
-    def post(self, lease_id: str) -> None:
+    async def post(self, lease_id: str) -> None:
         reason = validation.parse_revoke(self.json_body())
-        self.write_json(self.lease_json(self.service.revoke(self.ident, lease_id, reason)))
+        self.write_json(self.lease_json(await self.service.revoke(self.ident, lease_id, reason)))
 
 
 # -- node agents -----------------------------------------------------------------------
@@ -520,8 +520,8 @@ class NodesHandler(APIHandler):
     agent_allowed = True
 
     @api
-    def get(self) -> None:
-        self.write_json({"nodes": self.service.list_nodes(self.ident)})
+    async def get(self) -> None:
+        self.write_json({"nodes": await self.service.list_nodes(self.ident)})
 
 
 class NodeHandler(APIHandler):
@@ -530,13 +530,13 @@ class NodeHandler(APIHandler):
     agent_allowed = True
 
     @api
-    def put(self, node: str) -> None:
+    async def put(self, node: str) -> None:
         gpus, version, enforce = validation.parse_node_registration(self.json_body(), node)
-        self.write_json(self.service.register_node(self.ident, node, gpus, version, enforce))
+        self.write_json(await self.service.register_node(self.ident, node, gpus, version, enforce))
 
     @api
-    def delete(self, node: str) -> None:
-        self.service.drain_node(self.ident, node)
+    async def delete(self, node: str) -> None:
+        await self.service.drain_node(self.ident, node)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -548,17 +548,17 @@ class NodeHeartbeatHandler(APIHandler):
     agent_allowed = True
 
     @api
-    def post(self, node: str) -> None:
+    async def post(self, node: str) -> None:
         usage, at, mps = validation.parse_node_heartbeat(self.json_body())
-        self.write_json(self.service.node_heartbeat(self.ident, node, usage, at, mps))
+        self.write_json(await self.service.node_heartbeat(self.ident, node, usage, at, mps))
 
 
 class QueueHandler(APIHandler):
     @api
-    def get(self) -> None:
+    async def get(self) -> None:
         # length: everyone waiting, also where a student sees only their own entries
         self.write_json(
-            {"queue": self.service.queue(self.ident), "length": len(self.service.state.queue)}
+            {"queue": await self.service.queue(self.ident), "length": len(self.service.state.queue)}
         )
 
 
@@ -601,13 +601,13 @@ class QuotaHandler(APIHandler):
         self.write_json(self.service.get_quota(self.ident, self.level, name))
 
     @api
-    def put(self, name: str = "") -> None:
+    async def put(self, name: str = "") -> None:
         quota = validation.parse_quota(self.json_body())
-        self.write_json(self.service.put_quota(self.ident, self.level, name, quota))
+        self.write_json(await self.service.put_quota(self.ident, self.level, name, quota))
 
     @api
-    def delete(self, name: str = "") -> None:
-        self.service.delete_quota(self.ident, self.level, name)
+    async def delete(self, name: str = "") -> None:
+        await self.service.delete_quota(self.ident, self.level, name)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -615,23 +615,23 @@ class QuotaHandler(APIHandler):
 
 class UsageHandler(APIHandler):
     @api
-    def get(self) -> None:
+    async def get(self) -> None:
         since = validation.parse_since(self.query("since"), self.service.clock())
         by = self.query("by") or "user"
-        self.write_json(self.service.usage(self.ident, since, by))
+        self.write_json(await self.service.usage(self.ident, since, by))
 
 
 class HistoryHandler(APIHandler):
     """``GET {p}api/v1/history?since=&step=&group=&user=``: the dashboard's plots."""
 
     @api
-    def get(self) -> None:
+    async def get(self) -> None:
         now = self.service.clock()
         since = validation.parse_since(
             self.query("since") or validation.DEFAULT_HISTORY_WINDOW, now
         )
         step = validation.parse_step(self.query("step"), now - since)
-        body = self.service.history(
+        body = await self.service.history(
             self.ident, since, step, group=self.query("group"), user=self.query("user") or None
         )
         self.write_json(body)

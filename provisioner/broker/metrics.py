@@ -50,6 +50,8 @@ from ..model import PPM, PoolState, ppm_to_fraction, reserved_mb
 from ..scheduling import Policy
 
 #: acquire latency buckets (s): 0.5 ms to 300 s (the longest long-poll)
+#: group-commit batch sizes (mutations per transaction)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ACQUIRE_BUCKETS = (
     0.0005,
     0.001,
@@ -248,6 +250,13 @@ class BrokerMetrics:
             ["action"],
             registry=self.registry,
         )
+        self._batches = Histogram(
+            "gpu_lease_commit_batch_size",
+            "Changes (acquires, releases, reaper passes, ...) persisted per database "
+            "transaction by the broker's group commit.",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(service_getter, per_user))
 
     # -- service.Metrics ------------------------------------------------------------
@@ -273,10 +282,21 @@ class BrokerMetrics:
         if count > 0:
             self._enforced.labels(action=action).inc(count)
 
+    def committed(self, changes: int) -> None:
+        """Called by the writer's thread after each transaction of ``changes`` mutations."""
+        self._batches.observe(changes)
+
     # -- exposition -------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         """The text exposition (body, Content-Type) for ``GET /metrics``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-__all__ = ["ACQUIRE_BUCKETS", "MIB", "QUEUE_WAIT_BUCKETS", "BrokerMetrics", "ServiceView"]
+__all__ = [
+    "ACQUIRE_BUCKETS",
+    "BATCH_BUCKETS",
+    "MIB",
+    "QUEUE_WAIT_BUCKETS",
+    "BrokerMetrics",
+    "ServiceView",
+]

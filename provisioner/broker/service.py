@@ -1,22 +1,38 @@
-"""The broker's service layer: the pure core and the store, glued under one lock.
+"""The broker's service layer: the core's caller, with the store behind a group commit.
 
 Who calls this: the HTTP handlers (``handlers.py``), one call per request, and the
-reaper loop started by ``app.py``. Every mutation follows one pattern:
+reaper loop started by ``app.py``. Methods return outcomes (leases, plain dicts) or
+raise ``errors``; only the handlers turn them into HTTP statuses and JSON. Every
+mutation follows one pattern:
 
-1. decide with a pure function of ``scheduling`` over the in-memory ``PoolState``;
-2. persist the decision in ONE store transaction;
-3. only then apply it to the in-memory state and wake long-polling waiters.
+1. a mutation of ``scheduling`` (``acquire``, ``end``, ``cancel``, ``reap``) decides
+   AND applies, on the event loop, over the in-memory ``PoolState``, and returns the
+   ``Changes`` it made;
+2. the service hands them to the ``Writer`` (``writer.py``) and awaits them: the
+   writer's thread persists every change submitted while its previous transaction
+   committed in ONE transaction (group commit), so the loop never waits on the
+   database and concurrent requests share a commit;
+3. only then does the caller get its answer, and long-polls their grants.
 
-All of that runs synchronously on the event loop thread, so no two decisions
-interleave (the loop is the lock); if the store fails, memory is untouched and the
-caller gets ``StoreError`` (503). After a restart the state is rebuilt from the
-store and every active lease gets one TTL of grace.
+Decisions never interleave (the loop is the lock, and a mutation applies before its
+first ``await``). If a batch fails (503 ``StoreError``, or a refusal because another
+writer changed the database), every caller in it gets the error, writes decided after
+it are refused too, and memory is reloaded from the database before anything is
+decided again (``_reconcile``); a refused acquire, release or reaper pass then decides
+once more. An answer read from memory that may depend on a change in flight (a
+repeated acquire, a long-poll's grant) first awaits ``Writer.barrier``. So nothing is
+acknowledged that is not in the database.
+
+Renewals are not a write each: a heartbeat updates memory, and the reaper persists the
+latest heartbeat of each renewed lease with its pass (every ``reap_interval``). A
+restart grants every active lease one TTL of grace, so no lease expires for a renewal
+that was not persisted; what a restart also needs, each kernel's reported activity
+(idle reclaim), is at most one reaper pass old.
 
 The database is the one source of truth; memory is its copy. A request about a lease
 or queued request that memory does not hold asks the database (and adopts an active
-lease, or ends or cancels it there), never answers from memory alone; a write the
-database refuses because memory was stale (``CapacityConflict``, ``DuplicateRequest``)
-reloads memory from the database and decides once more.
+lease, or ends or cancels it there), never answers from memory alone. Reads that do
+go to the database (history, usage, an unknown id) run on the writer's thread too.
 
 Every request first passes :meth:`BrokerService.check_serving`: 503 (``NotActive``)
 once the broker shuts down (:meth:`BrokerService.stop_serving`) or, with
@@ -29,9 +45,9 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .. import history
 from .. import scheduling as core
@@ -56,6 +72,7 @@ from ..model import (
     GPU,
     QUOTA_FIELDS,
     QUOTA_LEVELS,
+    Changes,
     Identity,
     Lease,
     Node,
@@ -68,8 +85,11 @@ from ..model import (
 )
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
 from ..store import Store
+from .writer import Writer
 
 log = logging.getLogger("gpu_lease.broker")
+
+T = TypeVar("T")
 
 #: lease states that end a lease (their hold times feed the estimated waits)
 ENDED_STATES = ("released", "revoked", "expired")
@@ -85,6 +105,7 @@ class Metrics(Protocol):
     def refused(self, reason: str) -> None: ...
     def ended(self, state: str, count: int) -> None: ...
     def enforced(self, action: str, count: int) -> None: ...
+    def committed(self, changes: int) -> None: ...
 
 
 class _NoMetrics:
@@ -98,6 +119,9 @@ class _NoMetrics:
         pass
 
     def ended(self, state: str, count: int) -> None:
+        pass
+
+    def committed(self, changes: int) -> None:
         pass
 
     def enforced(self, action: str, count: int) -> None:
@@ -186,6 +210,13 @@ class BrokerService:
         self.gate: Callable[[], None] = _always_serving
         self._closing: str | None = None
         self._none_waiting: asyncio.Event | None = None
+        #: the store's one thread: group commit, reads off the loop
+        self.writer = Writer(store, policy.capacity_ppm, self.metrics.committed)
+        #: memory may hold changes the database refused: reload before deciding again
+        self._stale = False
+        self._reconciling: asyncio.Future[None] | None = None
+        #: leases renewed since the reaper last persisted their heartbeats
+        self._renewed: set[str] = set()
 
     # -- start-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -207,6 +238,9 @@ class BrokerService:
                 self.holds.add(ended.ended_at - ended.created_at)
         self.started_at = now
         self._last_tick = now
+        changes = Changes(now)
+        core.grant_waiting(self.state, now, self.policy, changes)
+        self.store.write_changes([changes], self.policy.capacity_ppm)
         log.info(
             "Broker state loaded: %d GPU(s), %d active lease(s) (%d given a TTL of grace), %d waiting",
             len(self.state.gpus),
@@ -214,11 +248,18 @@ class BrokerService:
             grace,
             len(self.state.queue),
         )
-        self._drain(now)
 
     def close(self) -> None:
-        """Stop serving (waiting long-polls answer 503) and close the store. Called at shutdown."""
+        """Stop serving (waiting long-polls answer 503), persist the heartbeats not yet
+        persisted, and close the store. Called at shutdown, after the loop's last request."""
         self.stop_serving("shutting down")
+        self.writer.stop()
+        beats = self._take_renewed(self.clock())
+        if beats:
+            try:
+                self.store.write_changes([beats], self.policy.capacity_ppm)
+            except GPULeaseError as exc:
+                log.warning("Could not record the last heartbeats at shutdown: %s", exc.message)
         self.store.close()
 
     # -- serving or not ---------------------------------------------------------------
@@ -264,9 +305,9 @@ class BrokerService:
     async def acquire(self, ident: Identity, ask: Ask, wait: float = 0.0) -> AcquireResult:
         """``POST /api/v1/leases``: grant, repeat, or queue (long-polling up to ``wait`` s)."""
         t0 = time.perf_counter()
-        self.check_serving()
         try:
-            result = self._acquire_now(ident, ask)
+            await self._ready()
+            result = await self._mutate(lambda: self._acquire_once(ident, ask))
         except GPULeaseError as exc:
             self.metrics.refused(exc.code)
             raise
@@ -276,30 +317,20 @@ class BrokerService:
         self.metrics.observe_acquire(time.perf_counter() - t0, outcome)
         return result
 
-    def _acquire_now(self, ident: Identity, ask: Ask) -> AcquireResult:
-        try:
-            return self._acquire_once(ident, ask)
-        except (CapacityConflict, DuplicateRequest) as exc:
-            # the database refused what memory allowed: another writer changed it
-            log.warning(
-                "The database refused %s's acquire (%s); deciding again on its state",
-                ident.user,
-                exc.code,
-            )
-            if isinstance(exc, DuplicateRequest):  # (_persist_grants reloaded on the others)
-                self._reload()
-            return self._acquire_once(ident, ask)
-
-    def _acquire_once(self, ident: Identity, ask: Ask) -> AcquireResult:
-        now = self.clock()
-        if self.nodes:
-            self._close_gpus(now)  # a node silent past its grace is lost from this instant
+    async def _acquire_once(self, ident: Identity, ask: Ask) -> AcquireResult:
         quota = core.effective_quota(self.quotas, ident.user, ident.groups)
         used = 0.0
         if quota.budget_fraction_hours is not None and quota.budget_window_s:
-            used = self.store.user_usage(ident.user, now - quota.budget_window_s, now)
+            until = self.clock()
+            since = until - quota.budget_window_s
+            used = await self.writer.call(
+                lambda: self.store.user_usage(ident.user, since, until), read=True
+            )
+        now = self.clock()
+        if self.nodes:
+            self._close_gpus(now)  # a node silent past its grace is lost from this instant
         try:
-            decision = core.decide_acquire(
+            decision, changes = core.acquire(
                 self.state, ask, quota, now, self.policy, self.new_id, used
             )
         except UnknownGPU as exc:
@@ -307,13 +338,12 @@ class BrokerService:
                 f"{exc.message} List the broker's GPUs with GET /api/v1/gpus (or `gpu-lease top`).",
                 **exc.details,
             ) from exc
+        await self._commit(changes)  # a repeat awaits what it repeats
         outcome = decision.outcome
         if isinstance(outcome, Existing):
             return AcquireResult(200, lease=outcome.lease)
-        self._persist_grants(decision.grants)
         if isinstance(outcome, Queued):
             if outcome.new:
-                self.store.insert_request(outcome.request)
                 log.info(
                     "Queued %s kernel %s for %g of a GPU at position %d",
                     ident.user,
@@ -321,8 +351,6 @@ class BrokerService:
                     ppm_to_fraction(ask.fraction_ppm),
                     outcome.position,
                 )
-            # polls are kept in memory only: after a restart every request gets a fresh window
-            self.state.queue[outcome.request.key] = outcome.request
             return AcquireResult(
                 202,
                 request=outcome.request,
@@ -353,6 +381,7 @@ class BrokerService:
                 self.check_serving()
                 lease = self.state.lease_for_kernel(*key)
                 if lease is not None:
+                    await self.writer.barrier()  # the grant is in the database
                     req = queued.request
                     if req is not None:
                         self.metrics.observe_queue_wait(self.clock() - req.arrived_at)
@@ -366,6 +395,7 @@ class BrokerService:
                     )
                 remaining = deadline - asyncio.get_running_loop().time()
                 if remaining <= 0:
+                    await self.writer.barrier()
                     now = self.clock()
                     req.last_polled_at = now
                     return AcquireResult(
@@ -391,7 +421,7 @@ class BrokerService:
                 req.last_polled_at = self.clock()
 
     # -- renew / release ----------------------------------------------------------------
-    def renew(
+    async def renew(
         self,
         ident: Identity,
         lease_id: str,
@@ -402,97 +432,89 @@ class BrokerService:
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
-        A lease active in the database but not in memory is adopted (memory reloaded);
-        one the database has ended is dropped from memory, with its capacity.
+        Memory only: the reaper's next pass persists the heartbeat (see the module's
+        docstring). A lease active in the database but not in memory is adopted (memory
+        reloaded).
         """
-        self.check_serving()
+        await self._ready()
         lease = self.state.leases.get(lease_id)
         if lease is None:
-            lease = self._adopt(ident, lease_id)
+            lease = await self._adopt(ident, lease_id)
         self._check_owner(ident, lease)
-        now = self.clock()
-        fresh = core.renewed(lease, now, self.policy, pid, execution_state, last_activity)
-        try:
-            self.store.renew_lease(
-                lease_id,
-                fresh.renewed_at,
-                fresh.expires_at,
-                fresh.pid,
-                fresh.execution_state,
-                fresh.last_activity,
-            )
-        except (LeaseGone, LeaseNotFound):
-            log.warning(
-                "Lease %s… was active in memory but not in the database; dropped it", lease_id[:6]
-            )
-            core.apply_ends(self.state, [lease_id])
-            self._drain(now)
-            raise
+        fresh = core.renewed(lease, self.clock(), self.policy, pid, execution_state, last_activity)
         self.state.update_lease(fresh)
+        self._renewed.add(lease_id)
         return fresh
 
-    def release(self, ident: Identity, lease_id: str) -> None:
+    async def release(self, ident: Identity, lease_id: str) -> None:
         """``DELETE /api/v1/leases/{id}``: end a lease, or cancel a queued request. Idempotent.
 
         An id memory does not hold is looked up in the database: a queued request there
         is deleted, an active lease there is ended there; 404 only if neither exists.
         """
-        self.check_serving()
-        lease = self.state.leases.get(lease_id)
-        if lease is None:
-            req = next((r for r in self.state.queue.values() if r.id == lease_id), None)
-            if req is not None:
-                self._check_owner(ident, req)
-                now = self.clock()
-                self.store.delete_requests([req.id], outcome="cancelled", at=now)
-                self.state.queue.pop(req.key, None)
-                self._wake([req.key])
-                log.info("Cancelled queued request of %s kernel %s", req.user, req.kernel_id)
-                self._drain(now)
-                return
-            self._release_unknown(ident, lease_id)
+        await self._ready()
+        if await self._mutate(lambda: self._release_once(ident, lease_id)):
             return
-        self._check_owner(ident, lease)
-        now = self.clock()
-        self._end([(lease, "released", None)], now)
-        log.info("Released lease %s… of %s kernel %s", lease_id[:6], lease.user, lease.kernel_id)
-        self._drain(now)
+        await self._release_unknown(ident, lease_id)
 
-    def revoke(self, ident: Identity, lease_id: str, reason: str) -> Lease:
+    async def _release_once(self, ident: Identity, lease_id: str) -> bool:
+        """End the lease or cancel the request ``lease_id`` memory holds; False if it holds none."""
+        lease = self.state.leases.get(lease_id)
+        now = self.clock()
+        if lease is not None:
+            self._check_owner(ident, lease)
+            await self._commit(core.end(self.state, [(lease, "released", None)], now, self.policy))
+            log.info(
+                "Released lease %s… of %s kernel %s", lease_id[:6], lease.user, lease.kernel_id
+            )
+            return True
+        req = next((r for r in self.state.queue.values() if r.id == lease_id), None)
+        if req is None:
+            return False
+        self._check_owner(ident, req)
+        await self._commit(core.cancel(self.state, [req], "cancelled", now, self.policy))
+        log.info("Cancelled queued request of %s kernel %s", req.user, req.kernel_id)
+        return True
+
+    async def revoke(self, ident: Identity, lease_id: str, reason: str) -> Lease:
         """An admin ends someone's lease; its provisioner stops the kernel and shows ``reason``.
 
         Called by ``POST /api/v1/leases/{id}/revoke``; returns the lease as ended.
         """
-        self.check_serving()
+        await self._ready()
         self._require_admin(ident)
-        lease = self.state.leases.get(lease_id)
-        if lease is None:
-            lease = self._adopt(ident, lease_id)
-        now = self.clock()
-        self._end([(lease, "revoked", reason)], now)
+
+        async def once() -> Lease:
+            lease = self.state.leases.get(lease_id)
+            if lease is None:
+                lease = await self._adopt(ident, lease_id)
+            now = self.clock()
+            await self._commit(core.end(self.state, [(lease, "revoked", reason)], now, self.policy))
+            return replace(lease, state="revoked", ended_at=now, reason=reason)
+
+        ended = await self._mutate(once)
         log.info(
             "Revoked lease %s… of %s kernel %s by %s: %s",
             lease_id[:6],
-            lease.user,
-            lease.kernel_id,
+            ended.user,
+            ended.kernel_id,
             ident.user,
             reason,
         )
-        self._drain(now)
-        return replace(lease, state="revoked", ended_at=now, reason=reason)
+        return ended
 
     # -- reads ------------------------------------------------------------------------
-    def get_lease(self, ident: Identity, lease_id: str) -> Lease:
+    async def get_lease(self, ident: Identity, lease_id: str) -> Lease:
         """One lease; one that memory does not hold comes from the database (adopted if active)."""
-        self.check_serving()
+        await self._ready()
         lease = self.state.leases.get(lease_id)
         if lease is not None:
             self._check_owner(ident, lease)
             return lease
-        found = self._visible_lease(ident, lease_id)
-        return self._adopt(ident, lease_id, found) if found.active else found
+        found = await self._visible_lease(ident, lease_id)
+        return await self._adopt(ident, lease_id, found) if found.active else found
 
-    def list_leases(
+    async def list_leases(
         self,
         ident: Identity,
         *,
@@ -501,19 +523,19 @@ class BrokerService:
         history: bool = False,
     ) -> list[Lease]:
         """Own leases; admins may ask for ``all_users`` or another ``user``."""
-        self.check_serving()
+        await self._ready()
         if (all_users or (user is not None and user != ident.user)) and not ident.admin:
             raise Forbidden("Only GPU lease admins may list other users' leases.")
         who = None if all_users and user is None else (user or ident.user)
         if history:
-            return self.store.list_leases(user=who)
+            return await self.writer.call(lambda: self.store.list_leases(user=who), read=True)
         leases = self.state.leases.values()
         return sorted(
             (x for x in leases if who is None or x.user == who), key=lambda x: x.created_at
         )
 
-    def queue(self, ident: Identity) -> list[dict[str, Any]]:
-        self.check_serving()
+    async def queue(self, ident: Identity) -> list[dict[str, Any]]:
+        await self._ready()
         now = self.clock()
         out = []
         for pos, req in enumerate(core.queue_order(self.state, now, self.policy), start=1):
@@ -552,8 +574,8 @@ class BrokerService:
         eta = self._etas[2].get(key)
         return None if eta is None else round(eta)
 
-    def gpus(self) -> list[dict[str, Any]]:
-        self.check_serving()
+    async def gpus(self) -> list[dict[str, Any]]:
+        await self._ready()
         st = self.state
         return [
             {
@@ -655,14 +677,17 @@ class BrokerService:
             "users": {k: v.to_json() for k, v in sorted(self.quotas.users.items())},
         }
 
-    def put_quota(self, ident: Identity, level: str, name: str, quota: Quota) -> dict[str, Any]:
-        self.check_serving()
+    async def put_quota(
+        self, ident: Identity, level: str, name: str, quota: Quota
+    ) -> dict[str, Any]:
+        await self._ready()
         self._require_admin(ident)
         _check_level(level)
-        self.store.put_quota(level, name if level != "default" else "", quota)
+        key = name if level != "default" else ""
+        await self.writer.call(lambda: self.store.put_quota(level, key, quota))
         self._set_quota(level, name, quota)
         log.info("Quota %s %r set by %s: %s", level, name, ident.user, quota.to_json())
-        self._drain(self.clock())
+        await self._grant_waiting()
         return quota.to_json()
 
     def apply_quotas(self, entries: list[tuple[str, str, Quota]], source: str) -> int:
@@ -678,14 +703,17 @@ class BrokerService:
             self.store.put_quota(level, name, quota)
             self._set_quota(level, name, quota)
         log.info("Applied %d quota(s) from %s", len(entries), source)
-        self._drain(self.clock())
+        changes = Changes(self.clock())
+        core.grant_waiting(self.state, changes.now, self.policy, changes)
+        self.store.write_changes([changes], self.policy.capacity_ppm)
         return len(entries)
 
-    def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
-        self.check_serving()
+    async def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
+        await self._ready()
         self._require_admin(ident)
         _check_level(level)
-        self.store.delete_quota(level, name if level != "default" else "")
+        key = name if level != "default" else ""
+        await self.writer.call(lambda: self.store.delete_quota(level, key))
         if level == "default":
             self.quotas.default = Quota()
         elif level == "group":
@@ -694,22 +722,25 @@ class BrokerService:
             self.quotas.users.pop(name, None)
         log.info("Quota %s %r removed by %s", level, name, ident.user)
 
-    def usage(self, ident: Identity, since: float, by: str = "user") -> dict[str, float]:
+    async def usage(self, ident: Identity, since: float, by: str = "user") -> dict[str, float]:
         """Fraction-hours per user or group since ``since``; a student sees only their own."""
-        self.check_serving()
+        await self._ready()
         if by not in ("user", "group"):
             raise InvalidRequest("'by' must be 'user' or 'group'.")
         now = self.clock()
         if since > now:
             raise InvalidRequest("'since' is in the future.")
         if not ident.admin and by == "user":
-            return {ident.user: self.store.user_usage(ident.user, since, now)}
-        rows = self.store.usage(since, now, by)
+            mine = await self.writer.call(
+                lambda: self.store.user_usage(ident.user, since, now), read=True
+            )
+            return {ident.user: mine}
+        rows = await self.writer.call(lambda: self.store.usage(since, now, by), read=True)
         if not ident.admin:
             rows = {k: v for k, v in rows.items() if k in ident.groups}
         return rows
 
-    def history(
+    async def history(
         self,
         ident: Identity,
         since: float,
@@ -724,7 +755,7 @@ class BrokerService:
         pool, or one ``user``'s or one course's (``group``, ``""``: no course) part; anyone
         else only their own leases and requests (``user`` may name only themselves).
         """
-        self.check_serving()
+        await self._ready()
         if not ident.admin:
             if user is not None and user != ident.user:
                 raise Forbidden("Only GPU lease admins may see other users' history.")
@@ -732,7 +763,9 @@ class BrokerService:
         now = self.clock()
         if since > now:
             raise InvalidRequest("'since' is in the future.")
-        held, queued = self.store.history(since, now, user=user)
+        held, queued = await self.writer.call(
+            lambda: self.store.history(since, now, user=user), read=True
+        )
         try:
             points = history.compute(held, queued, since, now, step, group=group)
         except ValueError as exc:
@@ -751,7 +784,7 @@ class BrokerService:
         }
 
     # -- node agents ------------------------------------------------------------------
-    def register_node(
+    async def register_node(
         self,
         ident: Identity,
         name: str,
@@ -765,7 +798,7 @@ class BrokerService:
         a GPU missing from this registration that still carries leases stays in the pool,
         closed, until its leases end.
         """
-        self.check_serving()
+        await self._ready()
         self._check_node_caller(ident, name)
         now = self.clock()
         owners = {g.uuid: g.node for g in self.declared}
@@ -789,10 +822,15 @@ class BrokerService:
             enforce=enforce,
         )
         self.nodes[name] = node
-        try:
-            pool = self._pool()
-            self.store.sync_gpus(pool + self._vanishing(pool), self.policy.capacity_ppm)
+        pool = self._pool()
+        keep = pool + self._vanishing(pool)
+
+        def record() -> None:
+            self.store.sync_gpus(keep, self.policy.capacity_ppm)
             self.store.put_node(node)
+
+        try:
+            await self.writer.call(record)
         except GPULeaseError:
             if old is None:
                 self.nodes.pop(name)
@@ -808,10 +846,10 @@ class BrokerService:
             agent_version,
             "" if old is None else " again",
         )
-        self._drain(now)
+        await self._grant_waiting()
         return node.detail(core.node_state(node, now, self.policy))
 
-    def node_heartbeat(
+    async def node_heartbeat(
         self,
         ident: Identity,
         name: str,
@@ -826,7 +864,7 @@ class BrokerService:
         above the GPU's size is refused (400); nothing is changed then. A report never frees or
         grants capacity: leases end only by release, revoke or TTL.
         """
-        self.check_serving()
+        await self._ready()
         self._check_node_caller(ident, name)
         node = self.nodes.get(name)
         if node is None:
@@ -860,12 +898,15 @@ class BrokerService:
         node.last_seen = now
         node.usage = list(usage)
         node.mps = dict(mps or {})
-        kill = self._account_usage(node, usage, now)
+        ends, kill = self._account_usage(node, usage, now)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self._close_gpus(now)
-        if was == "lost" or kill:
-            self._drain(now)
+        if ends:
+            await self._mutate(lambda: self._commit(core.end(self.state, ends, now, self.policy)))
+            self._log_overuse(node, ends, kill)
+        elif was == "lost":
+            await self._grant_waiting()
         watch = sorted({x.pid for x in self.state.leases.values() if x.pid and x.gpu_uuid in mine})
         return {
             "node": name,
@@ -877,12 +918,12 @@ class BrokerService:
 
     def _account_usage(
         self, node: Node, usage: list[tuple[int, str, int]], now: float
-    ) -> list[int]:
-        """Map samples to leases by kernel pid; revoke leases over their cap past the grace.
+    ) -> tuple[list[tuple[Lease, str, str | None]], list[int]]:
+        """Map samples to leases by kernel pid; which leases over their cap past the grace end.
 
         The agent reports a kernel's child processes under the kernel's pid (it walks
-        /proc). Returns the kernel pids whose processes the agent should kill
-        (``--enforce kill``). Only ever ends leases; never grants or frees otherwise.
+        /proc). Returns the leases to revoke and the kernel pids whose processes the agent
+        should kill (``--enforce kill``). Changes no lease itself.
         """
         mine = {g.uuid for g in node.gpus}
         leases = [x for x in self.state.leases.values() if x.gpu_uuid in mine]
@@ -918,23 +959,23 @@ class BrokerService:
                 log.warning(
                     "Lease %s… of %s on node %s: %s", lease.id[:6], lease.user, node.name, reason
                 )
-        if ends:
-            self._end(ends, now)
-            self.metrics.enforced("revoked", len(ends))
-            if kill:
-                self.metrics.enforced("killed", len(kill))
-            for lease, _, why in ends:
-                self._over_since.pop(lease.id, None)
-                self.used_mb.pop(lease.id, None)
-                log.warning(
-                    "Revoked lease %s… of %s kernel %s on node %s: %s",
-                    lease.id[:6],
-                    lease.user,
-                    lease.kernel_id,
-                    node.name,
-                    why,
-                )
-        return kill
+        return ends, kill
+
+    def _log_overuse(
+        self, node: Node, ends: list[tuple[Lease, str, str | None]], kill: list[int]
+    ) -> None:
+        self.metrics.enforced("revoked", len(ends))
+        if kill:
+            self.metrics.enforced("killed", len(kill))
+        for lease, _, why in ends:
+            log.warning(
+                "Revoked lease %s… of %s kernel %s on node %s: %s",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                node.name,
+                why,
+            )
 
     def lease_usage(self, lease: Lease) -> dict[str, Any]:
         """``used_mb`` (last reported, or None), ``enforcement`` (the layer that holds) and
@@ -953,22 +994,22 @@ class BrokerService:
         node = self.nodes.get(gpu.node) if gpu is not None else None
         return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
 
-    def drain_node(self, ident: Identity, name: str) -> None:
+    async def drain_node(self, ident: Identity, name: str) -> None:
         """``DELETE /api/v1/nodes/{node}``: no new leases there; held ones stay. Idempotent."""
-        self.check_serving()
+        await self._ready()
         self._check_node_caller(ident, name)
         node = self.nodes.get(name)
         if node is None:
             raise NodeNotFound(f"Node {name!r} is not registered; there is nothing to drain.")
         if not node.drained:
-            self.store.set_node_drained(name, True)
+            await self.writer.call(lambda: self.store.set_node_drained(name, True))
             node.drained = True
             log.info("Node %s drained by %s", name, ident.user)
         self._close_gpus(self.clock())
 
-    def list_nodes(self, ident: Identity) -> list[dict[str, Any]]:
+    async def list_nodes(self, ident: Identity) -> list[dict[str, Any]]:
         """``GET /api/v1/nodes``: every registered node; admins get GPUs and usage too."""
-        self.check_serving()
+        await self._ready()
         now = self.clock()
         out = []
         for node in sorted(self.nodes.values(), key=lambda n: n.name):
@@ -1035,7 +1076,7 @@ class BrokerService:
             if u not in keep and u not in self.vanished:
                 self.state.drop_gpu(u)
 
-    def _forget_vanished(self) -> None:
+    async def _forget_vanished(self) -> None:
         """Drop vanished GPUs whose last lease ended (from memory and the store)."""
         free = {u for u in self.vanished if not self.state.lease_count.get(u, 0)}
         if not free:
@@ -1043,15 +1084,17 @@ class BrokerService:
         self.vanished -= free
         for u in free:
             self.state.drop_gpu(u)
-        self.store.sync_gpus(list(self.state.gpus.values()), self.policy.capacity_ppm)
+        pool = list(self.state.gpus.values())
+        await self.writer.call(lambda: self.store.sync_gpus(pool, self.policy.capacity_ppm))
         log.info("Removed %d GPU(s) that left their node once their leases ended", len(free))
 
     def _close_gpus(self, now: float) -> None:
         self.state.closed = core.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
 
     # -- the reaper -------------------------------------------------------------------
-    def tick(self) -> dict[str, int]:
-        """One reaper pass: expire, drop stale requests, reclaim idle leases, drain the queue.
+    async def tick(self) -> dict[str, int]:
+        """One reaper pass: expire, drop stale requests, reclaim idle leases, drain the queue,
+        and persist the heartbeats renewed since the last pass.
 
         Called every ``reap_interval`` seconds by ``app.py``. A gap much longer than
         expected since the last pass (longer than ``max(ttl / 2, 3 * reap_interval)``:
@@ -1061,7 +1104,7 @@ class BrokerService:
         """
         counts = {"expired": 0, "dropped": 0, "revoked": 0, "granted": 0, "grace": 0}
         try:
-            self.check_serving()
+            await self._ready()
         except NotActive:
             return counts  # not the active broker now: it must not decide anything
         now = self.clock()
@@ -1069,125 +1112,182 @@ class BrokerService:
         self._last_tick = now
         stall = max(self.policy.ttl / 2, 3 * self.reap_interval)
         if now - last > stall or now < last:
-            counts["grace"] = self.store.reset_active_expiry(now + self.policy.ttl)
             for lease in list(self.state.leases.values()):
-                lease.expires_at = now + self.policy.ttl
+                self.state.update_lease(replace(lease, expires_at=now + self.policy.ttl))
+                self._renewed.add(lease.id)
             for req in self.state.queue.values():
                 req.last_polled_at = now
+            counts["grace"] = len(self.state.leases)
             log.warning(
                 "Reaper saw a %.0f s gap (clock jump or stall): gave %d lease(s) a TTL of grace",
                 now - last,
                 counts["grace"],
             )
+            await self._commit(self._take_renewed(now))
             return counts
-        gone = core.expired(self.state, now)
-        if gone:
-            self._end([(x, "expired", "not renewed within its TTL") for x in gone], now)
-            counts["expired"] = len(gone)
-            log.info("Expired %d lease(s) not renewed in time", len(gone))
-        stale = core.stale_requests(self.state, now, self.policy, set(self._waiters))
-        if stale:
-            self.store.delete_requests([r.id for r in stale], outcome="dropped", at=now)
-            for r in stale:
-                self.state.queue.pop(r.key, None)
-            counts["dropped"] = len(stale)
-            log.info("Dropped %d queued request(s) whose clients stopped polling", len(stale))
-        victims = core.idle_victims(self.state, now, self.policy)
-        if victims:
-            limit = self.policy.idle_reclaim_after or 0
-            self._end(
-                [
-                    (
-                        x,
-                        "revoked",
-                        f"the kernel was idle for more than {limit / 60:g} minutes while "
-                        "other students waited for a GPU",
-                    )
-                    for x in victims
-                ],
-                now,
+        reaped = await self._mutate(lambda: self._reap(now))
+        counts["expired"] = len(reaped.expired)
+        counts["dropped"] = len(reaped.dropped)
+        counts["revoked"] = len(reaped.revoked)
+        counts["granted"] = len(reaped.changes.granted)
+        if reaped.expired:
+            log.info("Expired %d lease(s) not renewed in time", len(reaped.expired))
+        if reaped.dropped:
+            log.info(
+                "Dropped %d queued request(s) whose clients stopped polling", len(reaped.dropped)
             )
-            counts["revoked"] = len(victims)
-            log.info("Revoked %d idle lease(s) for waiting requests", len(victims))
-        self._forget_vanished()
-        self._close_gpus(now)
-        counts["granted"] = self._drain(now)
+        if reaped.revoked:
+            log.info("Revoked %d idle lease(s) for waiting requests", len(reaped.revoked))
+        await self._forget_vanished()
         return counts
 
-    # -- internals ----------------------------------------------------------------------
-    def _drain(self, now: float) -> int:
-        """Grant what the queue can have now. A grant the database refuses reloads memory
-        (``_persist_grants``) and drains once more; never raises ``CapacityConflict``: the
-        caller's own change (a release, a quota) has happened."""
+    async def _reap(self, now: float) -> core.Reaped:
+        self._close_gpus(now)
+        reaped = core.reap(self.state, now, self.policy, set(self._waiters))
+        reaped.changes.extend(self._take_renewed(now))
+        gone = await self._commit(reaped.changes)
+        if gone:
+            # another writer ended them in the database: drop them, with their capacity
+            log.warning(
+                "%d renewed lease(s) had ended in the database (another writer); dropped them",
+                len(gone),
+            )
+            ends = [
+                (self.state.leases[i], st, why)
+                for i, (st, why) in gone.items()
+                if i in self.state.leases
+            ]
+            await self._commit(core.end(self.state, ends, now, self.policy))
+        return reaped
+
+    def _take_renewed(self, now: float) -> Changes:
+        """The heartbeats not persisted yet, as changes (the set is emptied)."""
+        beats = Changes(
+            now, renewed=[self.state.leases[i] for i in self._renewed if i in self.state.leases]
+        )
+        self._renewed = set()
+        return beats
+
+    # -- internals: commit, reconcile ---------------------------------------------------
+    async def _ready(self) -> None:
+        """Raise unless this broker may answer now; reload memory first if it may hold
+        changes the database refused."""
+        self.check_serving()
+        if self._stale:
+            await self._reconcile()
+
+    async def _mutate(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` (decide, apply, commit); if the database refused its batch
+        because another writer changed it, reload memory and decide once more."""
         try:
-            return self._drain_once(now)
-        except CapacityConflict:
-            pass
-        try:
-            return self._drain_once(now)
-        except CapacityConflict as exc:
-            log.error(
-                "The database refused the queue's grants twice (%s); the next reaper pass retries",
+            return await attempt()
+        except (CapacityConflict, DuplicateRequest) as exc:
+            log.warning(
+                "The database refused a change (%s: %s); deciding again on its state",
+                exc.code,
                 exc.message,
             )
-            return 0
+            await self._reconcile()
+            return await attempt()
 
-    def _drain_once(self, now: float) -> int:
-        grants = core.drain(self.state, now, self.policy)
-        self._persist_grants(grants)
-        return len(grants)
+    async def _commit(self, changes: Changes) -> dict[str, tuple[str, str | None]]:
+        """Persist ``changes`` (applied to memory already) with the writer's next batch.
 
-    def _persist_grants(self, grants: list[Grant]) -> None:
-        if not grants:
-            return
+        Empty changes only wait until everything before them is in the database.
+        Bookkeeping (hold times, metrics, usage) is done at once; long-polls whose
+        requests were granted or withdrawn are woken once the batch is committed. Returns
+        the renewed leases of ``changes`` that the database holds as ended. If the
+        batch fails, memory is marked stale (reloaded before the next decision) and the
+        error raised.
+        """
+        if not changes:
+            await self.writer.barrier()
+            return {}
+        if changes.ended:
+            self._note_ends(changes)
+        if changes.granted or changes.ended:
+            self._etas = None
         try:
-            self.store.insert_leases(
-                [g.lease for g in grants],
-                self.policy.capacity_ppm,
-                [g.request.id for g in grants if g.request is not None],
-            )
-        except CapacityConflict:
-            # another writer changed the database under us: our memory is stale
-            log.warning("The database disagrees with this broker's state; reloading it")
-            self._reload()
+            gone = await self.writer.write(changes)
+        except GPULeaseError:
+            self._stale = True
+            for lease in changes.renewed:  # still not persisted
+                self._renewed.add(lease.id)
             raise
-        core.apply_grants(self.state, grants)
-        self._etas = None
-        self._wake([g.lease.user_kernel for g in grants])
+        self._wake(
+            [g.lease.user_kernel for g in changes.granted] + [r.key for r, _ in changes.dropped]
+        )
+        mine = {x.id for x in changes.renewed}
+        return {i: v for i, v in gone.items() if i in mine}
 
-    def _end(self, ends: list[tuple[Lease, str, str | None]], now: float) -> None:
-        self.store.end_leases([(x.id, st, now, reason) for x, st, reason in ends])
-        core.apply_ends(self.state, [x.id for x, _, _ in ends])
-        for x, _, _ in ends:
-            self.used_mb.pop(x.id, None)
-            self._over_since.pop(x.id, None)
-            self._over_reported.discard(x.id)
-            self.holds.add(now - x.created_at)
-        self._etas = None
+    def _note_ends(self, changes: Changes) -> None:
         by_state: dict[str, int] = {}
-        for _, st, _ in ends:
+        for lease, st, _ in changes.ended:
+            self.used_mb.pop(lease.id, None)
+            self._over_since.pop(lease.id, None)
+            self._over_reported.discard(lease.id)
+            self._renewed.discard(lease.id)
+            self.holds.add(changes.now - lease.created_at)
             by_state[st] = by_state.get(st, 0) + 1
         for st, n in by_state.items():
             self.metrics.ended(st, n)
 
-    def _reload(self) -> None:
-        """Rebuild memory from the database, which disagreed with it (another writer).
+    async def _grant_waiting(self) -> None:
+        """Grant what the queue can have now (after a quota or a node changed)."""
 
-        Queued requests keep the polls this broker saw (others get a fresh window), and
-        every long-poll looks again.
+        async def once() -> None:
+            changes = Changes(self.clock())
+            core.grant_waiting(self.state, changes.now, self.policy, changes)
+            await self._commit(changes)
+
+        try:
+            await self._mutate(once)
+        except (CapacityConflict, DuplicateRequest) as exc:
+            # the caller's own change has happened: the next reaper pass drains again
+            log.error("The database refused the queue's grants twice (%s)", exc.message)
+
+    async def _reconcile(self, *, force: bool = False) -> None:
+        """Memory := the database (after a refused or failed batch, or to adopt a lease).
+
+        One reload at a time: callers that arrive meanwhile wait for it. Raises
+        ``StoreError`` if the database cannot be read (memory stays stale: the next
+        request tries again).
         """
-        polled = {r.id: r.last_polled_at for r in self.state.queue.values()}
-        pool = self._pool() + [self.state.gpus[u] for u in self.vanished if u in self.state.gpus]
-        self._load(self.clock(), polled, pool)
-        self._wake(list(self._waiters))
+        if self._reconciling is not None:
+            await asyncio.shield(self._reconciling)
+            if not force:
+                return
+        if not (self._stale or force):
+            return
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reconciling = done
+        try:
+            polled = {r.id: r.last_polled_at for r in self.state.queue.values()}
+            pool = self._pool() + [
+                self.state.gpus[u] for u in self.vanished if u in self.state.gpus
+            ]
+            now = self.clock()
+            leases, queue = await self.writer.recover(lambda: self._fetch(now, pool))
+            self._install(now, polled, pool, leases, queue)
+            self._stale = False
+            self._wake(list(self._waiters))
+            done.set_result(None)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                done.cancel()
+            else:
+                done.set_exception(exc)
+            raise
+        finally:
+            self._reconciling = None
+            if done.done() and not done.cancelled():
+                done.exception()  # retrieved: the waiters re-raise it themselves
 
-    def _load(self, now: float, polled: dict[str, float], pool: list[GPU]) -> None:
-        """Memory := the database's active leases and queue on ``pool`` (at start, and on
-        a reload).
+    def _fetch(self, now: float, pool: list[GPU]) -> tuple[list[Lease], list[Request]]:
+        """(writer's thread) The database's active leases on ``pool`` and its queue.
 
         Leases on GPUs not in the pool are revoked; queued requests whose kernel holds an
-        active lease were served (by another writer) and are dropped; a request's last
-        poll is ``polled[id]``, else ``now``.
+        active lease were served (by another writer) and are dropped.
         """
         leases, queue = self.store.load_active()
         known = {g.uuid for g in pool}
@@ -1202,41 +1302,70 @@ class BrokerService:
         if served:
             self.store.delete_requests([r.id for r in served], outcome="dropped", at=now)
             log.warning("Dropped %d queued request(s) whose kernel holds a lease", len(served))
-        queue = [r for r in queue if r.key not in held]
+        return [x for x in leases if x.gpu_uuid in known], [r for r in queue if r.key not in held]
+
+    def _install(
+        self,
+        now: float,
+        polled: dict[str, float],
+        pool: list[GPU],
+        leases: list[Lease],
+        queue: list[Request],
+    ) -> None:
+        """Memory := ``leases`` and ``queue`` from the database, on ``pool``.
+
+        A lease memory holds keeps its newer heartbeat (heartbeats are persisted by the
+        reaper only); a request's last poll is ``polled[id]``, else ``now``.
+        """
+        mine = self.state.leases
+        fresh = []
+        for lease in leases:
+            known = mine.get(lease.id)
+            fresh.append(
+                known if known is not None and known.renewed_at > lease.renewed_at else lease
+            )
         for req in queue:
             req.last_polled_at = polled.get(req.id, now)
-        self.state = PoolState.build(pool, [x for x in leases if x.gpu_uuid in known], queue)
+        self.state = PoolState.build(pool, fresh, queue)
+        self._etas = None
         self._close_gpus(now)
 
-    def _adopt(self, ident: Identity, lease_id: str, found: Lease | None = None) -> Lease:
+    def _load(self, now: float, polled: dict[str, float], pool: list[GPU]) -> None:
+        """Memory := the database's state (at start, before serving: on this thread)."""
+        self._install(now, polled, pool, *self._fetch(now, pool))
+
+    async def _adopt(self, ident: Identity, lease_id: str, found: Lease | None = None) -> Lease:
         """A lease memory does not hold, as the database has it: 404, 403, 410 with its
         state, or (active there) the lease from memory reloaded to include it."""
         if found is None:
-            found = self._visible_lease(ident, lease_id)
+            found = await self._visible_lease(ident, lease_id)
         if not found.active:
             raise _gone(found)
         log.warning(
             "Lease %s… is active in the database but was not in memory; reloading the state",
             lease_id[:6],
         )
-        self._reload()
+        await self._reconcile(force=True)
         lease = self.state.leases.get(lease_id)
-        if lease is None:  # on a GPU no longer declared: _load revoked it
-            raise _gone(self.store.get_lease(lease_id) or found)
+        if lease is None:  # on a GPU no longer declared: _fetch revoked it
+            gone = await self.writer.call(lambda: self.store.get_lease(lease_id), read=True)
+            raise _gone(gone or found)
         return lease
 
-    def _release_unknown(self, ident: Identity, request_id: str) -> None:
+    async def _release_unknown(self, ident: Identity, request_id: str) -> None:
         """DELETE of an id memory does not hold: cancel or end it in the database, or 404."""
-        req = self.store.get_request(request_id)
+        req = await self.writer.call(lambda: self.store.get_request(request_id), read=True)
         if req is not None:
             self._check_owner(ident, req)
-            self.store.delete_requests([req.id])
+            await self.writer.call(lambda: self.store.delete_requests([req.id]))
             log.info("Cancelled queued request of %s kernel %s (database)", req.user, req.kernel_id)
             return
-        found = self._visible_lease(ident, request_id)  # 404 / 403
+        found = await self._visible_lease(ident, request_id)  # 404 / 403
         if found.active:
             now = self.clock()
-            self.store.end_leases([(found.id, "released", now, None)])
+            await self.writer.call(
+                lambda: self.store.end_leases([(found.id, "released", now, None)])
+            )
             self.metrics.ended("released", 1)
             log.warning(
                 "Released lease %s… of %s kernel %s, active in the database but not in memory",
@@ -1251,8 +1380,8 @@ class BrokerService:
             if waiter is not None:
                 waiter.event.set()
 
-    def _visible_lease(self, ident: Identity, lease_id: str) -> Lease:
-        lease = self.store.get_lease(lease_id)
+    async def _visible_lease(self, ident: Identity, lease_id: str) -> Lease:
+        lease = await self.writer.call(lambda: self.store.get_lease(lease_id), read=True)
         if lease is None:
             raise LeaseNotFound(f"No GPU lease has the id {lease_id!r}.")
         self._check_owner(ident, lease)

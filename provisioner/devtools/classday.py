@@ -160,18 +160,18 @@ async def _replay(
                 started((user, kernel), hold)
         elif kind == "release":
             user, lease_id = data
-            service.release(idents[user], lease_id)
+            await service.release(idents[user], lease_id)
             granted_from_queue()
         elif kind == "give-up" and data in waiting:
             request_id, _ = waiting.pop(data)
             counts["gave_up"] += 1
-            service.release(idents[data[0]], request_id)
+            await service.release(idents[data[0]], request_id)
             granted_from_queue()
     clock[0] = end
     for key, (request_id, _) in list(waiting.items()):
-        service.release(idents[key[0]], request_id)
+        await service.release(idents[key[0]], request_id)
     for lease in list(service.state.leases.values()):
-        service.release(idents[lease.user], lease.id)
+        await service.release(idents[lease.user], lease.id)
     service.close()
     return counts
 

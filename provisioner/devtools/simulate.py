@@ -41,26 +41,25 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import GPULeaseError
-from ..model import GPU, PPM, PoolState, Quota, Request, fraction_to_ppm
+from ..model import GPU, PPM, Changes, PoolState, Quota, Request, fraction_to_ppm
 from ..scheduling import (
     Ask,
     Grant,
     HoldTimes,
     Policy,
-    Queued,
-    apply_ends,
     apply_grants,
     check_invariants,
-    decide_acquire,
-    drain,
+    end,
     estimate_waits,
     expired,
-    idle_victims,
+    grant_waiting,
     new_lease,
     place,
     queue_order,
+    reap,
     usable_gpus,
 )
+from ..scheduling import acquire as core_acquire
 
 Key = tuple[str, str]
 
@@ -303,45 +302,49 @@ class CoreAllocator:
     def expect(self, key: Key, hold: float) -> None:
         """The session time ``key`` will hold a lease; a broker cannot know it: ignored."""
 
-    def _apply(self, grants: list[Grant]) -> list[Key]:
-        apply_grants(self.state, grants)
+    def _granted(self, grants: list[Grant]) -> list[Key]:
+        """Grants the core applied: the simulated provisioner renews until the kernel ends."""
         for g in grants:
-            g.lease.expires_at = math.inf  # the simulated provisioner renews until the kernel ends
+            g.lease.expires_at = math.inf
         return [g.lease.user_kernel for g in grants]
 
     def _drain(self, now: float) -> list[Key]:
-        return self._apply(drain(self.state, now, self.policy))
+        """Grant what the queue can have (the core's drain; a reference may override it)."""
+        changes = Changes(now)
+        grant_waiting(self.state, now, self.policy, changes)
+        return self._granted(changes.granted)
 
     def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
         ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm)
-        d = decide_acquire(self.state, ask, self.quota, now, self.policy, self._new_id)
-        if isinstance(d.outcome, Queued) and d.outcome.new:
-            self.state.queue[d.outcome.request.key] = d.outcome.request
-        return self._apply(d.grants)
+        _, changes = core_acquire(self.state, ask, self.quota, now, self.policy, self._new_id)
+        return self._granted(changes.granted)
 
     def release(self, key: Key, now: float) -> list[Key]:
-        apply_ends(self.state, [self.state.by_kernel[key]])
+        lease = self.state.leases[self.state.by_kernel[key]]
+        end(self.state, [(lease, "released", None)], now, self.policy, drain_queue=False)
         return self._drain(now)
 
     def crash(self, key: Key, expires_at: float) -> None:
         self.state.leases[self.state.by_kernel[key]].expires_at = expires_at
 
     def expire(self, now: float) -> tuple[list[Key], list[Key]]:
-        ended = apply_ends(self.state, [lease.id for lease in expired(self.state, now)])
-        return [lease.user_kernel for lease in ended], self._drain(now) if ended else []
+        gone = [(x, "expired", None) for x in expired(self.state, now)]
+        if not gone:
+            return [], []
+        changes = end(self.state, gone, now, self.policy, drain_queue=False)
+        return [x.user_kernel for x, _, _ in changes.ended], self._drain(now)
 
     def reap(
         self, now: float, activity: Callable[[Key, float], tuple[bool, float]]
     ) -> tuple[list[Key], list[Key]]:
-        if self.policy.idle_reclaim_after is None:
-            return [], self._drain(now)
-        for lease in self.state.leases.values():  # what the last heartbeat reported
-            busy, last = activity(lease.user_kernel, now)
-            lease.execution_state = "busy" if busy else "idle"
-            lease.last_activity = last
-        victims = idle_victims(self.state, now, self.policy)
-        ended = apply_ends(self.state, [v.id for v in victims])
-        return [lease.user_kernel for lease in ended], self._drain(now)  # as the broker's reaper
+        if self.policy.idle_reclaim_after is not None:
+            for lease in self.state.leases.values():  # what the last heartbeat reported
+                busy, last = activity(lease.user_kernel, now)
+                lease.execution_state = "busy" if busy else "idle"
+                lease.last_activity = last
+        # the broker's reaper pass; simulated clients keep polling while they wait
+        reaped = reap(self.state, now, self.policy, set(self.state.queue), drain_queue=False)
+        return [x.user_kernel for x in reaped.revoked], self._drain(now)
 
     def waiting(self) -> int:
         return len(self.state.queue)
@@ -390,7 +393,8 @@ class ClairvoyantAllocator(CoreAllocator):
     def _apply(self, grants: list[Grant]) -> list[Key]:
         for g in grants:
             self.ends_at[g.lease.id] = g.lease.created_at + self.hold.get(g.lease.user_kernel, 0.0)
-        return super()._apply(grants)
+        apply_grants(self.state, grants)
+        return self._granted(grants)
 
     def _drain(self, now: float) -> list[Key]:
         state, policy = self.state, self.policy
