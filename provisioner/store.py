@@ -808,6 +808,9 @@ class Store:
                     kwargs["poolclass"] = StaticPool  # one shared in-memory database
             else:
                 kwargs["pool_pre_ping"] = True
+                # a group commit's UPDATEs and DELETEs of many rows: a few round trips, not
+                # one per row (psycopg2's executemany loops; INSERTs are batched anyway)
+                kwargs["executemany_mode"] = "values_plus_batch"
                 kwargs["connect_args"] = self._pg_connect_args(pg_timeout, application_name)
             self._engine: Engine = sa.create_engine(self._url, **kwargs)
         except (SQLAlchemyError, ImportError) as exc:
@@ -1204,7 +1207,8 @@ class Store:
             if old_ends:
                 conn.execute(_END, old_ends)
             if still:
-                self._check_grants(conn, still, capacity_ppm)
+                # one-lease-per-kernel: the partial unique index (IntegrityError below)
+                self._check_grants(conn, still, capacity_ppm, kernels=False)
             if rows:
                 try:
                     conn.execute(_INSERT_LEASE, rows)
@@ -1250,7 +1254,11 @@ class Store:
         return gone
 
     @staticmethod
-    def _check_grants(conn: Connection, new: list[Lease], capacity_ppm: int) -> None:
+    def _check_grants(
+        conn: Connection, new: list[Lease], capacity_ppm: int, *, kernels: bool = True
+    ) -> None:
+        """Capacity on each GPU of ``new`` (its rows locked) and, with ``kernels``, that no
+        kernel of ``new`` holds another active lease (a query per lease, naming it)."""
         adding: dict[str, int] = {}
         for lease in new:
             if lease.state != "active":
@@ -1276,6 +1284,8 @@ class Store:
                     "(another broker process granted it first); wait in the queue or retry.",
                     gpu_uuid=uuid,
                 )
+        if not kernels:
+            return
         seen: set[tuple[str, str]] = set()
         for lease in new:
             key = (lease.user, lease.kernel_id)
