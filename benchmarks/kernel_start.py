@@ -1,6 +1,6 @@
 """Kernel start and restart time: GPULeaseProvisioner against LocalProvisioner, same kernel.
 
-    python benchmarks/kernel_start.py                 # 15 interleaved rounds (~2-3 min on 2 cores)
+    python benchmarks/kernel_start.py                 # 30 interleaved rounds (~4-5 min on 2 cores)
     python benchmarks/kernel_start.py --quick         # 5 rounds
     python benchmarks/kernel_start.py --rounds 30 --json out.json
 
@@ -51,7 +51,7 @@ sys.path.insert(0, str(HERE))
 
 from provisioner.devtools.testing import BrokerProcess, cpu_seconds  # noqa: E402
 
-AIM_RATIO = 1.05
+AIM_RATIO = 1.02  # issue 16: kernel start with a lease within 2 % of LocalProvisioner
 FRACTION = 0.02
 PLAIN, GPU = "bench-plain", "bench-gpu"
 
@@ -317,12 +317,12 @@ def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="5 rounds instead of 15")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds (15; quick 5)")
+    ap.add_argument("--quick", action="store_true", help="5 rounds instead of 30")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (30; quick 5)")
     ap.add_argument("--breakdown-n", type=int, default=15, help="repeats per breakdown part")
     ap.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
-    args.rounds = args.rounds or (5 if args.quick else 15)
+    args.rounds = args.rounds or (5 if args.quick else 30)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f}, Python {platform.python_version()}",
