@@ -131,7 +131,14 @@ schema_version = sa.Table(
 )
 
 _STATE_IN = "state IN ('active', 'revoked', 'released', 'expired')"
-_ACTIVE = sa.text("state = 'active'")
+
+
+#: the partial indexes on active leases (schema version 1), created with the table
+_PARTIAL_INDEXES = (
+    "CREATE INDEX ix_leases_active_gpu ON leases (gpu_uuid) WHERE state = 'active'",
+    'CREATE UNIQUE INDEX uq_leases_active_kernel ON leases ("user", kernel_id) '
+    "WHERE state = 'active'",
+)
 
 
 def _define_v1(md: sa.MetaData) -> tuple[sa.Table, sa.Table, sa.Table, sa.Table]:
@@ -177,17 +184,11 @@ def _define_v1(md: sa.MetaData) -> tuple[sa.Table, sa.Table, sa.Table, sa.Table]
     )
     sa.Index("ix_leases_state", leases.c.state)
     sa.Index("ix_leases_user", leases.c.user)
-    sa.Index(
-        "ix_leases_active_gpu", leases.c.gpu_uuid, sqlite_where=_ACTIVE, postgresql_where=_ACTIVE
-    )
-    sa.Index(
-        "uq_leases_active_kernel",
-        leases.c.user,
-        leases.c.kernel_id,
-        unique=True,
-        sqlite_where=_ACTIVE,
-        postgresql_where=_ACTIVE,
-    )
+    # The partial indexes, as DDL both SQLite and PostgreSQL read the same way: the
+    # ``postgresql_where=`` keyword would import SQLAlchemy's PostgreSQL dialect (~60 ms
+    # of every broker's start) even on SQLite.
+    for ddl in _PARTIAL_INDEXES:
+        event.listen(leases, "after_create", sa.DDL(ddl))
 
     requests = sa.Table(
         "requests",

@@ -1191,7 +1191,7 @@ class BrokerService:
         """Raise unless this broker may answer now; reload memory first if it may hold
         changes the database refused."""
         self.check_serving()
-        if self._stale:
+        if self._stale or self.writer.poisoned:
             await self._reconcile()
 
     async def _mutate(self, attempt: Callable[[], Awaitable[T]]) -> T:
@@ -1275,7 +1275,7 @@ class BrokerService:
             await asyncio.shield(self._reconciling)
             if not force:
                 return
-        if not (self._stale or force):
+        if not (self._stale or self.writer.poisoned or force):
             return
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._reconciling = done

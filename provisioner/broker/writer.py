@@ -31,7 +31,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -85,7 +85,7 @@ class Writer:
         self.mutations = 0
 
     # -- the loop's side ------------------------------------------------------------------
-    def _submit(self, job: _Job) -> asyncio.Future[Any]:
+    def _submit(self, job: _Job) -> Awaitable[Any]:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="gpu-lease-writer", daemon=True)
@@ -97,7 +97,10 @@ class Writer:
             self._cv.notify()
         if not job.read:
             self._tail = job.future
-        return job.future
+        job.future.add_done_callback(_retrieve)
+        # a caller cancelled meanwhile (its client went away) must not cancel the job's
+        # future: the write goes on, and ``barrier`` must still wait for it
+        return asyncio.shield(job.future)
 
     async def write(self, changes: Changes) -> dict[str, tuple[str, str | None]]:
         """Persist ``changes`` (already applied to memory) with whatever else is pending.
@@ -202,6 +205,12 @@ class Writer:
             self._loop.call_soon_threadsafe(_settle, [j.future for j in batch], result, error)
         except RuntimeError:  # the loop closed (shutdown): nobody waits any more
             pass
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a job's exception as seen: its caller may have gone (it gets it otherwise)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _settle(futures: list[asyncio.Future[Any]], result: Any, error: BaseException | None) -> None:
