@@ -2,9 +2,9 @@
 
 Called by ``benchmarks/simulate.py`` (every policy and baseline on every trace) and by
 ``tests/test_simulate.py`` (a small trace, invariants checked at every event). It
-drives the very functions the broker's service calls -- ``decide_acquire``,
-``drain``, ``idle_victims``, ``expired``, ``apply_grants``/``apply_ends`` -- with no
-HTTP, store or real clock, so a simulated week takes seconds.
+drives the very mutations the broker's service calls -- ``scheduling.acquire``,
+``end``, ``reap``, ``grant_waiting`` -- with no HTTP, store or real clock, so a
+simulated week takes seconds.
 
 A trace is a list of :class:`Session`: a student (or researcher) asks for a kernel
 of ``fraction`` at ``arrival``, uses it for ``duration`` seconds of session time, and
