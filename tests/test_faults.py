@@ -218,7 +218,7 @@ async def take(svc: BrokerService, n: int) -> list[str]:
     for i in range(n):
         user = f"u{i:02d}"
         res = await svc.acquire(Identity(user), Ask(user, f"k{i}", 50_000))
-        assert res.status == 201 and res.lease is not None
+        assert res.outcome == "granted" and res.lease is not None
         ids.append(res.lease.id)
     return ids
 

@@ -187,10 +187,10 @@ async def test_with_a_real_broker_service(tmp_path: Any) -> None:
         ids = []
         for k in range(3):
             result = await service.acquire(alice, Ask("alice", f"kernel-{k}", 20_000))
-            assert result.status == 201 and result.lease is not None
+            assert result.outcome == "granted" and result.lease is not None
             ids.append(result.lease.id)
         again = await service.acquire(alice, Ask("alice", "kernel-0", 20_000))
-        assert again.status == 200
+        assert again.outcome == "repeated"
         with pytest.raises(CannotFit):  # 0.001 of 32 GiB is below the context overhead
             await service.acquire(alice, Ask("alice", "tiny", 1_000))
         s = scrape(metrics)

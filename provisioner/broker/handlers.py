@@ -90,6 +90,10 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
 # -- the base ---------------------------------------------------------------------------
 
 
+#: an acquire's outcome (``AcquireResult.outcome``) -> its HTTP status
+ACQUIRE_STATUS = {"granted": 201, "repeated": 200, "queued": 202}
+
+
 @web.stream_request_body
 class APIHandler(web.RequestHandler):
     """JSON in, JSON out; identity from the token; errors as ``{"error", "message"}``.
@@ -448,7 +452,7 @@ class LeasesHandler(APIHandler):
             raise
         finally:
             self._task = None
-        if result.status == 202:
+        if result.outcome == "queued":
             req = result.request
             assert req is not None
             self.set_header("Retry-After", str(RETRY_AFTER_QUEUED))
@@ -469,9 +473,9 @@ class LeasesHandler(APIHandler):
             )
             return
         assert result.lease is not None
-        if result.status == 201:
+        if result.outcome == "granted":
             self.set_header("Location", f"{self.base_url}api/v1/leases/{result.lease.id}")
-        self.write_json(self.lease_json(result.lease), status=result.status)
+        self.write_json(self.lease_json(result.lease), status=ACQUIRE_STATUS[result.outcome])
 
     def on_connection_close(self) -> None:
         # the client gave up its long-poll: stop waiting (its queue place stays

@@ -132,9 +132,10 @@ class _NoMetrics:
 
 @dataclass
 class AcquireResult:
-    """What the handler answers: 201 (new lease), 200 (same lease again) or 202 (queued)."""
+    """An acquire's outcome: ``granted`` (a new lease), ``repeated`` (the kernel's lease
+    again) or ``queued``; the handler maps it to an HTTP status."""
 
-    status: int
+    outcome: str
     lease: Lease | None = None
     request: Request | None = None
     position: int = 0
@@ -313,10 +314,9 @@ class BrokerService:
         except GPULeaseError as exc:
             self.metrics.refused(exc.code)
             raise
-        if result.status == 202 and wait > 0:
+        if result.outcome == "queued" and wait > 0:
             result = await self._wait_for_grant(ident, ask, result, wait)
-        outcome = {201: "granted", 200: "repeated", 202: "queued"}.get(result.status, "other")
-        self.metrics.observe_acquire(time.perf_counter() - t0, outcome)
+        self.metrics.observe_acquire(time.perf_counter() - t0, result.outcome)
         return result
 
     async def _acquire_once(self, ident: Identity, ask: Ask) -> AcquireResult:
@@ -343,7 +343,7 @@ class BrokerService:
         await self._commit(changes)  # a repeat awaits what it repeats
         outcome = decision.outcome
         if isinstance(outcome, Existing):
-            return AcquireResult(200, lease=outcome.lease)
+            return AcquireResult("repeated", lease=outcome.lease)
         if isinstance(outcome, Queued):
             if outcome.new:
                 log.info(
@@ -354,7 +354,7 @@ class BrokerService:
                     outcome.position,
                 )
             return AcquireResult(
-                202,
+                "queued",
                 request=outcome.request,
                 position=outcome.position,
                 reason=outcome.reason,
@@ -369,7 +369,7 @@ class BrokerService:
             outcome.lease.gpu_uuid,
             outcome.lease.id[:6],
         )
-        return AcquireResult(201, lease=outcome.lease)
+        return AcquireResult("granted", lease=outcome.lease)
 
     async def _wait_for_grant(
         self, ident: Identity, ask: Ask, queued: AcquireResult, wait: float
@@ -387,7 +387,7 @@ class BrokerService:
                     req = queued.request
                     if req is not None:
                         self.metrics.observe_queue_wait(self.clock() - req.arrived_at)
-                    return AcquireResult(201, lease=lease)
+                    return AcquireResult("granted", lease=lease)
                 req = self.state.queue.get(key)
                 if req is None:
                     raise LeaseGone(
@@ -401,7 +401,7 @@ class BrokerService:
                     now = self.clock()
                     req.last_polled_at = now
                     return AcquireResult(
-                        202,
+                        "queued",
                         request=req,
                         position=core.position_of(self.state, key, now, self.policy),
                         reason=queued.reason,

@@ -151,7 +151,7 @@ async def _replay(
             ident = idents[user]
             ask = Ask(user, kernel, fraction_to_ppm(fraction), ident.groups, False, group=group)
             result = await service.acquire(ident, ask, 0)
-            if result.status == 202:
+            if result.outcome == "queued":
                 assert result.request is not None
                 counts["queued"] += 1
                 waiting[(user, kernel)] = (result.request.id, hold)
