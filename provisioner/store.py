@@ -670,15 +670,9 @@ def _request_row(req: Request) -> dict[str, Any]:
 
 def _queue_log_row(req: Request) -> dict[str, Any]:
     """The queue log's row of a request that joined the queue (it has not left yet)."""
-    return {
-        "id": req.id,
-        "user": req.user,
-        "kernel_id": req.kernel_id,
-        "fraction_ppm": req.fraction_ppm,
-        "grp": req.group,
-        "arrived_at": req.arrived_at,
-        "user_groups": json.dumps(sorted(req.groups)),
-    }
+    row = _request_row(req)
+    logged = {k: row[k] for k in ("id", "user", "kernel_id", "fraction_ppm", "grp", "arrived_at")}
+    return {**logged, "user_groups": row["groups"]}
 
 
 def _lease_row(lease: Lease) -> dict[str, Any]:

@@ -36,10 +36,21 @@ from tornado import web
 from .. import errors
 from .._version import __version__
 from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
-from ..model import Identity, Lease, ppm_to_fraction
+from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, ppm_to_fraction
+from ..scheduling import EffectiveQuota, Policy
 from . import validation
 from .auth import Authenticator, token_from_header
-from .service import AcquireResult, BrokerService
+from .service import (
+    AcquireResult,
+    BrokerService,
+    GPUHolding,
+    Health,
+    Heartbeat,
+    History,
+    NodeView,
+    QuotaStanding,
+    Waiting,
+)
 
 log = logging.getLogger("gpu_lease.broker.http")
 
@@ -92,6 +103,95 @@ def api(method: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
 
 #: an acquire's outcome (``AcquireResult.outcome``) -> its HTTP status
 ACQUIRE_STATUS = {"granted": 201, "repeated": 200, "queued": 202}
+
+
+# -- the service's outcomes as JSON (the wire's field names live here) ---------------------
+
+
+def health_json(h: Health) -> dict[str, Any]:
+    return {
+        "status": "ok",
+        "version": h.version,
+        "gpus": h.gpus,
+        "active_leases": h.active_leases,
+        "queued": h.queued,
+        "uptime_s": round(h.uptime_s, 3),
+    }
+
+
+def gpu_json(h: GPUHolding, policy: Policy) -> dict[str, Any]:
+    g = h.gpu
+    return {
+        **g.to_json(),
+        "index": g.index,
+        "allocated_fraction": ppm_to_fraction(h.allocated_ppm),
+        "allocated_mb": h.allocated_ppm * g.memory_mb // 1_000_000,
+        "capacity_fraction": ppm_to_fraction(policy.capacity_ppm),
+        "min_fraction": ppm_to_fraction(min_ppm_for(g.memory_mb, policy.context_overhead_mb)),
+        "context_overhead_mb": policy.context_overhead_mb,
+        "leases": h.leases,
+    }
+
+
+def waiting_json(w: Waiting) -> dict[str, Any]:
+    req = w.request
+    return {
+        "id": req.id,
+        "position": w.position,
+        "user": req.user,
+        "kernel_id": req.kernel_id,
+        "fraction": ppm_to_fraction(req.fraction_ppm),
+        "group": req.group,
+        "groups": sorted(req.groups),
+        "priority": req.priority,
+        "waiting_s": round(w.waiting_s, 3),
+        **({} if w.eta_seconds is None else {"eta_seconds": w.eta_seconds}),
+    }
+
+
+def sources_json(eff: EffectiveQuota) -> dict[str, str]:
+    """The sources keyed by the wire's field names (``max_fraction``, ``budget_window``, ...)."""
+    return {wire: eff.sources[attr] for wire, attr in zip(QUOTA_FIELDS, Quota.FIELDS, strict=True)}
+
+
+def standing_json(q: QuotaStanding) -> dict[str, Any]:
+    return {
+        "user": q.user,
+        "groups": sorted(q.groups),
+        "effective": q.effective.quota.to_json(),
+        "sources": sources_json(q.effective),
+        "held_fraction": ppm_to_fraction(q.held_ppm),
+        "leases": q.leases,
+    }
+
+
+def book_json(book: QuotaBook) -> dict[str, Any]:
+    return {
+        "default": book.default.to_json(),
+        "groups": {k: v.to_json() for k, v in sorted(book.groups.items())},
+        "users": {k: v.to_json() for k, v in sorted(book.users.items())},
+    }
+
+
+def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
+    """A node as an admin (``detail``: GPUs and usage) or anyone else sees it."""
+    return view.node.detail(view.state) if detail else view.node.summary(view.state)
+
+
+def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
+    return {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
+
+
+def history_json(h: History) -> dict[str, Any]:
+    return {
+        "since": h.since,
+        "until": h.until,
+        "step": h.step,
+        "user": h.user,
+        "group": h.group,
+        "capacity": h.capacity,
+        "points": [p.to_json() for p in h.points],
+    }
 
 
 @web.stream_request_body
@@ -230,7 +330,8 @@ class APIHandler(web.RequestHandler):
 
     def lease_json(self, lease: Lease) -> dict[str, Any]:
         body = lease.to_json(self.service.state.gpus.get(lease.gpu_uuid))
-        body.update(self.service.lease_usage(lease))
+        usage = self.service.lease_usage(lease)
+        body.update(used_mb=usage.used_mb, enforcement=usage.enforcement, mps=usage.mps)
         return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
@@ -386,7 +487,7 @@ class DashboardHandler(IndexHandler):
 class HealthHandler(APIHandler):
     @api
     def get(self) -> None:
-        self.write_json(self.service.health())
+        self.write_json(health_json(self.service.health()))
 
 
 class OpenAPIHandler(APIHandler):
@@ -421,7 +522,8 @@ class MetricsHandler(APIHandler):
 class GPUsHandler(APIHandler):
     @api
     async def get(self) -> None:
-        self.write_json({"gpus": await self.service.gpus()})
+        policy = self.service.policy
+        self.write_json({"gpus": [gpu_json(h, policy) for h in await self.service.gpus()]})
 
 
 class LeasesHandler(APIHandler):
@@ -525,7 +627,8 @@ class NodesHandler(APIHandler):
 
     @api
     async def get(self) -> None:
-        self.write_json({"nodes": await self.service.list_nodes(self.ident)})
+        nodes = await self.service.list_nodes(self.ident)
+        self.write_json({"nodes": [node_json(v, self.ident.admin) for v in nodes]})
 
 
 class NodeHandler(APIHandler):
@@ -536,7 +639,8 @@ class NodeHandler(APIHandler):
     @api
     async def put(self, node: str) -> None:
         gpus, version, enforce = validation.parse_node_registration(self.json_body(), node)
-        self.write_json(await self.service.register_node(self.ident, node, gpus, version, enforce))
+        view = await self.service.register_node(self.ident, node, gpus, version, enforce)
+        self.write_json(node_json(view, detail=True))
 
     @api
     async def delete(self, node: str) -> None:
@@ -554,15 +658,17 @@ class NodeHeartbeatHandler(APIHandler):
     @api
     async def post(self, node: str) -> None:
         usage, at, mps = validation.parse_node_heartbeat(self.json_body())
-        self.write_json(await self.service.node_heartbeat(self.ident, node, usage, at, mps))
+        beat = await self.service.node_heartbeat(self.ident, node, usage, at, mps)
+        self.write_json(heartbeat_json(beat))
 
 
 class QueueHandler(APIHandler):
     @api
     async def get(self) -> None:
         # length: everyone waiting, also where a student sees only their own entries
+        waiting = await self.service.queue(self.ident)
         self.write_json(
-            {"queue": await self.service.queue(self.ident), "length": len(self.service.state.queue)}
+            {"queue": [waiting_json(w) for w in waiting], "length": len(self.service.state.queue)}
         )
 
 
@@ -572,13 +678,14 @@ class QueueHandler(APIHandler):
 class QuotasHandler(APIHandler):
     @api
     def get(self) -> None:
-        self.write_json(self.service.list_quotas(self.ident))
+        self.write_json(book_json(self.service.list_quotas(self.ident)))
 
 
 class MyQuotaHandler(APIHandler):
     @api
     def get(self) -> None:
-        self.write_json(self.service.my_quota(self.ident))
+        mine = self.service.my_quota(self.ident)
+        self.write_json({**standing_json(mine), "admin": self.ident.admin})
 
 
 class QuotaHandler(APIHandler):
@@ -600,14 +707,21 @@ class QuotaHandler(APIHandler):
                 groups, source = self.ident.groups, "your token"
             else:
                 groups, source = await self.authenticator.groups_of(name)
-            self.write_json(self.service.effective_quota_of(self.ident, name, groups, source))
+            standing = self.service.effective_quota_of(self.ident, name, groups)
+            own = standing.own.to_json() if standing.own is not None else None
+            self.write_json({**standing_json(standing), "groups_from": source, "own": own})
             return
-        self.write_json(self.service.get_quota(self.ident, self.level, name))
+        quota, effective = self.service.get_quota(self.ident, self.level, name)
+        body = quota.to_json()
+        if effective is not None:
+            body["effective"] = effective.to_json()
+        self.write_json(body)
 
     @api
     async def put(self, name: str = "") -> None:
         quota = validation.parse_quota(self.json_body())
-        self.write_json(await self.service.put_quota(self.ident, self.level, name, quota))
+        stored = await self.service.put_quota(self.ident, self.level, name, quota)
+        self.write_json(stored.to_json())
 
     @api
     async def delete(self, name: str = "") -> None:
@@ -638,7 +752,7 @@ class HistoryHandler(APIHandler):
         body = await self.service.history(
             self.ident, since, step, group=self.query("group"), user=self.query("user") or None
         )
-        self.write_json(body)
+        self.write_json(history_json(body))
 
 
 __all__ = [

@@ -47,7 +47,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from .. import history
 from .. import scheduling as core
@@ -70,7 +70,6 @@ from ..errors import (
 )
 from ..model import (
     GPU,
-    QUOTA_FIELDS,
     QUOTA_LEVELS,
     Changes,
     Identity,
@@ -80,7 +79,6 @@ from ..model import (
     Quota,
     QuotaBook,
     Request,
-    min_ppm_for,
     ppm_to_fraction,
 )
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
@@ -142,6 +140,90 @@ class AcquireResult:
     reason: str = ""
     #: estimated seconds until the grant (``scheduling.estimate_waits``), if it has one
     eta_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class GPUHolding:
+    """A GPU of the pool and what is leased on it now (``gpus()``)."""
+
+    gpu: GPU
+    allocated_ppm: int
+    leases: int
+
+
+@dataclass(frozen=True)
+class Health:
+    gpus: int
+    active_leases: int
+    queued: int
+    uptime_s: float
+    version: str = __version__
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A waiting request at its place in the queue (``queue()``)."""
+
+    position: int
+    request: Request
+    waiting_s: float
+    eta_seconds: float | None
+
+
+@dataclass(frozen=True)
+class QuotaStanding:
+    """A user's effective quota with its sources, their own record and what they hold."""
+
+    user: str
+    groups: frozenset[str]
+    effective: core.EffectiveQuota
+    own: Quota | None
+    held_ppm: int
+    leases: int
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A registered node and its state now (``up``, ``lost``, ``drained``)."""
+
+    node: Node
+    state: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a node agent's heartbeat gets back: the node's state, the kernel pids to watch
+    (its leases' pids) and the ones whose processes to kill (``--enforce kill``)."""
+
+    node: str
+    state: str
+    at: float
+    watch: list[int]
+    kill: list[int]
+
+
+@dataclass(frozen=True)
+class History:
+    """The pool's history in ``step``-second buckets (``history()``)."""
+
+    since: float
+    until: float
+    step: float
+    user: str | None
+    group: str | None
+    capacity: float
+    points: list[history.Point]
+
+
+@dataclass(frozen=True)
+class LeaseUsage:
+    """``used_mb``: GPU memory its kernel's processes used at the node's last heartbeat (None
+    without an agent); ``enforcement``: the layer that holds the cap (``cooperative`` or
+    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one."""
+
+    used_mb: int | None
+    enforcement: str
+    mps: str | None
 
 
 @dataclass
@@ -536,28 +618,15 @@ class BrokerService:
             (x for x in leases if who is None or x.user == who), key=lambda x: x.created_at
         )
 
-    async def queue(self, ident: Identity) -> list[dict[str, Any]]:
+    async def queue(self, ident: Identity) -> list[Waiting]:
+        """``GET /api/v1/queue``: the waiting requests in queue order; a user sees their own."""
         await self._ready()
         now = self.clock()
-        out = []
-        for pos, req in enumerate(core.queue_order(self.state, now, self.policy), start=1):
-            if ident.admin or req.user == ident.user:
-                eta = self.eta(req.key, now)
-                out.append(
-                    {
-                        "id": req.id if (ident.admin or req.user == ident.user) else None,
-                        "position": pos,
-                        "user": req.user,
-                        "kernel_id": req.kernel_id,
-                        "fraction": ppm_to_fraction(req.fraction_ppm),
-                        "group": req.group,
-                        "groups": sorted(req.groups),
-                        "priority": req.priority,
-                        "waiting_s": round(now - req.arrived_at, 3),
-                        **({} if eta is None else {"eta_seconds": eta}),
-                    }
-                )
-        return out
+        return [
+            Waiting(pos, req, now - req.arrived_at, self.eta(req.key, now))
+            for pos, req in enumerate(core.queue_order(self.state, now, self.policy), start=1)
+            if ident.admin or req.user == ident.user
+        ]
 
     def eta(self, key: tuple[str, str], now: float) -> float | None:
         """Estimated seconds until the waiting request ``key`` is granted, or None.
@@ -576,39 +645,29 @@ class BrokerService:
         eta = self._etas[2].get(key)
         return None if eta is None else round(eta)
 
-    async def gpus(self) -> list[dict[str, Any]]:
+    async def gpus(self) -> list[GPUHolding]:
+        """``GET /api/v1/gpus``: each GPU in the pool's order, with what is leased on it."""
         await self._ready()
         st = self.state
         return [
-            {
-                **g.to_json(),
-                "index": g.index,
-                "allocated_fraction": ppm_to_fraction(st.allocated.get(g.uuid, 0)),
-                "allocated_mb": st.allocated.get(g.uuid, 0) * g.memory_mb // 1_000_000,
-                "capacity_fraction": ppm_to_fraction(self.policy.capacity_ppm),
-                "min_fraction": ppm_to_fraction(
-                    min_ppm_for(g.memory_mb, self.policy.context_overhead_mb)
-                ),
-                "context_overhead_mb": self.policy.context_overhead_mb,
-                "leases": st.lease_count.get(g.uuid, 0),
-            }
+            GPUHolding(g, st.allocated.get(g.uuid, 0), st.lease_count.get(g.uuid, 0))
             for g in st.ordered_gpus()
         ]
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> Health:
         self.check_serving()
-        return {
-            "status": "ok",
-            "version": __version__,
-            "gpus": len(self.state.gpus),
-            "active_leases": len(self.state.leases),
-            "queued": len(self.state.queue),
-            "uptime_s": round(self.clock() - self.started_at, 3),
-        }
+        return Health(
+            gpus=len(self.state.gpus),
+            active_leases=len(self.state.leases),
+            queued=len(self.state.queue),
+            uptime_s=self.clock() - self.started_at,
+        )
 
     # -- quotas and usage ---------------------------------------------------------------
-    def get_quota(self, ident: Identity, level: str, name: str = "") -> dict[str, Any]:
-        """A quota record; users may read the default, their own and their groups' quotas."""
+    def get_quota(self, ident: Identity, level: str, name: str = "") -> tuple[Quota, Quota | None]:
+        """A quota record and, for a user's, the quota admission applies to them (for
+        another user than the caller: without their groups). Users may read the default,
+        their own and their groups' quotas."""
         self.check_serving()
         _check_level(level)
         if not ident.admin:
@@ -619,25 +678,25 @@ class BrokerService:
         quota = self._quota_record(level, name)
         if quota is None:
             raise LeaseNotFound(f"No {level} quota is set for {name!r}.")
-        body = quota.to_json()
-        if level == "user":
-            groups = ident.groups if name == ident.user else frozenset()
-            body["effective"] = core.effective_quota(self.quotas, name, groups).to_json()
-        return body
+        if level != "user":
+            return quota, None
+        groups = ident.groups if name == ident.user else frozenset()
+        return quota, core.effective_quota(self.quotas, name, groups)
 
-    def my_quota(self, ident: Identity) -> dict[str, Any]:
+    def my_quota(self, ident: Identity) -> QuotaStanding:
         """The caller's effective quota (with each value's source) and what they hold now."""
         self.check_serving()
-        eff = core.quota_sources(self.quotas, ident.user, ident.groups)
-        return {
-            "user": ident.user,
-            "effective": eff.quota.to_json(),
-            "sources": _wire_sources(eff),
-            "held_fraction": ppm_to_fraction(self.state.held_by_user.get(ident.user, 0)),
-            "leases": self.state.leases_by_user.get(ident.user, 0),
-            "groups": sorted(ident.groups),
-            "admin": ident.admin,
-        }
+        return self._standing(ident.user, ident.groups)
+
+    def _standing(self, user: str, groups: frozenset[str]) -> QuotaStanding:
+        return QuotaStanding(
+            user,
+            groups,
+            core.quota_sources(self.quotas, user, groups),
+            self.quotas.users.get(user),
+            self.state.held_by_user.get(user, 0),
+            self.state.leases_by_user.get(user, 0),
+        )
 
     def check_may_read_quota_of(self, ident: Identity, user: str) -> None:
         """Admins may read anyone's effective quota; a user only their own."""
@@ -645,43 +704,25 @@ class BrokerService:
             raise Forbidden("You may read only your own quota.")
 
     def effective_quota_of(
-        self, ident: Identity, user: str, groups: frozenset[str], groups_from: str
-    ) -> dict[str, Any]:
+        self, ident: Identity, user: str, groups: frozenset[str]
+    ) -> QuotaStanding:
         """``GET /api/v1/quotas/users/{name}?effective=1``: the quota admission applies.
 
         Computed by :func:`scheduling.quota_sources`, the function every acquire's
-        admission uses, for ``user`` in ``groups`` (the handler asks the authenticator;
-        ``groups_from`` says where they came from). ``sources`` names, per field, the
-        level that set it (``default``, ``group NAME`` or ``user``); ``own`` is the
-        user-level record (None when none is set).
+        admission uses, for ``user`` in ``groups`` (the handler asks the authenticator).
+        Its ``effective.sources`` names, per field, the level that set it (``default``,
+        ``group NAME`` or ``user``); ``own`` is the user-level record (None when none).
         """
         self.check_serving()
         self.check_may_read_quota_of(ident, user)
-        eff = core.quota_sources(self.quotas, user, groups)
-        own = self.quotas.users.get(user)
-        return {
-            "user": user,
-            "groups": sorted(groups),
-            "groups_from": groups_from,
-            "effective": eff.quota.to_json(),
-            "sources": _wire_sources(eff),
-            "own": own.to_json() if own is not None else None,
-            "held_fraction": ppm_to_fraction(self.state.held_by_user.get(user, 0)),
-            "leases": self.state.leases_by_user.get(user, 0),
-        }
+        return self._standing(user, groups)
 
-    def list_quotas(self, ident: Identity) -> dict[str, Any]:
+    def list_quotas(self, ident: Identity) -> QuotaBook:
         self.check_serving()
         self._require_admin(ident)
-        return {
-            "default": self.quotas.default.to_json(),
-            "groups": {k: v.to_json() for k, v in sorted(self.quotas.groups.items())},
-            "users": {k: v.to_json() for k, v in sorted(self.quotas.users.items())},
-        }
+        return self.quotas
 
-    async def put_quota(
-        self, ident: Identity, level: str, name: str, quota: Quota
-    ) -> dict[str, Any]:
+    async def put_quota(self, ident: Identity, level: str, name: str, quota: Quota) -> Quota:
         await self._ready()
         self._require_admin(ident)
         _check_level(level)
@@ -690,7 +731,7 @@ class BrokerService:
         self._set_quota(level, name, quota)
         log.info("Quota %s %r set by %s: %s", level, name, ident.user, quota.to_json())
         await self._grant_waiting()
-        return quota.to_json()
+        return quota
 
     def apply_quotas(self, entries: list[tuple[str, str, Quota]], source: str) -> int:
         """Set every ``(level, name, quota)`` of a quotas file, without an identity.
@@ -750,7 +791,7 @@ class BrokerService:
         *,
         group: str | None = None,
         user: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> History:
         """Allocation, queue length and waits per ``step`` seconds since ``since``.
 
         Called by ``GET /api/v1/history`` (the dashboard's plots). Admins see the whole
@@ -775,15 +816,15 @@ class BrokerService:
                 f"A step of {step:g} s since then gives more than {history.MAX_POINTS} "
                 "points; choose a larger 'step' or a later 'since'."
             ) from exc
-        return {
-            "since": points[0].t if points else since,
-            "until": now,
-            "step": step,
-            "user": user,
-            "group": group,
-            "capacity": len(self.state.gpus) * ppm_to_fraction(self.policy.capacity_ppm),
-            "points": [p.to_json() for p in points],
-        }
+        return History(
+            since=points[0].t if points else since,
+            until=now,
+            step=step,
+            user=user,
+            group=group,
+            capacity=len(self.state.gpus) * ppm_to_fraction(self.policy.capacity_ppm),
+            points=points,
+        )
 
     # -- node agents ------------------------------------------------------------------
     async def register_node(
@@ -793,7 +834,7 @@ class BrokerService:
         gpus: list[GPU],
         agent_version: str,
         enforce: str = "report",
-    ) -> dict[str, Any]:
+    ) -> NodeView:
         """``PUT /api/v1/nodes/{node}``: (re-)register a node's GPUs; it is up (not drained).
 
         A GPU another node (or the ``--gpus`` declaration) already has is refused (403);
@@ -849,7 +890,7 @@ class BrokerService:
             "" if old is None else " again",
         )
         await self._grant_waiting()
-        return node.detail(core.node_state(node, now, self.policy))
+        return NodeView(node, core.node_state(node, now, self.policy))
 
     async def node_heartbeat(
         self,
@@ -858,7 +899,7 @@ class BrokerService:
         usage: list[tuple[int, str, int]],
         at: float | None = None,
         mps: dict[str, str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
         and (agents with ``--mps``) its GPUs' MPS daemon states.
 
@@ -910,13 +951,7 @@ class BrokerService:
         elif was == "lost":
             await self._grant_waiting()
         watch = sorted({x.pid for x in self.state.leases.values() if x.pid and x.gpu_uuid in mine})
-        return {
-            "node": name,
-            "state": core.node_state(node, now, self.policy),
-            "at": now,
-            "watch": watch,
-            "kill": kill,
-        }
+        return Heartbeat(name, core.node_state(node, now, self.policy), now, watch, kill)
 
     def _account_usage(
         self, node: Node, usage: list[tuple[int, str, int]], now: float
@@ -979,17 +1014,14 @@ class BrokerService:
                 why,
             )
 
-    def lease_usage(self, lease: Lease) -> dict[str, Any]:
-        """``used_mb`` (last reported, or None), ``enforcement`` (the layer that holds) and
-        ``mps`` (the state of the GPU's MPS daemon where the node's agent runs one)."""
+    def lease_usage(self, lease: Lease) -> LeaseUsage:
+        """What the lease's node reports: see :class:`LeaseUsage`."""
         node = self._node_of(lease.gpu_uuid)
         if node is None:
-            return {"used_mb": None, "enforcement": "cooperative", "mps": None}
-        return {
-            "used_mb": self.used_mb.get(lease.id),
-            "enforcement": f"agent-{node.enforce}",
-            "mps": node.mps.get(lease.gpu_uuid),
-        }
+            return LeaseUsage(None, "cooperative", None)
+        return LeaseUsage(
+            self.used_mb.get(lease.id), f"agent-{node.enforce}", node.mps.get(lease.gpu_uuid)
+        )
 
     def _node_of(self, gpu_uuid: str) -> Node | None:
         gpu = self.state.gpus.get(gpu_uuid)
@@ -1009,15 +1041,15 @@ class BrokerService:
             log.info("Node %s drained by %s", name, ident.user)
         self._close_gpus(self.clock())
 
-    async def list_nodes(self, ident: Identity) -> list[dict[str, Any]]:
-        """``GET /api/v1/nodes``: every registered node; admins get GPUs and usage too."""
+    async def list_nodes(self, ident: Identity) -> list[NodeView]:
+        """``GET /api/v1/nodes``: every registered node with its state (the handler shows
+        admins their GPUs and usage too)."""
         await self._ready()
         now = self.clock()
-        out = []
-        for node in sorted(self.nodes.values(), key=lambda n: n.name):
-            state = core.node_state(node, now, self.policy)
-            out.append(node.detail(state) if ident.admin else node.summary(state))
-        return out
+        return [
+            NodeView(node, core.node_state(node, now, self.policy))
+            for node in sorted(self.nodes.values(), key=lambda n: n.name)
+        ]
 
     def node_states(self) -> dict[str, int]:
         """How many registered nodes are up, lost and drained (for /metrics)."""
@@ -1458,8 +1490,3 @@ def _gone(lease: Lease) -> LeaseGone:
 
 
 __all__ = ["AcquireResult", "BrokerService", "CannotFit", "Conflict", "Metrics", "new_id"]
-
-
-def _wire_sources(eff: core.EffectiveQuota) -> dict[str, str]:
-    """The sources keyed by the wire's field names (``max_fraction``, ``budget_window``, ...)."""
-    return {wire: eff.sources[attr] for wire, attr in zip(QUOTA_FIELDS, Quota.FIELDS, strict=True)}
