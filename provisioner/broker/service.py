@@ -323,9 +323,7 @@ class BrokerService:
                 self.holds.add(ended.ended_at - ended.created_at)
         self.started_at = now
         self._last_tick = now
-        changes = Changes(now)
-        core.grant_waiting(self.state, now, self.policy, changes)
-        self.store.write_changes([changes], self.policy.capacity_ppm)
+        self._drain_before_serving(now)
         log.info(
             "Broker state loaded: %d GPU(s), %d active lease(s) (%d given a TTL of grace), %d waiting",
             len(self.state.gpus),
@@ -333,6 +331,18 @@ class BrokerService:
             grace,
             len(self.state.queue),
         )
+
+    def _drain_before_serving(self, now: float) -> None:
+        """Grant what the queue can have (at start, on this thread: nothing serves yet).
+        If the database refuses (another writer), memory is reloaded and the first reaper
+        pass drains."""
+        changes = Changes(now)
+        core.grant_waiting(self.state, now, self.policy, changes)
+        try:
+            self.store.write_changes([changes], self.policy.capacity_ppm)
+        except (CapacityConflict, DuplicateRequest) as exc:
+            log.warning("The database refused the queue's grants at start (%s)", exc.message)
+            self._load(now, {}, self._pool())
 
     def close(self) -> None:
         """Stop serving (waiting long-polls answer 503), persist the heartbeats not yet
@@ -746,9 +756,7 @@ class BrokerService:
             self.store.put_quota(level, name, quota)
             self._set_quota(level, name, quota)
         log.info("Applied %d quota(s) from %s", len(entries), source)
-        changes = Changes(self.clock())
-        core.grant_waiting(self.state, changes.now, self.policy, changes)
-        self.store.write_changes([changes], self.policy.capacity_ppm)
+        self._drain_before_serving(self.clock())
         return len(entries)
 
     async def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:

@@ -78,7 +78,7 @@ class Writer:
         self._stopping = False
         #: the exception of the last failed batch, until a recovering job succeeds
         self._poison: GPULeaseError | None = None
-        #: the future of the last job submitted (what ``barrier`` waits for)
+        #: the future of the last write or reload submitted (what ``barrier`` waits for)
         self._tail: asyncio.Future[Any] | None = None
         #: batches and mutations committed (for the benchmarks' report)
         self.batches = 0
@@ -95,7 +95,7 @@ class Writer:
                 raise RuntimeError("the broker's database writer has stopped")
             self._jobs.append(job)
             self._cv.notify()
-        if not job.read:
+        if job.changes is not None or job.recovers:
             self._tail = job.future
         job.future.add_done_callback(_retrieve)
         # a caller cancelled meanwhile (its client went away) must not cancel the job's
@@ -128,7 +128,8 @@ class Writer:
         return result
 
     async def barrier(self) -> None:
-        """Return once everything submitted so far is in the database (raise if it failed)."""
+        """Return once every change submitted so far is in the database (raise if the last
+        batch failed and memory was not reloaded since)."""
         tail = self._tail
         if tail is None:
             return
