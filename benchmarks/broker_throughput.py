@@ -417,53 +417,50 @@ async def probe(
 # --------------------------------------------------------------------------- parts
 
 
+def database_url(stack: ExitStack, db: str, tmp: Path, name: str, notes: list[str]) -> str | None:
+    """A fresh database for ``db`` (``sqlite``: ``tmp/NAME.sqlite``; ``postgresql``: a schema
+    dropped when ``stack`` closes), or None when PostgreSQL cannot be used (said, in ``notes``)."""
+    if db == "sqlite":
+        return f"sqlite:///{tmp / f'{name}.sqlite'}"
+    try:
+        return stack.enter_context(pg_schema(PG_URL))
+    except RuntimeError as exc:
+        notes.append(f"PostgreSQL skipped: {exc}")
+        print(f"  {db}: skipped ({exc})", flush=True)
+        return None
+
+
 def run_throughput(args: argparse.Namespace, tmp: Path) -> tuple[list[LoadResult], list[str]]:
     results: list[LoadResult] = []
     notes: list[str] = []
     extra = tuple(args.broker_args.split()) if args.broker_args else ()
-    with running_noop(tmp) as noop:
+
+    def each_load(server: BrokerProcess | NoopProcess, db: str) -> None:
         for clients in args.clients:
             r = asyncio.run(
                 closed_loop(
-                    noop,
+                    server,
                     clients,
                     warmup=args.warmup,
                     duration=args.duration,
                     fraction=0.01,
-                    db="no-op",
+                    db=db,
                 )
             )
             results.append(r)
-            print(f"  {'no-op':<10} {clients:>3} clients: {r.pairs_per_s:7.0f} pairs/s", flush=True)
+            print(
+                f"  {db:<10} {clients:>3} clients: {r.pairs_per_s:7.0f} pairs/s, "
+                f"acquire p50 {r.acquire_p50_ms:6.2f} p99 {r.acquire_p99_ms:6.2f} ms",
+                flush=True,
+            )
+
+    with running_noop(tmp) as noop:
+        each_load(noop, "no-op")
     for db in args.dbs:
         with ExitStack() as stack:
-            if db == "sqlite":
-                url = f"sqlite:///{tmp / 'throughput.sqlite'}"
-            else:
-                try:
-                    url = stack.enter_context(pg_schema(PG_URL))
-                except RuntimeError as exc:
-                    notes.append(f"PostgreSQL skipped: {exc}")
-                    print(f"  {db}: skipped ({exc})", flush=True)
-                    continue
-            broker = stack.enter_context(running_broker(tmp, url, "1x81920:A100", extra))
-            for clients in args.clients:
-                r = asyncio.run(
-                    closed_loop(
-                        broker,
-                        clients,
-                        warmup=args.warmup,
-                        duration=args.duration,
-                        fraction=0.01,
-                        db=db,
-                    )
-                )
-                results.append(r)
-                print(
-                    f"  {db:<10} {clients:>3} clients: {r.pairs_per_s:7.0f} pairs/s, "
-                    f"acquire p50 {r.acquire_p50_ms:6.2f} p99 {r.acquire_p99_ms:6.2f} ms",
-                    flush=True,
-                )
+            url = database_url(stack, db, tmp, "throughput", notes)
+            if url is not None:
+                each_load(stack.enter_context(running_broker(tmp, url, "1x81920:A100", extra)), db)
     return results, notes
 
 

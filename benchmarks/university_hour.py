@@ -47,10 +47,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from broker_throughput import (  # noqa: E402
-    PG_URL,
     HTTPConn,
+    database_url,
     percentile,
-    pg_schema,
     running_broker,
 )
 
@@ -247,14 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(d)
         for db in args.dbs:
             with ExitStack() as stack:
-                if db == "sqlite":
-                    url = f"sqlite:///{tmp / 'hour.sqlite'}"
-                else:
-                    try:
-                        url = stack.enter_context(pg_schema(PG_URL))
-                    except RuntimeError as exc:
-                        print(f"  {db}: skipped ({exc})", flush=True)
-                        continue
+                url = database_url(stack, db, tmp, "hour", [])
+                if url is None:
+                    continue
                 broker = stack.enter_context(running_broker(tmp, url, f"{gpus}x81920:A100", extra))
                 rows.append(asyncio.run(hour(broker, args, db)))
                 print(report(rows[-1:]), flush=True)
