@@ -469,9 +469,6 @@ _EXTEND = (
     .where(leases.c.state == "active", leases.c.expires_at < sa.bindparam("b_min"))
     .values(expires_at=sa.bindparam("b_min"))
 )
-_RESET_EXPIRY = (
-    leases.update().where(leases.c.state == "active").values(expires_at=sa.bindparam("b_at"))
-)
 _REQUEST_COLS = (
     requests.c.id,
     requests.c.user,
@@ -1079,11 +1076,6 @@ class Store:
             active = [_lease_from_row(row) for row in conn.execute(_SELECT_ACTIVE)]
             queued = [_request_from_row(row) for row in conn.execute(_SELECT_REQUESTS)]
         return active, queued
-
-    def reset_active_expiry(self, expires_at: float) -> int:
-        """Set every active lease's expiry to ``expires_at`` (after a clock jump); returns how many."""
-        with self._tx("reset the active leases' expiry after a clock jump") as conn:
-            return conn.execute(_RESET_EXPIRY, {"b_at": expires_at}).rowcount
 
     def extend_active(self, expires_at_min: float) -> int:
         """Grace after a restart: raise every active lease's expiry to at least ``expires_at_min``.

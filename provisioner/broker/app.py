@@ -244,8 +244,9 @@ class GPULeaseBroker(Application):
     sqlite_busy_timeout = Float(
         DEFAULT_SQLITE_BUSY_TIMEOUT,
         help=f"""Seconds a write waits for another process's lock on the SQLite database
-        before the request fails with 503 (SQLite only). The broker answers nothing
-        else meanwhile, so keep it short if other tools write the file. Default:
+        before the request fails with 503 (SQLite only). Writes queued behind it wait
+        too (reads and heartbeats are still answered), so keep it short if other tools
+        write the file. Default:
         {DEFAULT_SQLITE_BUSY_TIMEOUT:g}.""",
     ).tag(config=True)
 

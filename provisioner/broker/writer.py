@@ -80,9 +80,6 @@ class Writer:
         self._poison: GPULeaseError | None = None
         #: the future of the last write or reload submitted (what ``barrier`` waits for)
         self._tail: asyncio.Future[Any] | None = None
-        #: batches and mutations committed (for the benchmarks' report)
-        self.batches = 0
-        self.mutations = 0
 
     # -- the loop's side ------------------------------------------------------------------
     def _submit(self, job: _Job) -> Awaitable[Any]:
@@ -180,8 +177,6 @@ class Writer:
                     result = self.store.write_changes(
                         [j.changes for j in batch if j.changes], self.capacity_ppm
                     )
-                    self.batches += 1
-                    self.mutations += len(batch)
                     if self.on_batch is not None:
                         self.on_batch(len(batch))
                 else:
