@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -193,8 +194,11 @@ def cmd_broker(argv: list[str], run: BrokerMain | None = None) -> int:
     the other commands start without loading tornado, JupyterHub and SQLAlchemy.
     """
     if run is None:
-        from .broker.app import main as broker_main
-
+        gc.disable()  # as broker.app.main does, already while the broker's modules load
+        try:
+            from .broker.app import main as broker_main
+        finally:
+            gc.enable()
         run = broker_main
     return int(run(argv) or 0)
 

@@ -777,6 +777,26 @@ def test_generate_config_lists_every_option_with_its_default(capsys: Any) -> Non
     compile(out, "broker_config.py", "exec")  # a valid config file
 
 
+def test_main_turns_the_collector_back_on_when_it_returns_early(capsys: Any) -> None:
+    """main() runs start-up with the garbage collector off (serve() turns it on once the
+    broker listens); a start that never gets there must not leave it off."""
+    import gc
+
+    from provisioner.broker.app import GPULeaseBroker, main
+
+    assert gc.isenabled()
+    try:
+        assert main(["--generate-config"]) == 0
+        assert gc.isenabled() and "c.GPULeaseBroker.ttl" in capsys.readouterr().out
+        GPULeaseBroker.clear_instance()
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", "/nonexistent/broker_config.py"])
+        assert exc.value.code == 2 and gc.isenabled()
+    finally:
+        GPULeaseBroker.clear_instance()
+        gc.enable()
+
+
 def test_authenticator_by_auth_name_or_by_class(tmp_path: Path) -> None:
     from provisioner.broker.app import GPULeaseBroker
     from provisioner.broker.auth import StaticTokens

@@ -49,9 +49,9 @@ from .._version import __version__
 from ..model import PPM, PoolState, ppm_to_fraction, reserved_mb
 from ..scheduling import Policy
 
-#: acquire latency buckets (s): 0.5 ms to 300 s (the longest long-poll)
 #: group-commit batch sizes (mutations per transaction)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: acquire latency buckets (s): 0.5 ms to 300 s (the longest long-poll)
 ACQUIRE_BUCKETS = (
     0.0005,
     0.001,
