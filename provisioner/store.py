@@ -81,10 +81,6 @@ from .errors import (
     CapacityConflict,
     DuplicateLease,
     DuplicateRequest,
-    LeaseExpired,
-    LeaseGone,
-    LeaseNotFound,
-    LeaseRevoked,
     NotActive,
     StoreError,
 )
@@ -463,7 +459,6 @@ _END = (
 _ENDED_AMONG = sa.select(leases.c.id, leases.c.state, leases.c.reason).where(
     leases.c.id.in_(sa.bindparam("ids", expanding=True)), leases.c.state != "active"
 )
-_LEASE_STATE = sa.select(leases.c.state, leases.c.reason).where(leases.c.id == sa.bindparam("lid"))
 _EXTEND = (
     leases.update()
     .where(leases.c.state == "active", leases.c.expires_at < sa.bindparam("b_min"))
@@ -1286,41 +1281,6 @@ class Store:
                     lease_id=other,
                 )
             seen.add(key)
-
-    def renew_lease(
-        self,
-        lease_id: str,
-        renewed_at: float,
-        expires_at: float,
-        pid: int | None,
-        execution_state: str | None,
-        last_activity: float | None,
-    ) -> None:
-        """Record a heartbeat on an active lease.
-
-        Raises :class:`LeaseNotFound` for an unknown id and a
-        :class:`LeaseGone` subclass when the lease is no longer active in the database.
-        """
-        params = _renew_params(
-            lease_id, renewed_at, expires_at, pid, execution_state, last_activity
-        )
-        with self._tx("renew a lease") as conn:
-            if conn.execute(_RENEW, params).rowcount:
-                return
-            found = conn.execute(_LEASE_STATE, {"lid": lease_id}).first()
-        if found is None:
-            raise LeaseNotFound(f"There is no GPU lease {lease_id}; acquire a new one.")
-        state, reason = found
-        gone: type[LeaseGone] = {"revoked": LeaseRevoked, "expired": LeaseExpired}.get(
-            state, LeaseGone
-        )
-        raise gone(
-            f"GPU lease {lease_id} is {state}"
-            + (f" ({reason})" if reason else "")
-            + "; restart the kernel to acquire a new one.",
-            state=state,
-            reason=reason,
-        )
 
     def end_leases(self, ends: list[tuple[str, str, float, str | None]]) -> None:
         """End leases ``[(lease_id, new_state, ended_at, reason)]`` in one transaction.

@@ -32,10 +32,6 @@ from provisioner.errors import (
     Conflict,
     DuplicateLease,
     DuplicateRequest,
-    LeaseExpired,
-    LeaseGone,
-    LeaseNotFound,
-    LeaseRevoked,
     NotActive,
     StoreError,
 )
@@ -399,9 +395,18 @@ def test_insert_leases_is_all_or_nothing(
         assert [r.id for r in store.load_active()[1]] == ["r1", "r2"]
 
 
-def test_renew_lease(store: Store) -> None:
+def test_a_heartbeat_is_written_whole(store: Store) -> None:
+    """The reaper persists heartbeats through ``write_changes``: every field of one."""
     store.insert_lease(_lease("a"), PPM)
-    store.renew_lease("a", 1030.0, 1120.0, 4242, "busy", 1029.5)
+    beat = replace(
+        _lease("a"),
+        renewed_at=1030.0,
+        expires_at=1120.0,
+        pid=4242,
+        execution_state="busy",
+        last_activity=1029.5,
+    )
+    assert store.write_changes([Changes(1030.0, renewed=[beat])], PPM) == {}
     got = store.get_lease("a")
     assert got is not None
     assert (got.renewed_at, got.expires_at, got.pid, got.execution_state, got.last_activity) == (
@@ -414,25 +419,23 @@ def test_renew_lease(store: Store) -> None:
     assert got.created_at == 1000.0 and got.state == "active"
 
 
-@pytest.mark.parametrize(
-    ("state", "error"),
-    [("released", LeaseGone), ("revoked", LeaseRevoked), ("expired", LeaseExpired)],
-)
-def test_renewing_an_ended_lease_says_how_it_ended(
-    store: Store, state: str, error: type[LeaseGone]
-) -> None:
+@pytest.mark.parametrize("state", ["released", "revoked", "expired"])
+def test_a_heartbeat_of_an_ended_lease_says_how_it_ended(store: Store, state: str) -> None:
+    """Another writer ended the lease: its heartbeat changes nothing and is reported."""
     store.insert_lease(_lease("a"), PPM)
+    store.insert_lease(_lease("b", kernel="k-b"), PPM)
     store.end_leases([("a", state, 1010.0, "idle for 2 h")])
-    with pytest.raises(error, match=state) as info:
-        store.renew_lease("a", 1030.0, 1120.0, None, None, None)
-    assert info.value.details["state"] == state
+    beats = [replace(_lease(x, kernel=f"k-{x}"), renewed_at=1030.0) for x in ("a", "b")]
+    gone = store.write_changes([Changes(1030.0, renewed=beats)], PPM)
+    assert gone == {"a": (state, "idle for 2 h")}
     got = store.get_lease("a")
-    assert got is not None and got.renewed_at == 1000.0  # unchanged
+    assert got is not None and got.renewed_at == 1000.0 and got.state == state  # unchanged
+    assert store.get_lease("b").renewed_at == 1030.0  # type: ignore[union-attr]
 
 
-def test_renewing_an_unknown_lease(store: Store) -> None:
-    with pytest.raises(LeaseNotFound):
-        store.renew_lease("nope", 1.0, 2.0, None, None, None)
+def test_a_heartbeat_of_an_unknown_lease_writes_nothing(store: Store) -> None:
+    gone = store.write_changes([Changes(1030.0, renewed=[_lease("nope")])], PPM)
+    assert gone == {} and store.get_lease("nope") is None
 
 
 def test_end_leases_changes_only_active_rows(store: Store) -> None:
