@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -141,7 +143,32 @@ async def acquire_rtt(url: str, token: str, n: int) -> dict[str, float]:
             await client.aclose()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             parts[key].append(dt * 1e3)
-    return {key: statistics.median(v) for key, v in parts.items()}
+    # the same calls through the standard library, interleaved: how much is the client
+    # library (httpx) and how much the broker
+    split = urlsplit(url)
+    headers = {"Authorization": f"token {token}", "Content-Type": "application/json"}
+    stdlib: dict[str, list[float]] = {"acquire_stdlib": [], "repeat_stdlib": []}
+    for i in range(n):
+        body = json.dumps({"kernel_id": f"rtt-stdlib-{uuid.uuid4().hex}-{i}", "fraction": FRACTION})
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection(split.hostname or "127.0.0.1", split.port, timeout=10)
+        try:
+            conn.request("POST", f"{split.path.rstrip('/')}/api/v1/leases", body, headers)
+            resp = conn.getresponse()
+            lease = json.loads(resp.read())
+            t1 = time.perf_counter()
+            conn.request("POST", f"{split.path.rstrip('/')}/api/v1/leases", body, headers)
+            conn.getresponse().read()
+            t2 = time.perf_counter()
+            conn.request(
+                "DELETE", f"{split.path.rstrip('/')}/api/v1/leases/{lease['id']}", None, headers
+            )
+            conn.getresponse().read()
+        finally:
+            conn.close()
+        stdlib["acquire_stdlib"].append((t1 - t0) * 1e3)
+        stdlib["repeat_stdlib"].append((t2 - t1) * 1e3)
+    return {key: statistics.median(v) for key, v in {**parts, **stdlib}.items()}
 
 
 def launcher_overhead(tmp: Path, n: int) -> dict[str, float]:
@@ -253,6 +280,8 @@ def report(data: dict[str, Any]) -> str:
             f"  BrokerClient() construction (one per kernel)     {b['client_ms']:>7.1f}   start",
             f"  acquire, new connection                          {b['acquire_ms']:>7.1f}   start",
             f"  acquire again, same client (same lease back)     {b['repeat_acquire_ms']:>7.1f}   restart",
+            f"    (the same two through the standard library's http.client: "
+            f"{b['acquire_stdlib_ms']:.1f} and {b['repeat_stdlib_ms']:.1f} ms)",
             f"  release                                          {b['release_ms']:>7.1f}   shutdown",
             f"  launcher process overhead vs python -m           {b['launcher_ms']:>7.1f}   start, restart"
             f"  (python -m noop itself: {b['python_m_ms']:.0f} ms)",
@@ -316,6 +345,8 @@ def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "acquire_ms": parts["acquire"],
         "repeat_acquire_ms": parts["repeat"],
         "release_ms": parts["release"],
+        "acquire_stdlib_ms": parts["acquire_stdlib"],
+        "repeat_stdlib_ms": parts["repeat_stdlib"],
         "launcher_ms": launch["launcher"] * 1e3,
         "python_m_ms": launch["python_m"] * 1e3,
         "extension_import_ms": launch["extension_import"] * 1e3,
