@@ -617,3 +617,59 @@ async def test_a_503_is_retried_after_its_retry_after_on_a_new_connection() -> N
     assert answered == 2
     assert len(connections) == 2, "the retry reused the connection of the failed answer"
     assert waited >= 0.3
+
+
+class _ImportSpy:
+    """A ``sys.meta_path`` finder that finds nothing and records what was looked up."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        self.names.append(name)
+
+
+async def test_a_request_looks_up_no_module() -> None:
+    """httpcore imports ``sniffio`` at every lock (four times a request); where sniffio
+    is missing, each is a failed import that scans ``sys.path`` (0.5-0.8 ms of CPU a
+    request). It is a dependency of ours: steady-state requests import nothing."""
+    import sys
+
+    body = json.dumps(LEASE).encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await answer_each(reader, writer)
+        writer.close()
+
+    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    spy = _ImportSpy()
+    c = BrokerClient(f"http://127.0.0.1:{port}", TOKEN)
+    try:
+        await c.acquire("k1", 0.02)  # the first request may import what it needs once
+        sys.meta_path.insert(0, spy)
+        try:
+            for _ in range(3):
+                assert (await c.acquire("k1", 0.02))["id"] == "L-abc"
+        finally:
+            sys.meta_path.remove(spy)
+    finally:
+        await c.aclose()
+        server.close()
+        await server.wait_closed()
+    assert spy.names == []
