@@ -797,6 +797,33 @@ def test_main_turns_the_collector_back_on_when_it_returns_early(capsys: Any) -> 
         gc.enable()
 
 
+def test_a_standby_collects_garbage_while_it_waits(tmp_path: Path) -> None:
+    """``--ha-lock``: the collector is on before the broker stands by (which may last
+    hours), not only once it listens."""
+    import gc
+
+    from provisioner.broker.app import GPULeaseBroker
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({"a-long-token": {"user": "alice"}}))
+    app = GPULeaseBroker()
+    app.initialize(
+        [
+            "--ha-lock",
+            "--auth=static",
+            f"--tokens-file={tokens}",
+            "--gpus=1x32768:V100",
+            f"--db-url=sqlite:///{tmp_path / 'b.sqlite'}",
+        ]
+    )
+    gc.disable()
+    try:
+        assert asyncio.run(app.serve()) == 2  # SQLite: refused at once, after the collector
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_authenticator_by_auth_name_or_by_class(tmp_path: Path) -> None:
     from provisioner.broker.app import GPULeaseBroker
     from provisioner.broker.auth import StaticTokens
