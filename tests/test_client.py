@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -569,51 +569,79 @@ def test_from_env_without_url_says_what_to_set(monkeypatch: pytest.MonkeyPatch) 
         BrokerClient.from_env()
 
 
+# -- a real socket: a minimal HTTP/1.1 server ------------------------------------------------
+class SocketServer:
+    """Answers each request on 127.0.0.1 with ``answer(head, body)`` (raw response bytes),
+    keeping connections alive; records every connection's writer."""
+
+    def __init__(self, answer: Callable[[bytes, bytes], bytes]) -> None:
+        self.answer = answer
+        self.connections: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            writer.write(self.answer(head, body))
+            await writer.drain()
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def socket_server(answer: Callable[[bytes, bytes], bytes]) -> AsyncIterator[SocketServer]:
+    server = SocketServer(answer)
+    listening = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    server.port = listening.sockets[0].getsockname()[1]
+    try:
+        yield server
+    finally:
+        listening.close()
+        await listening.wait_closed()  # before Python 3.12 this does not wait for handlers:
+        for writer in server.connections:  # close the server's side of each connection here,
+            writer.close()  # or a handler still pending when the loop ends leaves its socket
+            with contextlib.suppress(ConnectionError):  # to the garbage collector
+                await writer.wait_closed()  # (a ResourceWarning in a later test)
+
+
+def http_answer(status: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
 # -- failover: Retry-After and a new connection per retry (a real socket) ---------------------
 async def test_a_503_is_retried_after_its_retry_after_on_a_new_connection() -> None:
     """The first answer (a broker that is not the active one) is a kept-alive 503 with
     ``Retry-After: 0.3``; the client waits that long and retries on a NEW connection,
     which a load balancer may send to the active broker (or a name may resolve anew)."""
-    connections: list[asyncio.StreamWriter] = []
     answered = 0
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def answer(head: bytes, body: bytes) -> bytes:
         nonlocal answered
-        connections.append(writer)
-        while True:
-            try:
-                await reader.readuntil(b"\r\n\r\n")  # GET: no body
-            except (asyncio.IncompleteReadError, ConnectionError):
-                break
-            answered += 1
-            if answered == 1:
-                body = json.dumps({"error": "not_active", "message": "Not the active broker."})
-                status, extra = "503 Service Unavailable", "Retry-After: 0.3\r\n"
-            else:
-                body, status, extra = json.dumps({"status": "ok"}), "200 OK", ""
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n{extra}"
-                f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
-            )
-            await writer.drain()
-        writer.close()
+        answered += 1
+        if answered == 1:
+            refusal = json.dumps({"error": "not_active", "message": "Not the active broker."})
+            return http_answer("503 Service Unavailable", refusal.encode(), "Retry-After: 0.3\r\n")
+        return http_answer("200 OK", json.dumps({"status": "ok"}).encode())
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        async with BrokerClient(
-            f"http://127.0.0.1:{port}", TOKEN, backoff=0.001, max_backoff=5.0
-        ) as c:
-            t0 = time.monotonic()
-            assert (await c.health())["status"] == "ok"
-            waited = time.monotonic() - t0
-    finally:
-        server.close()
-        await server.wait_closed()  # before Python 3.12 this does not wait for handlers:
-        for writer in connections:  # close the server's side of each connection here, or
-            writer.close()  # a handler still pending when the loop ends leaves its socket
-            with contextlib.suppress(ConnectionError):  # to the garbage collector
-                await writer.wait_closed()  # (a ResourceWarning in a later test)
+    async with (
+        socket_server(answer) as server,
+        BrokerClient(f"http://127.0.0.1:{server.port}", TOKEN, backoff=0.001, max_backoff=5.0) as c,
+    ):
+        t0 = time.monotonic()
+        assert (await c.health())["status"] == "ok"
+        waited = time.monotonic() - t0
+    connections = server.connections
     assert answered == 2
     assert len(connections) == 2, "the retry reused the connection of the failed answer"
     assert waited >= 0.3
@@ -635,41 +663,18 @@ async def test_a_request_looks_up_no_module() -> None:
     request). It is a dependency of ours: steady-state requests import nothing."""
     import sys
 
-    body = json.dumps(LEASE).encode()
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            await answer_each(reader, writer)
-        writer.close()
-
-    async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            await reader.readexactly(length)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            )
-            await writer.drain()
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    lease = json.dumps(LEASE).encode()
     spy = _ImportSpy()
-    c = BrokerClient(f"http://127.0.0.1:{port}", TOKEN)
-    try:
-        await c.acquire("k1", 0.02)  # the first request may import what it needs once
-        sys.meta_path.insert(0, spy)
+    async with socket_server(lambda head, body: http_answer("200 OK", lease)) as server:
+        c = BrokerClient(f"http://127.0.0.1:{server.port}", TOKEN)
         try:
-            for _ in range(3):
-                assert (await c.acquire("k1", 0.02))["id"] == "L-abc"
+            await c.acquire("k1", 0.02)  # the first request may import what it needs once
+            sys.meta_path.insert(0, spy)
+            try:
+                for _ in range(3):
+                    assert (await c.acquire("k1", 0.02))["id"] == "L-abc"
+            finally:
+                sys.meta_path.remove(spy)
         finally:
-            sys.meta_path.remove(spy)
-    finally:
-        await c.aclose()
-        server.close()
-        await server.wait_closed()
+            await c.aclose()
     assert spy.names == []
