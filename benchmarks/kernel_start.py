@@ -143,9 +143,10 @@ async def acquire_rtt(url: str, token: str, n: int) -> dict[str, float]:
             await client.aclose()
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             parts[key].append(dt * 1e3)
-    # the same calls through the standard library, interleaved: how much is the client
+    # the same calls through the standard library, right after: how much is the client
     # library (httpx) and how much the broker
     split = urlsplit(url)
+    leases = f"{split.path.rstrip('/')}/api/v1/leases"
     headers = {"Authorization": f"token {token}", "Content-Type": "application/json"}
     stdlib: dict[str, list[float]] = {"acquire_stdlib": [], "repeat_stdlib": []}
     for i in range(n):
@@ -153,16 +154,14 @@ async def acquire_rtt(url: str, token: str, n: int) -> dict[str, float]:
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection(split.hostname or "127.0.0.1", split.port, timeout=10)
         try:
-            conn.request("POST", f"{split.path.rstrip('/')}/api/v1/leases", body, headers)
+            conn.request("POST", leases, body, headers)
             resp = conn.getresponse()
             lease = json.loads(resp.read())
             t1 = time.perf_counter()
-            conn.request("POST", f"{split.path.rstrip('/')}/api/v1/leases", body, headers)
+            conn.request("POST", leases, body, headers)
             conn.getresponse().read()
             t2 = time.perf_counter()
-            conn.request(
-                "DELETE", f"{split.path.rstrip('/')}/api/v1/leases/{lease['id']}", None, headers
-            )
+            conn.request("DELETE", f"{leases}/{lease['id']}", None, headers)
             conn.getresponse().read()
         finally:
             conn.close()
