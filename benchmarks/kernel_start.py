@@ -46,6 +46,7 @@ import http.client
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -218,20 +219,33 @@ def launcher_overhead(tmp: Path, n: int) -> dict[str, float]:
     }
 
 
+def median_ci(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95 % interval of the median of ``values`` (seeded: reruns agree)."""
+    rng = random.Random(16)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for phase in ("start", "launch", "ready", "restart", "shutdown"):
         a = [r[PLAIN][phase] for r in runs]
         b = [r[GPU][phase] for r in runs]
+        ratios = [y / x for x, y in zip(a, b, strict=True)]
+        lo, hi = median_ci(ratios)
         out[phase] = {
             "plain_median_s": statistics.median(a),
             "gpu_median_s": statistics.median(b),
             "plain_min_s": min(a),
             "gpu_min_s": min(b),
             "ratio_of_medians": statistics.median(b) / statistics.median(a),
-            "median_of_ratios": statistics.median(y / x for x, y in zip(a, b, strict=True)),
+            "median_of_ratios": statistics.median(ratios),
+            "median_of_ratios_low": lo,
+            "median_of_ratios_high": hi,
             "ratio_of_minima": min(b) / min(a),
             "extra_median_ms": (statistics.median(b) - statistics.median(a)) * 1e3,
+            "extra_paired_ms": statistics.median(y - x for x, y in zip(a, b, strict=True)) * 1e3,
         }
     # CPU, not wall: what a class starting at once on few cores pays for each kernel
     cpu: dict[str, float] = {}
@@ -250,7 +264,7 @@ def report(data: dict[str, Any]) -> str:
         "",
         f"Kernel start/restart, {data['rounds']} interleaved rounds (median seconds)",
         f"{'phase':<10}{'plain':>9}{'GPU':>9}{'extra ms':>10}{'ratio':>8}{'med ratio':>11}"
-        f"{'min ratio':>11}  aim (ratio of medians)",
+        f"{'[95 % CI]':>16}{'min ratio':>11}  aim (ratio of medians)",
     ]
     for phase, x in s.items():
         if phase == "start_cpu":
@@ -264,7 +278,9 @@ def report(data: dict[str, Any]) -> str:
         lines.append(
             f"{phase:<10}{x['plain_median_s']:>9.3f}{x['gpu_median_s']:>9.3f}"
             f"{x['extra_median_ms']:>10.0f}{x['ratio_of_medians']:>8.3f}"
-            f"{x['median_of_ratios']:>11.3f}{x['ratio_of_minima']:>11.3f}  {aim}"
+            f"{x['median_of_ratios']:>11.3f}"
+            f"{'[' + format(x['median_of_ratios_low'], '.3f') + '..' + format(x['median_of_ratios_high'], '.3f') + ']':>16}"
+            f"{x['ratio_of_minima']:>11.3f}  {aim}"
         )
     c = s.get("start_cpu")
     if c:
@@ -298,6 +314,16 @@ def report(data: dict[str, Any]) -> str:
             f"  restart: measured extra {s['restart']['extra_median_ms']:.0f} ms; parts add up to "
             f"{on_restart:.0f} ms",
         ]
+        if "launch" in s:
+            # the server's part measured in place (short, so little noise) plus the
+            # kernel-side parts measured alone: what the GPU path adds to a start
+            own = s["launch"]["extra_paired_ms"] + b["launcher_ms"] + b["extension_import_ms"]
+            est = 1 + own / (s["start"]["plain_median_s"] * 1e3)
+            lines.append(
+                f"  start, the GPU path's own cost: launch +{s['launch']['extra_paired_ms']:.1f} ms "
+                f"(paired, in place) + launcher + %gpu import = {own:.1f} ms -> {est:.3f} of the "
+                "plain start"
+            )
     return "\n".join(lines)
 
 
