@@ -379,7 +379,7 @@ class Ledger:
     def __init__(self) -> None:
         self.granted: set[str] = set()  # 201 received
         self.release_sent: set[str] = set()  # DELETE sent (answered or not)
-        self.released: set[str] = set()  # 204 received for a granted lease
+        self.released: set[str] = set()  # 204 received for a lease (answered 200 or 201)
         # 204 received for a request answered 202 (queued: the GPUs were full of leases
         # that earlier kills left unreleased): cancelled in the queue, or released if
         # the queue granted it (a lease keeps its request's id) before the DELETE came
@@ -414,7 +414,7 @@ async def raw_churn(broker: Broker, user: str, stop: asyncio.Event, ledger: Ledg
             except httpx.HTTPError:
                 continue
             if d.status_code == 204:
-                (ledger.released if r.status_code == 201 else ledger.withdrawn).add(lease_id)
+                (ledger.withdrawn if r.status_code == 202 else ledger.released).add(lease_id)
                 ledger.pairs += 1
 
 
