@@ -23,7 +23,9 @@ What it measures (each part can be chosen with ``--only``):
                 durability settings (WAL, synchronous=NORMAL, busy_timeout, BEGIN IMMEDIATE):
                 raw ``sqlite3`` INSERT+DELETE (one transaction each: the floor the issue
                 names), raw ``sqlite3`` with the broker's own statements, the ``Store``
-                (SQLAlchemy Core), and ``BrokerService`` in process (no HTTP).
+                (SQLAlchemy Core), and ``BrokerService`` in process (no HTTP, no auth,
+                no log lines): one caller, and 64 at once with the CPU its event loop's
+                thread spends per pair (the broker's own work beside the HTTP).
 
 The load generator is lean on purpose (it shares the machine's cores with the broker):
 raw asyncio streams, HTTP/1.1 keep-alive, request bytes built once per client, the
@@ -667,12 +669,12 @@ def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
 
     logging.getLogger("gpu_lease").setLevel(logging.WARNING)  # in-process: no log handler
 
-    async def service_pairs() -> float:
-        async def one(i: int) -> None:
-            result = await service.acquire(ident, Ask("u00", f"v{i}", 10_000))
-            assert result.lease is not None
-            await service.release(ident, result.lease.id)
+    async def one(i: int | str) -> None:
+        result = await service.acquire(ident, Ask("u00", f"v{i}", 10_000))
+        assert result.lease is not None
+        await service.release(ident, result.lease.id)
 
+    async def service_pairs() -> float:
         for i in range(50):
             await one(-1 - i)
         n = 0
@@ -682,10 +684,35 @@ def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
             n += 1
         return n / (time.perf_counter() - t0)
 
-    out["service"] = asyncio.run(service_pairs())
+    # 5. the same with 64 callers at once, as 64 HTTP clients make it (batches form): the
+    # rate, and the CPU of the event loop's thread per pair (the writer's thread apart),
+    # which is the broker's own work on the loop beside the HTTP work the no-op also does
+    async def service_callers(callers: int) -> tuple[float, float]:
+        done = 0
+        end = time.perf_counter() + args.limit_duration
+
+        async def caller(c: int) -> None:
+            nonlocal done
+            i = 0
+            while time.perf_counter() < end:
+                await one(f"c{c}-{i}")
+                i += 1
+                done += 1
+
+        t0, c0 = time.perf_counter(), time.thread_time()
+        await asyncio.gather(*(caller(c) for c in range(callers)))
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        return done / wall, cpu / max(done, 1) * 1e6
+
+    async def service_both() -> None:  # one loop: the service's writer answers on it
+        out["service"] = await service_pairs()
+        out["service_64"], out["service_64_loop_us_per_pair"] = await service_callers(64)
+
+    asyncio.run(service_both())
     service.close()
     for name, rate in out.items():
-        print(f"  {name:<22} {rate:8.0f} pairs/s", flush=True)
+        unit = "us" if name.endswith("_us_per_pair") else "pairs/s"
+        print(f"  {name:<22} {rate:8.0f} {unit}", flush=True)
     return out
 
 
@@ -881,10 +908,19 @@ def report(data: dict[str, Any]) -> str:
             "raw_broker_statements": "raw sqlite3, the store's statements",
             "store": "Store (SQLAlchemy Core)",
             "service": "BrokerService in process",
+            "service_64": "BrokerService, 64 callers at once",
         }
         for key, rate in limits.items():
+            if key.endswith("_us_per_pair"):
+                continue
             lines.append(
                 f"  {names.get(key, key):<38}{rate:>9.0f} pairs/s  ({1e6 / rate:>6.0f} us)"
+            )
+        loop_us = limits.get("service_64_loop_us_per_pair")
+        if loop_us is not None:
+            lines.append(
+                f"  (64 callers: the event loop's thread spent {loop_us:.0f} us of CPU per pair; "
+                "the writer's thread apart)"
             )
     sc: list[dict[str, Any]] = data.get("scaling", [])
     if sc:
