@@ -232,7 +232,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     for phase in ("start", "launch", "ready", "restart", "shutdown"):
         a = [r[PLAIN][phase] for r in runs]
         b = [r[GPU][phase] for r in runs]
-        ratios = [y / x for x, y in zip(a, b, strict=True)]
+        pairs = list(zip(a, b, strict=True))
+        ratios = [y / x for x, y in pairs]
         lo, hi = median_ci(ratios)
         out[phase] = {
             "plain_median_s": statistics.median(a),
@@ -245,7 +246,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             "median_of_ratios_high": hi,
             "ratio_of_minima": min(b) / min(a),
             "extra_median_ms": (statistics.median(b) - statistics.median(a)) * 1e3,
-            "extra_paired_ms": statistics.median(y - x for x, y in zip(a, b, strict=True)) * 1e3,
+            "extra_paired_ms": statistics.median(y - x for x, y in pairs) * 1e3,
         }
     # CPU, not wall: what a class starting at once on few cores pays for each kernel
     cpu: dict[str, float] = {}
@@ -275,12 +276,11 @@ def report(data: dict[str, Any]) -> str:
             aim = f"<= {AIM_RATIO}: {'met' if ok else 'NOT met'}"
         if phase in ("launch", "ready"):
             phase = f" {phase}"  # the two parts of start
+        ci = f"[{x['median_of_ratios_low']:.3f}..{x['median_of_ratios_high']:.3f}]"
         lines.append(
             f"{phase:<10}{x['plain_median_s']:>9.3f}{x['gpu_median_s']:>9.3f}"
             f"{x['extra_median_ms']:>10.0f}{x['ratio_of_medians']:>8.3f}"
-            f"{x['median_of_ratios']:>11.3f}"
-            f"{'[' + format(x['median_of_ratios_low'], '.3f') + '..' + format(x['median_of_ratios_high'], '.3f') + ']':>16}"
-            f"{x['ratio_of_minima']:>11.3f}  {aim}"
+            f"{x['median_of_ratios']:>11.3f}{ci:>16}{x['ratio_of_minima']:>11.3f}  {aim}"
         )
     c = s.get("start_cpu")
     if c:
