@@ -50,7 +50,6 @@ def test_full_lease_environment():
         "GPU_LEASE_ENFORCEMENT": "cooperative",
         "GPU_LEASE_STATE_FILE": "/run/k1.json",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.013745",
-        "XLA_CLIENT_MEM_FRACTION": "0.013745",
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "CUPY_GPU_MEMORY_LIMIT": str(1126 * 1024 * 1024),
     }

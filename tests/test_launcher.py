@@ -271,6 +271,21 @@ def test_cap_failures_never_reach_user_code(tmp_path):
     assert "gpu-lease warning: could not cap torch's GPU memory to 1126 MiB: no device" in stderr
 
 
+def test_jax_with_both_fraction_names_is_warned(tmp_path):
+    """jaxlib 0.11 refuses its GPU backend when XLA_CLIENT_MEM_FRACTION is set beside
+    XLA_PYTHON_CLIENT_MEM_FRACTION (seen on an H200), so JAX would run on the CPU."""
+    write(tmp_path / "jax" / "__init__.py", "")
+    out, stderr = probe(
+        tmp_path, imports="import jax", env=lease_env(XLA_CLIENT_MEM_FRACTION="0.5")
+    )
+    assert out["report"]["jax"].endswith(
+        "; XLA_CLIENT_MEM_FRACTION is set too: jaxlib refuses the GPU"
+    )
+    assert "XLA_CLIENT_MEM_FRACTION is set together with XLA_PYTHON_CLIENT_MEM_FRACTION" in stderr
+    # the kernel's own environment never has both (the provisioner removes the newer name)
+    assert "XLA_CLIENT_MEM_FRACTION" not in lease_env()
+
+
 def test_no_lease_means_nothing_to_cap(tmp_path):
     write(tmp_path / "jax" / "__init__.py", "")
     env = {k: v for k, v in lease_env().items() if not k.startswith("GPU_LEASE_")}

@@ -40,7 +40,7 @@ from provisioner.devtools.testing import (
     wait_for_async,
     wait_for_http,
 )
-from provisioner.errors import BrokerUnavailable, NoCapacity
+from provisioner.errors import BrokerUnavailable, InvalidRequest, NoCapacity
 from provisioner.kernel.provisioner import GPULeaseProvisioner
 from provisioner.kernelspecs import build_kernelspec, spec_json
 
@@ -148,6 +148,12 @@ def lease_of(broker: Broker, kernel_id: str) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+def gpus(broker: Broker) -> list[dict[str, Any]]:
+    r = httpx.get(f"{broker.url}/api/v1/gpus", headers=broker.headers("alice"))
+    r.raise_for_status()
+    return list(r.json()["gpus"])
+
+
 def queue(broker: Broker) -> list[dict[str, Any]]:
     r = httpx.get(f"{broker.url}/api/v1/queue", headers=broker.headers("admin"))
     r.raise_for_status()
@@ -198,7 +204,7 @@ async def run(km: AsyncKernelManager, code: str) -> str:
 
 ENV_CODE = (
     "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
-    "if k.startswith(('GPU_LEASE', 'CUDA_', 'JUPYTERHUB_'))}))"
+    "if k.startswith(('GPU_LEASE', 'CUDA_', 'JUPYTERHUB_', 'XLA_'))}))"
 )
 
 
@@ -239,8 +245,13 @@ def test_kernel_json_config_wins_and_env_defaults(
 
 # -- the kernel's life -------------------------------------------------------------------------
 @pytest.mark.slow
-async def test_start_env_renew_shutdown(server_env: Broker, tmp_path: Path) -> None:
+async def test_start_env_renew_shutdown(
+    server_env: Broker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     broker = server_env
+    # jaxlib refuses its GPU backend when both names are set (seen on an H200): the kernel
+    # gets the older one only, even when the server's environment carries the newer one
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
     async with kernel("gpu-0.02", tmp_path) as km:
         lease = lease_of(broker, km.kernel_id)
         assert lease is not None and lease["user"] == "alice" and lease["fraction"] == 0.02
@@ -250,6 +261,9 @@ async def test_start_env_renew_shutdown(server_env: Broker, tmp_path: Path) -> N
         assert env["GPU_LEASE_FRACTION"] == "0.02"
         assert env["GPU_LEASE_MEMORY_MB"] == str(lease["memory_limit_mb"])
         assert "GPU_LEASE_TOKEN" not in env  # the server's broker credential stays out
+        assert "XLA_CLIENT_MEM_FRACTION" not in env
+        gpu_mb = lease["gpu"]["memory_mb"]
+        assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) * gpu_mb <= lease["memory_limit_mb"]
         assert env["JUPYTERHUB_API_TOKEN"] == HUB_TOKEN  # what the kernel already had
         state_file = Path(env["GPU_LEASE_STATE_FILE"])
         assert file_mode(state_file) == 0o600
@@ -365,6 +379,37 @@ async def test_failed_launch_holds_nothing(
         await km.start_kernel()
     assert leases(broker) == []
     assert queue(broker) == []
+
+
+async def test_mps_kernel_needs_its_gpus_daemon(
+    server_env: Broker, specs: Specs, tmp_path: Path
+) -> None:
+    """Seen on an H200: a CUDA process pointed at a pipe directory where no MPS daemon listens
+    runs without MPS, so without its limit. Such a kernel is not started, and holds nothing."""
+    broker = server_env
+    mps_dir = tmp_path / "mps"
+    specs.add("gpu-mps", 0.02, enforcement="mps", mps_dir=str(mps_dir))
+    km = AsyncKernelManager(kernel_name="gpu-mps")
+    with pytest.raises(InvalidRequest) as refused:
+        await km.start_kernel()
+    text = " ".join(str(refused.value).split())
+    assert "no MPS control daemon runs for GPU" in text
+    assert "the kernel would run without its limit, so it was not started" in text
+    assert "gpu-lease agent --mps" in text
+    assert leases(broker) == []
+    # each GPU's daemon there (its control pipe, as the real one makes it): the kernel starts
+    for gpu in gpus(broker):
+        pipe = mps_dir / gpu["uuid"] / "pipe"
+        pipe.mkdir(parents=True)
+        os.mkfifo(pipe / "control")
+    async with kernel("gpu-mps", tmp_path) as km:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None
+        env = await kernel_env(km)
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(mps_dir / lease["gpu"]["uuid"] / "pipe")
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={lease['memory_limit_mb']}M"
+        assert env["GPU_LEASE_ENFORCEMENT"] == "mps"
+    assert leases(broker) == []
 
 
 # -- a full pool --------------------------------------------------------------------------------

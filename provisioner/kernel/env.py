@@ -10,9 +10,14 @@ How each framework's GPU memory is capped, and why here or in the launcher:
 
 - **CUDA_VISIBLE_DEVICES** holds the leased GPU's UUID, so the kernel sees exactly
   one device, index 0.
-- **JAX** reads ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (and ``XLA_CLIENT_MEM_FRACTION``,
-  its newer name) as a fraction of the *whole device*: cap / device memory, rounded
-  down so the cap is never exceeded. ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: XLA's
+- **JAX** reads ``XLA_PYTHON_CLIENT_MEM_FRACTION`` as a fraction of the *whole device*:
+  cap / device memory, rounded down so the cap is never exceeded. Only that name: recent
+  jaxlib (0.11.2, seen on an H200) refuses to start its GPU backend when the newer name
+  ``XLA_CLIENT_MEM_FRACTION`` is set *as well* ("specified together with ... Remove the
+  latter one") and JAX then falls back to the CPU without the user noticing; it still
+  reads the older name alone, which every release reads. So the kernel gets the older
+  name, and the newer one is removed from the kernel's environment
+  (:data:`REMOVE_FROM_KERNEL`) should the server's environment carry it. ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: XLA's
   BFC allocator is sized to the fraction either way (preallocation only decides
   whether it grabs it all up front), so the cap holds, and without preallocation a
   kernel that uses JAX *and* another framework does not hand all of its lease to JAX
@@ -57,6 +62,10 @@ EXTENSION = "gpu_lease_magic"
 IPYTHON_KERNEL_MODULES = frozenset({"ipykernel_launcher", "ipykernel"})
 
 MIB = 1024 * 1024
+
+#: variables a leased kernel must not inherit from the server: with
+#: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set as well, jaxlib refuses its GPU backend (above)
+REMOVE_FROM_KERNEL = ("XLA_CLIENT_MEM_FRACTION",)
 
 
 def lease_environment(
@@ -107,7 +116,6 @@ def lease_environment(
         env["GPU_LEASE_GPU_MEMORY_MB"] = str(gpu.memory_mb)
         mem_fraction = xla_mem_fraction(cap_mb, gpu.memory_mb)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction
-        env["XLA_CLIENT_MEM_FRACTION"] = mem_fraction
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in base:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if state_file:

@@ -52,10 +52,10 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import ENFORCEMENTS, validate_fraction
-from ..mps import DEFAULT_MPS_DIR
+from ..mps import DEFAULT_MPS_DIR, pipe_directory
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
-from .env import kernel_argv, lease_environment
+from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
 from .lease import GrantedLease
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
@@ -209,6 +209,8 @@ class GPULeaseProvisioner(LocalProvisioner):
                 self.lease_keeper.state_file = StateFile(
                     path, kernel_id=self.kernel_id, log=self.log
                 )
+            if self.enforcement == "mps":
+                self._check_mps_daemon(lease)
             env.update(
                 lease_environment(
                     lease,
@@ -218,6 +220,8 @@ class GPULeaseProvisioner(LocalProvisioner):
                     mps_dir=self.mps_dir,
                 )
             )
+            for name in REMOVE_FROM_KERNEL:
+                env.pop(name, None)
             wrapped = kernel_argv(kwargs["cmd"])
             if not wrapped.wrapped:
                 self.log.warning("Kernel %s: %s", self.kernel_id, wrapped.reason)
@@ -227,6 +231,25 @@ class GPULeaseProvisioner(LocalProvisioner):
             await self.lease_keeper.end("the kernel could not be prepared for launch")
             raise
         return kwargs
+
+    def _check_mps_daemon(self, lease: GrantedLease) -> None:
+        """Refuse to start an ``enforcement=mps`` kernel whose GPU has no MPS daemon here.
+
+        Seen on an H200: a CUDA process whose ``CUDA_MPS_PIPE_DIRECTORY`` holds no daemon's
+        ``control`` pipe runs *without* MPS, silently, and so without its memory limit.
+        """
+        pipe = pipe_directory(self.mps_dir, lease.gpu.uuid or "")
+        if os.path.exists(os.path.join(pipe, "control")):
+            return
+        raise for_jupyter_server(
+            InvalidRequest(
+                f"This kernel's GPU memory limit is enforced by MPS, but no MPS control daemon "
+                f"runs for GPU {lease.gpu.uuid} on this node ({pipe} has no 'control' pipe): "
+                "the kernel would run without its limit, so it was not started. Ask your "
+                "administrator to run `gpu-lease agent --mps` on this node, with the same "
+                "MPS directory as the provisioner's mps_dir."
+            )
+        )
 
     def _board(self) -> LeaseBoard | None:
         """The board of the server whose ``MultiKernelManager`` manages this kernel (if any),

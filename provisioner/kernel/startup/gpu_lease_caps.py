@@ -116,12 +116,17 @@ def _torch(torch, cap):
 
 
 def _jax(jax, cap):
-    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or os.environ.get(
-        "XLA_CLIENT_MEM_FRACTION"
-    )
+    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if not value:
         return "not capped: XLA_PYTHON_CLIENT_MEM_FRACTION is unset"
     text = f"XLA_PYTHON_CLIENT_MEM_FRACTION={value} ({cap} MiB; environment)"
+    if os.environ.get("XLA_CLIENT_MEM_FRACTION"):
+        # set after the kernel started (by the user's code): jaxlib then refuses the GPU
+        _warn(
+            "XLA_CLIENT_MEM_FRACTION is set together with XLA_PYTHON_CLIENT_MEM_FRACTION: "
+            "jaxlib refuses its GPU backend then and JAX runs on the CPU. Unset it."
+        )
+        text += "; XLA_CLIENT_MEM_FRACTION is set too: jaxlib refuses the GPU"
     if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
         _warn(
             "XLA_PYTHON_CLIENT_ALLOCATOR=platform ignores the memory fraction: JAX is not capped."
