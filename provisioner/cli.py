@@ -417,7 +417,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.processes < 1:
         print("error: --processes must be at least 1", file=sys.stderr)
         return 2
-    return doctor.main(as_json=args.json, processes=args.processes)
+    if args.cap_mb is not None and args.cap_mb < 1:
+        print("error: --cap-mb must be at least 1", file=sys.stderr)
+        return 2
+    if args.context_overhead_mb < 0:
+        print("error: --context-overhead-mb must not be negative", file=sys.stderr)
+        return 2
+    return doctor.main(
+        as_json=args.json,
+        processes=args.processes,
+        cap_mb=args.cap_mb,
+        context_overhead_mb=args.context_overhead_mb,
+    )
 
 
 # -- parser ----------------------------------------------------------------------
@@ -461,6 +472,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         metavar="N",
         help="concurrent capped processes of the cap-escape check (default 4; needs a GPU)",
+    )
+    doctor.add_argument(
+        "--cap-mb",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="each probe's memory cap (default 1024 MiB, or an eighth of a smaller GPU)",
+    )
+    doctor.add_argument(
+        "--context-overhead-mb",
+        type=int,
+        default=512,
+        metavar="MIB",
+        help="the broker's context_overhead_mb: a CUDA context larger than this fails "
+        "(default 512, the broker's default)",
     )
     doctor.set_defaults(func=cmd_doctor)
 

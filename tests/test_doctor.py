@@ -1,7 +1,11 @@
 """``gpu-lease doctor`` as an admin runs it: a subprocess, with NVML or without.
 
 NVML cannot exist here: one run gets the stand-in ``pynvml`` (``tests/fake_nvml``), the
-other the real nvidia-ml-py, which finds no driver on this machine.
+other the real nvidia-ml-py, which finds no driver on this machine. The cap probes are real
+processes started under the kernel launcher; the frameworks installed here (CPU builds of
+PyTorch and TensorFlow) see no GPU, and a stand-in CuPy (``tests/standin_gpu``) plays a GPU
+framework and its driver. What the real frameworks did on a real GPU is in
+``benchmarks/gpu/README.md``.
 """
 
 from __future__ import annotations
@@ -15,20 +19,26 @@ from typing import Any
 
 import pytest
 
-from provisioner.doctor import EXIT_NOT_RUN, FRAMEWORKS, Check, exit_status
+from provisioner.doctor import EXIT_FAILED, EXIT_NOT_RUN, FRAMEWORKS, Check, exit_status
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAKE_NVML = HERE / "fake_nvml"
+STANDIN_GPU = HERE / "standin_gpu"
 
 
-def doctor(*args: str, fake_nvml: Path | None = None) -> subprocess.CompletedProcess[str]:
+def doctor(
+    *args: str, fake_nvml: Path | None = None, standin: bool = False, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     path = [str(ROOT), env.get("PYTHONPATH", "")]
     if fake_nvml is not None:
         path.insert(0, str(FAKE_NVML))
         env["FAKE_NVML_FILE"] = str(fake_nvml)
+    if standin:
+        path.insert(0, str(STANDIN_GPU))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    env.update(env_vars)
     return subprocess.run(
         [sys.executable, "-m", "provisioner", "doctor", *args],
         env=env,
@@ -59,18 +69,81 @@ def test_with_nvml_it_lists_the_driver_and_every_gpu(tmp_path: Path) -> None:
     assert "driver 555.42.06, 2 GPU(s)" in text.stdout, text.stdout + text.stderr
     assert "GPU 0: NVIDIA A100-SXM4-40GB, 40960 MiB, GPU-aaaa" in text.stdout
     assert "GPU 1: Tesla T4, 15360 MiB, GPU-bbbb" in text.stdout
-    # the measurements a GPU node needs are not written yet: said, and the exit says so
+    # the probes ran (under the launcher, capped) but the frameworks here are CPU builds:
+    # nothing measured, said per framework, and the exit status says so
     assert "not run here: context_overhead, cap_escape" in text.stdout
     assert text.returncode == EXIT_NOT_RUN
 
-    checks = by_name(doctor("--json", "--processes", "6", fake_nvml=state).stdout)
-    assert checks["cap_escape"]["data"] == {"processes": 6}
+    checks = by_name(doctor("--json", "--processes", "2", fake_nvml=state).stdout)
+    assert checks["cap_escape"]["data"]["processes"] == 2
     assert checks["nvml"]["status"] == "ok"
     assert checks["nvml"]["data"]["driver"] == "555.42.06"
     assert [g["memory_mb"] for g in checks["nvml"]["data"]["gpus"]] == [40960, 15360]
     assert checks["mps"]["status"] in {"ok", "missing"}
     assert {f"framework:{m}" for m in FRAMEWORKS} <= set(checks)
-    assert "not implemented yet" in checks["context_overhead"]["detail"]
+    results = checks["cap_escape"]["data"]["results"]
+    assert [r["framework"] for r in results] == ["torch", "tensorflow"]
+    assert all(r["status"] == "not run" and "sees no GPU" in r["error"] for r in results)
+    assert "torch 2." in checks["context_overhead"]["detail"]
+    assert "sees no GPU" in checks["context_overhead"]["detail"]
+
+
+def nvml_state(tmp_path: Path) -> Path:
+    state = tmp_path / "nvml.json"
+    gpu = {"uuid": "GPU-aaaa", "name": "NVIDIA A100-SXM4-40GB", "memory_mb": 40960}
+    state.write_text(json.dumps({"driver": "555.42.06", "gpus": [gpu]}))
+    return state
+
+
+def test_a_cap_that_holds_and_a_small_context_pass(tmp_path: Path) -> None:
+    """The stand-in CuPy honours CUPY_GPU_MEMORY_LIMIT, which the probe got as a kernel does."""
+    result = doctor("--json", "--processes", "3", fake_nvml=nvml_state(tmp_path), standin=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = by_name(result.stdout)
+    assert checks["context_overhead"]["status"] == "ok"
+    assert checks["context_overhead"]["data"]["context_mb"] == {"cupy": 300}
+    cap = checks["cap_escape"]
+    assert cap["status"] == "ok" and cap["detail"].startswith("3 capped processes")
+    assert "held by cupy" in cap["detail"]
+    (cupy,) = [r for r in cap["data"]["results"] if r["framework"] == "cupy"]
+    assert cupy["cap_report"] == f"CUPY_GPU_MEMORY_LIMIT={1024 * 2**20} (1024 MiB; environment)"
+    assert cupy["block"]["refused"] and "limit set to: 1,073,741,824" in cupy["block"]["error"]
+    assert cupy["chunks"]["refused"] and cupy["chunks"]["granted_mb"] <= 1024
+    # NVML saw the context plus what the pool held at the peak, no more than cap + context
+    assert 300 < cupy["peak_mb"] <= 1024 + 300
+
+
+def test_a_cap_that_does_not_hold_and_a_large_context_fail(tmp_path: Path) -> None:
+    state = nvml_state(tmp_path)
+    env = {"STANDIN_IGNORE_LIMIT": "1", "STANDIN_CONTEXT_MB": "700"}
+    result = doctor("--json", "--processes", "3", fake_nvml=state, standin=True, **env)
+    assert result.returncode == EXIT_FAILED, result.stdout + result.stderr
+    checks = by_name(result.stdout)
+    assert checks["cap_escape"]["status"] == "failed"
+    assert checks["cap_escape"]["detail"].endswith("not held by cupy")
+    (cupy,) = [r for r in checks["cap_escape"]["data"]["results"] if r["framework"] == "cupy"]
+    assert not cupy["block"]["refused"] and cupy["peak_mb"] > 1024 + 700
+    context = checks["context_overhead"]
+    assert context["status"] == "failed"
+    assert "set the broker's context_overhead_mb to at least 700" in context["detail"]
+    # a broker that reserves enough for that context: the context check passes
+    env.pop("STANDIN_IGNORE_LIMIT")
+    again = doctor(
+        "--json",
+        "--processes",
+        "3",
+        "--context-overhead-mb",
+        "768",
+        "--cap-mb",
+        "256",
+        fake_nvml=state,
+        standin=True,
+        **env,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    checks = by_name(again.stdout)
+    assert checks["context_overhead"]["detail"].endswith("(within the 768 MiB a lease reserves)")
+    assert checks["cap_escape"]["data"]["cap_mb"] == 256
 
 
 def test_without_a_driver_it_says_what_it_could_not_check() -> None:
@@ -107,8 +180,18 @@ def test_exit_status(statuses: list[str], code: int) -> None:
     assert exit_status([Check(str(i), s, "") for i, s in enumerate(statuses)]) == code
 
 
-@pytest.mark.parametrize("bad", ["0", "-2", "many"])
-def test_bad_process_count_is_refused(bad: str) -> None:
-    result = doctor("--processes", bad)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--processes", "0"),
+        ("--processes", "-2"),
+        ("--processes", "many"),
+        ("--cap-mb", "0"),
+        ("--cap-mb", "1.5"),
+        ("--context-overhead-mb", "-1"),
+    ],
+)
+def test_bad_numbers_are_refused(args: tuple[str, str]) -> None:
+    result = doctor(*args)
     assert result.returncode == 2 and result.stdout == ""
-    assert "--processes" in result.stderr
+    assert args[0] in result.stderr
