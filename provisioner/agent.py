@@ -380,6 +380,10 @@ class GPULeaseAgent(Application):
             format="[%(levelname)1.1s %(asctime)s %(name)s] %(message)s",
             stream=sys.stderr,
         )
+        if int(self.log_level) > logging.DEBUG:  # type: ignore[call-overload]
+            # httpx logs every request at INFO: a heartbeat line every few seconds, all day
+            # (seen on the H200 run); the agent logs what matters itself
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         try:
             status = asyncio.run(self.serve())
         except KeyboardInterrupt:

@@ -111,6 +111,9 @@ def test_two_agents_register_and_report_processes(nb: NodeBroker, agents: dict[s
         {"pid": 4321, "gpu_uuid": a.gpus[1]["uuid"], "used_mb": 700}
     ]
     assert nodes_of(nb)["gpu-b"]["usage"] == []
+    # heartbeats are not logged one by one (httpx's INFO line per request is silenced)
+    assert "HTTP Request:" not in a.log_path.read_text()
+    assert "Registered node gpu-a" in a.log_path.read_text()
 
 
 def test_killed_agent_loses_its_node_until_it_restarts(
