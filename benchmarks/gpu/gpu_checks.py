@@ -18,7 +18,8 @@ What it does, each step on its own (a step that fails is recorded, the next one 
    the agent reported to the broker for the lease (``GET /leases/{id}``'s ``used_mb``);
 5. escape: in a PyTorch kernel at the smallest fraction the user's code lifts the
    cooperative cap (``set_per_process_memory_fraction(1.0)``) and allocates past it: the
-   agent must report the over-use to the broker;
+   agent must report the over-use to the broker; then with the agent's ``--enforce revoke``
+   and ``--enforce kill``, the lease must end and the kernel stop;
 6. with ``--mps`` and ``nvidia-cuda-mps-control`` on PATH: the same escape in a kernel with
    ``enforcement=mps`` under the agent's MPS daemon, where the driver must refuse it.
 
@@ -441,6 +442,48 @@ async def escape_check(
     return rec
 
 
+async def enforce_check(kernels: Kernels, fraction: float, mode: str) -> dict[str, Any]:
+    """The agent with ``--enforce revoke|kill``: a kernel that lifts its cap loses its lease
+    (and, with kill, its GPU processes at once); its provisioner stops it."""
+    site = kernels.site
+    site.start_agent("--enforce", mode)
+    rec: dict[str, Any] = {"enforce": mode, "fraction": fraction}
+    km = await kernels.start(kernels.spec(fraction))
+    try:
+        lease = lease_of(site, km.kernel_id)
+        rec["cap_mb"] = lease["memory_limit_mb"]
+        out, reply = await run(
+            km,
+            "import json, os\nfrom provisioner.probe import Probe\n"
+            "_probe = Probe('torch')\nprint(json.dumps(_probe.init()))",
+        )
+        if reply["status"] != "ok":
+            rec["init_error"] = out[-2000:]
+            return rec
+        t0 = time.monotonic()
+        out, reply = await run(km, ESCAPE.format(extra=2048))
+        rec["escape"] = last_json(out) if reply["status"] == "ok" else out[-2000:]
+        body: dict[str, Any] = {}
+        while time.monotonic() - t0 < 30:
+            body = site.get(f"/leases/{lease['id']}")
+            if body.get("state") != "active":
+                break
+            await asyncio.sleep(0.25)
+        rec["lease_state"] = body.get("state")
+        rec["reason"] = body.get("reason")
+        rec["seconds_to_end"] = round(time.monotonic() - t0, 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and await km.is_alive():  # noqa: ASYNC110
+            await asyncio.sleep(0.25)
+        rec["kernel_alive_after"] = await km.is_alive()
+        rec["seconds_to_kernel_gone"] = round(time.monotonic() - t0, 1)
+        rec["nvml_mb_after"] = nvml_used(kernel_pid(km))
+    finally:
+        if km.has_kernel:
+            await km.shutdown_kernel(now=True)
+    return rec
+
+
 async def mps_missing_check(kernels: Kernels, fraction: float, tmp: Path) -> dict[str, Any]:
     """An enforcement=mps kernel whose GPU has no MPS daemon where it looks: refused, no lease."""
     empty = tmp / "no-mps-here"
@@ -486,7 +529,13 @@ def summary(results: dict[str, Any]) -> str:
                 else ""
             )
         )
-    for key in ("escape_cooperative", "escape_mps", "mps_missing"):
+    for key in (
+        "escape_cooperative",
+        "enforce_revoke",
+        "enforce_kill",
+        "escape_mps",
+        "mps_missing",
+    ):
         if key in results:
             lines.append(f"## {key}\n{json.dumps(results[key], indent=1)[:3000]}")
     return "\n".join(lines) + "\n"
@@ -514,7 +563,7 @@ def main() -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.25])
     parser.add_argument("--frameworks", nargs="+", default=None)
     parser.add_argument("--mps", action="store_true", help="also the MPS escape check")
-    steps = ("doctor", "kernels", "escape", "mps")
+    steps = ("doctor", "kernels", "escape", "enforce", "mps")
     parser.add_argument("--steps", nargs="+", choices=steps, default=list(steps))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -555,6 +604,11 @@ def main() -> int:
             with step(results, "escape_cooperative") as rec:
                 rec.update(asyncio.run(escape_check(kernels, min(args.fractions), "cooperative")))
             save()
+        if "torch" in frameworks and "enforce" in args.steps:
+            for mode in ("revoke", "kill"):
+                with step(results, f"enforce_{mode}") as rec:
+                    rec.update(asyncio.run(enforce_check(kernels, min(args.fractions), mode)))
+                save()
         if args.mps and "mps" in args.steps and shutil.which("nvidia-cuda-mps-control"):
             with step(results, "escape_mps") as rec:
                 # the agent's default --mps-dir, which is the provisioners' default mps_dir too
