@@ -308,6 +308,21 @@ async def reported_used(site: Site, lease_id: str, at_least: int, timeout: float
     return {"used_mb": body.get("used_mb"), "enforcement": body.get("enforcement")}
 
 
+async def probe_init(km: AsyncKernelManager, framework: str, rec: dict[str, Any]) -> bool:
+    """Start the probe in the kernel (import, CUDA context); its event in ``rec["init"]``, or
+    the error in ``rec["init_error"]`` (then False)."""
+    out, reply = await run(
+        km,
+        "import json, os\nfrom provisioner.probe import Probe\n"
+        f"_probe = Probe({framework!r})\nprint(json.dumps(_probe.init()))",
+    )
+    if reply["status"] != "ok":
+        rec["init_error"] = out[-2000:] or reply
+        return False
+    rec["init"] = last_json(out)
+    return True
+
+
 async def framework_check(kernels: Kernels, framework: str, fraction: float) -> dict[str, Any]:
     rec: dict[str, Any] = {"framework": framework, "fraction": fraction}
     t0 = time.monotonic()
@@ -317,15 +332,8 @@ async def framework_check(kernels: Kernels, framework: str, fraction: float) -> 
         pid = kernel_pid(km)
         lease = lease_of(kernels.site, km.kernel_id)
         rec["lease"] = {k: lease.get(k) for k in ("id", "fraction", "memory_limit_mb", "gpu")}
-        out, reply = await run(
-            km,
-            "import json, os\nfrom provisioner.probe import Probe\n"
-            f"_probe = Probe({framework!r})\nprint(json.dumps(_probe.init()))",
-        )
-        if reply["status"] != "ok":
-            rec["init_error"] = out[-2000:] or reply
+        if not await probe_init(km, framework, rec):
             return rec
-        rec["init"] = last_json(out)
         await asyncio.sleep(1.0)
         rec["idle_nvml_mb"] = nvml_used(pid)
         out, reply = await run(km, "print(json.dumps(_probe.warm()))")
@@ -400,15 +408,8 @@ async def escape_check(
         lease = lease_of(kernels.site, km.kernel_id)
         rec["lease_id"] = lease["id"][:8]
         rec["cap_mb"] = lease["memory_limit_mb"]
-        out, reply = await run(
-            km,
-            "import json, os\nfrom provisioner.probe import Probe\n"
-            "_probe = Probe('torch')\nprint(json.dumps(_probe.init()))",
-        )
-        if reply["status"] != "ok":
-            rec["init_error"] = out[-2000:]
+        if not await probe_init(km, "torch", rec):
             return rec
-        rec["init"] = last_json(out)
         env_out, _ = await run(
             km,
             "print(json.dumps({k: v for k, v in os.environ.items() "
@@ -452,13 +453,7 @@ async def enforce_check(kernels: Kernels, fraction: float, mode: str) -> dict[st
     try:
         lease = lease_of(site, km.kernel_id)
         rec["cap_mb"] = lease["memory_limit_mb"]
-        out, reply = await run(
-            km,
-            "import json, os\nfrom provisioner.probe import Probe\n"
-            "_probe = Probe('torch')\nprint(json.dumps(_probe.init()))",
-        )
-        if reply["status"] != "ok":
-            rec["init_error"] = out[-2000:]
+        if not await probe_init(km, "torch", rec):
             return rec
         t0 = time.monotonic()
         out, reply = await run(km, ESCAPE.format(extra=2048))
