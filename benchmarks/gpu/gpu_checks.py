@@ -410,6 +410,13 @@ async def escape_check(
         rec["cap_mb"] = lease["memory_limit_mb"]
         if not await probe_init(km, "torch", rec):
             return rec
+        await asyncio.sleep(2.5)  # a renewal and a heartbeat: the state file has the node's view
+        out, _ = await run(km, "%gpu")
+        rec["gpu_magic_text"] = out
+        out, _ = await run(
+            km, "print(json.dumps(get_ipython().run_line_magic('gpu', '--json'), default=str))"
+        )
+        rec["gpu_magic"] = last_json(out)
         env_out, _ = await run(
             km,
             "print(json.dumps({k: v for k, v in os.environ.items() "
