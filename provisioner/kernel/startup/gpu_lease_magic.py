@@ -69,7 +69,7 @@ def process_gpu_memory(uuid, pid=None):
             if process.pid == pid:
                 used = process.usedGpuMemory
                 if used is None:
-                    return None, "NVML does not report per-process memory here (e.g. under MPS)"
+                    return None, "the driver does not report per-process memory here"
                 return used // MIB, ""
         return None, (
             "NVML lists no GPU memory for this process (no CUDA context yet, "
