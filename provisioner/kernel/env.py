@@ -17,12 +17,14 @@ How each framework's GPU memory is capped, and why here or in the launcher:
   latter one") and JAX then falls back to the CPU without the user noticing; it still
   reads the older name alone, which every release reads. So the kernel gets the older
   name, and the newer one is removed from the kernel's environment
-  (:data:`REMOVE_FROM_KERNEL`) should the server's environment carry it. ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: XLA's
-  BFC allocator is sized to the fraction either way (preallocation only decides
-  whether it grabs it all up front), so the cap holds, and without preallocation a
-  kernel that uses JAX *and* another framework does not hand all of its lease to JAX
-  at the first ``jnp`` call, and the memory shown by ``%gpu`` / ``gpu-lease top`` is
-  what the kernel really uses. A value the server environment already sets wins.
+  (:data:`REMOVE_FROM_KERNEL`) should the server's environment carry it.
+  ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: XLA's BFC allocator is sized to the fraction
+  either way (preallocation only decides whether it grabs it all up front), so the cap
+  holds (on the H200: ``bytes_limit`` was the cap, and a larger block was refused), and
+  without preallocation a kernel that uses JAX *and* another framework does not hand
+  all of its lease to JAX at the first ``jnp`` call, and the memory shown by ``%gpu`` /
+  ``gpu-lease top`` is what the kernel really uses. A value the server environment
+  already sets wins.
 - **CuPy** reads ``CUPY_GPU_MEMORY_LIMIT`` (bytes) when its memory pool is created.
 - **PyTorch**: capped by the launcher with ``torch.cuda.set_per_process_memory_fraction``
   queued through ``torch.cuda._lazy_call`` (no CUDA context before user code touches
