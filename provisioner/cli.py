@@ -420,15 +420,42 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.cap_mb is not None and args.cap_mb < 1:
         print("error: --cap-mb must be at least 1", file=sys.stderr)
         return 2
-    if args.context_overhead_mb < 0:
+    overhead, source = args.context_overhead_mb, "--context-overhead-mb"
+    if overhead is None:
+        overhead, source = _brokers_context_overhead(args)
+    elif overhead < 0:
         print("error: --context-overhead-mb must not be negative", file=sys.stderr)
         return 2
     return doctor.main(
         as_json=args.json,
         processes=args.processes,
         cap_mb=args.cap_mb,
-        context_overhead_mb=args.context_overhead_mb,
+        context_overhead_mb=overhead,
+        context_overhead_source=source,
     )
+
+
+def _brokers_context_overhead(args: argparse.Namespace) -> tuple[int, str]:
+    """The broker's ``context_overhead_mb`` (``GET /api/v1/gpus``) and where it came from,
+    or the default when no broker is named or it cannot be asked."""
+    default = ks.DEFAULT_CONTEXT_OVERHEAD_MB
+    if not (broker_env().url or args.url):
+        return default, "the broker's default; set GPU_LEASE_URL to compare with its setting"
+
+    async def pool() -> list[dict[str, Any]]:
+        async with _client(args) as client:
+            return await client.gpus()
+
+    try:
+        gpus = asyncio.run(pool())
+    except GPULeaseError as exc:
+        return default, f"the default: the broker could not be asked ({exc.message.rstrip('.')})"
+    values = [
+        g["context_overhead_mb"] for g in gpus if isinstance(g.get("context_overhead_mb"), int)
+    ]
+    if not values:
+        return default, "the default: the broker's pool names no context_overhead_mb"
+    return max(values), "the broker's setting"
 
 
 # -- parser ----------------------------------------------------------------------
@@ -483,11 +510,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument(
         "--context-overhead-mb",
         type=int,
-        default=512,
+        default=None,
         metavar="MIB",
         help="the broker's context_overhead_mb: a CUDA context larger than this fails "
-        "(default 512, the broker's default)",
+        "(default: asked of the broker at --url or $GPU_LEASE_URL, else 512)",
     )
+    doctor.add_argument("--url", help="the broker's URL (default: $GPU_LEASE_URL)")
     doctor.set_defaults(func=cmd_doctor)
 
     # kernelspec

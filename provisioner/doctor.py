@@ -421,8 +421,13 @@ def main(
     processes: int = 4,
     cap_mb: int | None = None,
     context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB,
+    context_overhead_source: str = "the broker's default",
 ) -> int:
     checks = run_checks(processes, cap_mb=cap_mb, context_overhead_mb=context_overhead_mb)
+    for check in checks:
+        if check.name == "context_overhead" and "context_overhead_mb" in check.data:
+            check.detail += f" [{context_overhead_mb} MiB: {context_overhead_source}]"
+            check.data["context_overhead_source"] = context_overhead_source
     if as_json:
         print(json.dumps({"checks": [asdict(c) for c in checks]}, indent=2))
     else:

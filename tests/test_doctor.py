@@ -21,6 +21,8 @@ import pytest
 
 from provisioner.doctor import EXIT_FAILED, EXIT_NOT_RUN, FRAMEWORKS, Check, exit_status
 
+from .conftest import Broker
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAKE_NVML = HERE / "fake_nvml"
@@ -38,6 +40,8 @@ def doctor(
     if standin:
         path.insert(0, str(STANDIN_GPU))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+    for name in ("GPU_LEASE_URL", "GPU_LEASE_TOKEN"):  # a broker only where a test names one
+        env.pop(name, None)
     env.update(env_vars)
     return subprocess.run(
         [sys.executable, "-m", "provisioner", "doctor", *args],
@@ -126,6 +130,9 @@ def test_a_cap_that_does_not_hold_and_a_large_context_fail(tmp_path: Path) -> No
     context = checks["context_overhead"]
     assert context["status"] == "failed"
     assert "set the broker's context_overhead_mb to at least 700" in context["detail"]
+    assert context["detail"].endswith(
+        "[512 MiB: the broker's default; set GPU_LEASE_URL to compare with its setting]"
+    )
     # a broker that reserves enough for that context: the context check passes
     env.pop("STANDIN_IGNORE_LIMIT")
     again = doctor(
@@ -142,7 +149,9 @@ def test_a_cap_that_does_not_hold_and_a_large_context_fail(tmp_path: Path) -> No
     )
     assert again.returncode == 0, again.stdout + again.stderr
     checks = by_name(again.stdout)
-    assert checks["context_overhead"]["detail"].endswith("(within the 768 MiB a lease reserves)")
+    assert checks["context_overhead"]["detail"].endswith(
+        "(within the 768 MiB a lease reserves) [768 MiB: --context-overhead-mb]"
+    )
     assert checks["cap_escape"]["data"]["cap_mb"] == 256
 
 
@@ -170,6 +179,43 @@ def test_a_driver_with_no_gpus_is_not_a_pass(tmp_path: Path) -> None:
     checks = by_name(doctor("--json", fake_nvml=state).stdout)
     assert checks["nvml"]["status"] == "not run"
     assert checks["nvml"]["detail"] == "driver 550.54.15 reports 0 GPUs"
+
+
+def test_the_context_is_compared_with_the_brokers_setting(tmp_path: Path) -> None:
+    """With GPU_LEASE_URL, doctor asks the broker (GET /api/v1/gpus) what it reserves."""
+    state = nvml_state(tmp_path)
+    db = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    with Broker(tmp_path, db, ("--GPULeaseBroker.context_overhead_mb=768",)).running() as b:
+        env = {"GPU_LEASE_URL": b.url, "GPU_LEASE_TOKEN": b.tokens["alice"]}
+        result = doctor(
+            "--json",
+            "--processes",
+            "3",
+            fake_nvml=state,
+            standin=True,
+            STANDIN_CONTEXT_MB="700",
+            **env,
+        )
+    assert result.returncode == 0, result.stdout + result.stderr
+    context = by_name(result.stdout)["context_overhead"]
+    assert context["status"] == "ok"
+    assert context["detail"].endswith(
+        "(within the 768 MiB a lease reserves) [768 MiB: the broker's setting]"
+    )
+    # a broker that cannot be asked: the default, and why
+    env = {"GPU_LEASE_URL": "http://127.0.0.1:9", "GPU_LEASE_TOKEN": "t"}
+    result = doctor(
+        "--json",
+        "--processes",
+        "3",
+        fake_nvml=state,
+        standin=True,
+        STANDIN_CONTEXT_MB="700",
+        **env,
+    )
+    assert result.returncode == EXIT_FAILED
+    detail = by_name(result.stdout)["context_overhead"]["detail"]
+    assert "at least 700 [512 MiB: the default: the broker could not be asked (" in detail
 
 
 @pytest.mark.parametrize(
