@@ -140,7 +140,7 @@ def doctor(rec: dict[str, Any], env: dict[str, str]) -> None:
 class Site:
     """A broker (agents' GPUs only) and one node agent on this machine's GPUs."""
 
-    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+    def __init__(self, tmp: Path, env: dict[str, str], context_overhead_mb: int = 512) -> None:
         self.tmp = tmp
         self.env = env
         self.broker = BrokerProcess(
@@ -150,6 +150,7 @@ class Site:
             gpus="agents",
             extra=(
                 "--GPULeaseBroker.overuse_grace=2",
+                f"--GPULeaseBroker.context_overhead_mb={context_overhead_mb}",
                 "--GPULeaseBroker.node_grace=15",
                 "--GPULeaseBroker.reap_interval=0.5",
             ),
@@ -507,10 +508,12 @@ async def mps_missing_check(kernels: Kernels, fraction: float, tmp: Path) -> dic
 # -- main -----------------------------------------------------------------------------------------
 def summary(results: dict[str, Any]) -> str:
     lines = [f"gpu_checks {results['started']} on {results['facts'].get('nvidia_smi')}"]
-    d = results.get("doctor", {})
-    lines.append(
-        f"\n## doctor (exit status {d.get('exit_status')})\n{d.get('text', d.get('error'))}"
-    )
+    for key in ("doctor", "doctor_broker"):
+        d = results.get(key, {})
+        if d:
+            lines.append(
+                f"\n## {key} (exit status {d.get('exit_status')})\n{d.get('text', d.get('error'))}"
+            )
     lines.append("## kernels: framework, fraction, cap, idle NVML, block, chunks, peak NVML, held")
     for r in results.get("kernels", {}).get("runs", []):
         push = r.get("push", {})
@@ -565,8 +568,11 @@ def main() -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.25])
     parser.add_argument("--frameworks", nargs="+", default=None)
     parser.add_argument("--mps", action="store_true", help="also the MPS escape check")
-    steps = ("doctor", "kernels", "escape", "enforce", "mps")
+    steps = ("doctor", "doctor-broker", "kernels", "escape", "enforce", "mps")
     parser.add_argument("--steps", nargs="+", choices=steps, default=list(steps))
+    parser.add_argument(
+        "--context-overhead-mb", type=int, default=512, help="the broker's (default 512)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpu-checks-"))
@@ -590,13 +596,20 @@ def main() -> int:
         for fw in ("torch", "jax", "cupy", "tensorflow")
         if any(d in results["facts"].get("versions", {}) for d in FRAMEWORK_DISTS[fw])
     ]
-    site = Site(tmp, env)
+    site = Site(tmp, env, args.context_overhead_mb)
     try:
         with step(results, "site") as rec:
             site.broker.start(timeout=60)
             site.start_agent("--enforce", "report")
             rec["gpus"] = site.get("/gpus", "alice")["gpus"]
             rec["nodes"] = site.get("/nodes")["nodes"]
+        if "doctor-broker" in args.steps:
+            # doctor on the node, comparing with the broker's own context_overhead_mb
+            with step(results, "doctor_broker") as rec:
+                asked = dict(env, GPU_LEASE_URL=site.broker.url)
+                asked["GPU_LEASE_TOKEN"] = site.broker.tokens["admin"]
+                doctor(rec, asked)
+            save()
         kernels = Kernels(tmp, site)
         if "kernels" in args.steps:
             with step(results, "kernels") as rec:
