@@ -344,8 +344,12 @@ def _verdicts(
     failed = [r for r in rows if r["status"] == "failed"]
     skipped = [r for r in rows if r["status"] == "not run"]
     if failed:
-        names = ", ".join(sorted({r["framework"] for r in failed}))
-        status, detail = "failed", f"{what}: not held by {names}"
+        not_held = sorted({r["framework"] for r in failed if "error" not in r})
+        broken = sorted({f"{r['framework']} ({r['error']})" for r in failed if "error" in r})
+        parts = ([f"not held by {', '.join(not_held)}"] if not_held else []) + (
+            [f"could not run: {'; '.join(broken)}"] if broken else []
+        )
+        status, detail = "failed", f"{what}: {'; '.join(parts)}"
     elif skipped and not ran:
         why = "; ".join(sorted({str(r.get("error")) for r in skipped}))
         status, detail = "not run", f"{what}: {why}"
@@ -389,7 +393,7 @@ def run_checks(
             )
         )
     except errors as exc:
-        checks.append(Check("cap_escape", "failed", f"NVML failed during the cap checks: {exc}"))
+        checks.append(Check("cap_escape", "failed", f"the cap checks failed: {exc}"))
     return checks
 
 

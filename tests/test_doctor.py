@@ -30,10 +30,16 @@ STANDIN_GPU = HERE / "standin_gpu"
 
 
 def doctor(
-    *args: str, fake_nvml: Path | None = None, standin: bool = False, **env_vars: str
+    *args: str,
+    fake_nvml: Path | None = None,
+    standin: bool = False,
+    first: Path | None = None,
+    **env_vars: str,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     path = [str(ROOT), env.get("PYTHONPATH", "")]
+    if first is not None:  # modules that shadow the installed ones
+        path.insert(0, str(first))
     if fake_nvml is not None:
         path.insert(0, str(FAKE_NVML))
         env["FAKE_NVML_FILE"] = str(fake_nvml)
@@ -179,6 +185,25 @@ def test_a_driver_with_no_gpus_is_not_a_pass(tmp_path: Path) -> None:
     checks = by_name(doctor("--json", fake_nvml=state).stdout)
     assert checks["nvml"]["status"] == "not run"
     assert checks["nvml"]["detail"] == "driver 550.54.15 reports 0 GPUs"
+
+
+def test_a_framework_that_cannot_start_is_a_failure_with_why(tmp_path: Path) -> None:
+    """A framework that crashes at import is not a pass and not a cap that failed to hold."""
+    broken = tmp_path / "broken"
+    (broken / "torch").mkdir(parents=True)
+    (broken / "torch" / "__init__.py").write_text(
+        "raise RuntimeError('libcuda.so.1: cannot open shared object file')\n"
+    )
+    result = doctor(
+        "--json", "--processes", "3", fake_nvml=nvml_state(tmp_path), standin=True, first=broken
+    )
+    assert result.returncode == EXIT_FAILED, result.stdout + result.stderr
+    checks = by_name(result.stdout)
+    assert checks["cap_escape"]["detail"] == (
+        "3 capped processes allocating past a 1024 MiB cap: could not run: torch "
+        "(RuntimeError: libcuda.so.1: cannot open shared object file)"
+    )
+    assert checks["context_overhead"]["status"] == "ok"  # CuPy's was measured
 
 
 def test_the_context_is_compared_with_the_brokers_setting(tmp_path: Path) -> None:
