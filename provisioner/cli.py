@@ -114,19 +114,24 @@ def cmd_kernelspec_install(args: argparse.Namespace) -> int:
 WARN_BELOW_MB = 32768
 
 
+def _broker_gpus(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The broker's pool (``GET /api/v1/gpus``) at ``--url`` or ``GPU_LEASE_URL``."""
+
+    async def pool() -> list[dict[str, Any]]:
+        async with _client(args) as client:
+            return await client.gpus()
+
+    return asyncio.run(pool())
+
+
 def _check_fraction_fits(args: argparse.Namespace) -> None:
     """Refuse (broker asked) or warn (no broker) when ``args.fraction`` can never fit."""
     fraction = args.fraction
     least_mb = ks.smallest_gpu_mb(fraction)
     unasked = ""
     if broker_env().url or getattr(args, "url", None):
-
-        async def pool() -> list[dict[str, Any]]:
-            async with _client(args) as client:
-                return await client.gpus()
-
         try:
-            gpus = asyncio.run(pool())
+            gpus = _broker_gpus(args)
         except GPULeaseError as exc:
             unasked = f" (the broker could not be asked: {exc.message.rstrip('.')})"
         else:
@@ -441,13 +446,8 @@ def _brokers_context_overhead(args: argparse.Namespace) -> tuple[int, str]:
     default = ks.DEFAULT_CONTEXT_OVERHEAD_MB
     if not (broker_env().url or args.url):
         return default, "the broker's default; set GPU_LEASE_URL to compare with its setting"
-
-    async def pool() -> list[dict[str, Any]]:
-        async with _client(args) as client:
-            return await client.gpus()
-
     try:
-        gpus = asyncio.run(pool())
+        gpus = _broker_gpus(args)
     except GPULeaseError as exc:
         return default, f"the default: the broker could not be asked ({exc.message.rstrip('.')})"
     values = [

@@ -50,6 +50,7 @@ from .inventory import (
     _text,
     running_processes,
 )
+from .kernelspecs import DEFAULT_CONTEXT_OVERHEAD_MB
 from .mps import MPS_CONTROL
 
 EXIT_OK = 0
@@ -60,8 +61,6 @@ EXIT_NOT_RUN = 3
 FRAMEWORKS = {"torch": "PyTorch", "tensorflow": "TensorFlow", "jax": "JAX", "cupy": "CuPy"}
 #: the probes' cap when --cap-mb is not given: 1 GiB, or an eighth of a smaller GPU
 DEFAULT_CAP_MB = 1024
-#: what a lease reserves beside its cap unless the broker says otherwise (scheduling.Policy)
-DEFAULT_CONTEXT_OVERHEAD_MB = 512
 #: NVML may show this much above the cap plus the context (allocator rounding) and still pass
 SLACK_MB = 64
 #: seconds a probe may take for one step (an import of TensorFlow or JAX, a CUDA context)

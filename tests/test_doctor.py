@@ -209,18 +209,15 @@ def test_a_framework_that_cannot_start_is_a_failure_with_why(tmp_path: Path) -> 
 def test_the_context_is_compared_with_the_brokers_setting(tmp_path: Path) -> None:
     """With GPU_LEASE_URL, doctor asks the broker (GET /api/v1/gpus) what it reserves."""
     state = nvml_state(tmp_path)
+
+    def with_700(**env: str) -> subprocess.CompletedProcess[str]:
+        """Doctor with the stand-in CuPy, whose context is 700 MiB, against ``env``'s broker."""
+        args = ("--json", "--processes", "3")
+        return doctor(*args, fake_nvml=state, standin=True, STANDIN_CONTEXT_MB="700", **env)
+
     db = f"sqlite:///{tmp_path / 'b.sqlite'}"
     with Broker(tmp_path, db, ("--GPULeaseBroker.context_overhead_mb=768",)).running() as b:
-        env = {"GPU_LEASE_URL": b.url, "GPU_LEASE_TOKEN": b.tokens["alice"]}
-        result = doctor(
-            "--json",
-            "--processes",
-            "3",
-            fake_nvml=state,
-            standin=True,
-            STANDIN_CONTEXT_MB="700",
-            **env,
-        )
+        result = with_700(GPU_LEASE_URL=b.url, GPU_LEASE_TOKEN=b.tokens["alice"])
     assert result.returncode == 0, result.stdout + result.stderr
     context = by_name(result.stdout)["context_overhead"]
     assert context["status"] == "ok"
@@ -228,16 +225,7 @@ def test_the_context_is_compared_with_the_brokers_setting(tmp_path: Path) -> Non
         "(within the 768 MiB a lease reserves) [768 MiB: the broker's setting]"
     )
     # a broker that cannot be asked: the default, and why
-    env = {"GPU_LEASE_URL": "http://127.0.0.1:9", "GPU_LEASE_TOKEN": "t"}
-    result = doctor(
-        "--json",
-        "--processes",
-        "3",
-        fake_nvml=state,
-        standin=True,
-        STANDIN_CONTEXT_MB="700",
-        **env,
-    )
+    result = with_700(GPU_LEASE_URL="http://127.0.0.1:9", GPU_LEASE_TOKEN="t")
     assert result.returncode == EXIT_FAILED
     detail = by_name(result.stdout)["context_overhead"]["detail"]
     assert "at least 700 [512 MiB: the default: the broker could not be asked (" in detail
