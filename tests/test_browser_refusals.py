@@ -3,13 +3,14 @@
 One hub for the module (``tests.test_hub.Hub``, hub_config with the launcher *marking* the
 kernels a user can never start, so that guest01 can click them) and Debian's chromium
 driven by Playwright. guest01 (in no course; the default quota: one kernel of at most
-0.05) clicks four launcher cards, one per kind of refusal:
+0.05) clicks five launcher cards, one per kind of refusal:
 
 ==================  ================================================================
 quota               holds a GPU kernel already; starts "Python 3 (GPU 0.02)"
 course              "Python 3 (GPU 0.05, ml101)", a course guest01 is not in
 can never fit       "Python 3 (GPU 0.01)": 327 MiB of the V100, below the 512 MiB context
 queue timeout       the V100 is held whole by another user; a 0.05 kernel waiting 3 s
+no MPS daemon       "MPS GPU 0.02" (enforcement=mps): granted, then refused before launch
 ==================  ================================================================
 
 For each, at 1280 and at 1920 px wide: the dialog's text box lies inside the dialog, the
@@ -57,6 +58,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
             "quick-gpu-0.05",
             prefix=prefix,
         )
+        # no MPS daemon runs for the V100 under this directory: refused after the grant
+        mps = ks.build_kernelspec(0.02, display_name="MPS GPU 0.02", enforcement="mps")
+        mps["metadata"]["kernel_provisioner"]["config"]["mps_dir"] = str(h.tmp / "no-mps")
+        ks.install(mps, "mps-gpu-0.02", prefix=prefix)
         yield h
 
 
@@ -160,6 +165,11 @@ def test_each_refusal_is_readable_whole(chromium: Any, hub: Hub, tmp_path: Path)
             assert "No GPU became free" in expected and "position 1" in expected, expected
             dialog_for(page, lab, "queue-timeout", "Quick GPU 0.05")
             check_fits(page, expected, "queue-timeout", shots("queue-timeout"))
+        # 5. enforcement=mps on a node where no MPS daemon runs: the lease is given back
+        expected = refused(hub, "mps-gpu-0.02")
+        assert "no MPS control daemon runs for GPU" in expected, expected
+        dialog_for(page, lab, "no-mps", "MPS GPU 0.02")
+        check_fits(page, expected, "no-mps", shots("no-mps"))
         assert hub.leases(USER) == []
     finally:
         context.close()
