@@ -462,10 +462,16 @@ def _kernels(count: int) -> str:
 
 
 def queue_order(
-    state: PoolState, now: float, policy: Policy, extra: Request | None = None
+    state: PoolState,
+    now: float,
+    policy: Policy,
+    extra: Request | None = None,
+    held: dict[str, int] | None = None,
 ) -> list[Request]:
-    """Waiting requests (plus ``extra``, a not yet enqueued one) in service order."""
-    held = state.held_by_user
+    """Waiting requests (plus ``extra``, a not yet enqueued one) in service order.
+
+    ``held`` (user -> ppm) replaces what each user holds now (a drain's grants count)."""
+    held = state.held_by_user if held is None else held
 
     def key(r: Request) -> tuple:
         if now - r.arrived_at >= policy.starvation_after:
@@ -503,6 +509,11 @@ def drain(
     ``extra`` is a new request considered as if it were waiting. A granted request's
     lease takes the request's id. Does not mutate ``state``; apply the result with
     ``apply_grants``.
+
+    A grant changes what its user holds, and so the order (fewer held goes first): a pass
+    that granted anything is followed by another over what still waits, in the order
+    those grants make, until one grants nothing. Its head then fits nowhere: the queue
+    is drained as far as it goes (``tests/test_scheduling_properties.py``).
     """
     if not state.queue and extra is None:
         return []
@@ -510,21 +521,31 @@ def drain(
     sizes: dict[str, list[int]] = {}  # lease sizes per GPU, this drain's grants included
     for lease in state.leases.values():
         sizes.setdefault(lease.gpu_uuid, []).append(lease.fraction_ppm)
-    reserved: set[str] = set()
+    held = dict(state.held_by_user)
     grants: list[Grant] = []
-    for req in queue_order(state, now, policy, extra):
-        ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
-        gpu = place(ok, alloc, req.fraction_ppm, policy, exclude=reserved)
-        if gpu is not None:
-            alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
-            sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
-            # the lease keeps the request's id: a client that gave up waiting and withdraws
-            # its request by that id (DELETE) releases the lease if it was granted meanwhile
-            grants.append(Grant(new_lease(req, gpu, now, policy, req.id), req))
-        elif policy.backfill and not reserved and ok:
-            # the head reserves one GPU it could use; nothing else lands there until it fits
-            reserved.add(reservation_target(ok, alloc, sizes, req.fraction_ppm, policy).uuid)
-    return grants
+    done: set[str] = set()
+    while True:
+        reserved: set[str] = set()
+        granted = len(grants)
+        for req in queue_order(state, now, policy, extra, held):
+            if req.id in done:
+                continue
+            ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+            gpu = place(ok, alloc, req.fraction_ppm, policy, exclude=reserved)
+            if gpu is not None:
+                alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
+                sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
+                held[req.user] = held.get(req.user, 0) + req.fraction_ppm
+                done.add(req.id)
+                # the lease keeps the request's id: a client that gave up waiting and
+                # withdraws its request by that id (DELETE) releases the lease if it was
+                # granted meanwhile
+                grants.append(Grant(new_lease(req, gpu, now, policy, req.id), req))
+            elif policy.backfill and not reserved and ok:
+                # the head reserves one GPU it could use; nothing else lands there until it fits
+                reserved.add(reservation_target(ok, alloc, sizes, req.fraction_ppm, policy).uuid)
+        if len(grants) == granted:
+            return grants
 
 
 def leases_to_end(sizes: Iterable[int], allocated: int, ppm: int, capacity: int) -> int:

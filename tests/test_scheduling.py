@@ -271,6 +271,30 @@ def test_head_reservation_prevents_starvation_of_a_large_request():
     assert st.lease_for_kernel("researcher", "big") is not None
 
 
+def test_a_grant_that_reorders_the_queue_drains_it_again():
+    """Found by the property test: a grant moves its user behind others (who hold less);
+    the new head, which fits, is granted in the same drain instead of waiting for the
+    next release (with the reaper's pass, up to ``reap_interval`` later)."""
+    v100, t4 = GPU("g-v100", "a", "V100", 32768, 0), GPU("g-t4", "b", "T4", 16384, 0)
+    st = pool(v100, t4)
+    new_id = ids()
+    policy = Policy()
+    assert isinstance(acquire(st, Ask("bob", "k1", 50_000, node="b"), new_id=new_id), Grant)
+    # cyd's whole T4 waits first (nobody it holds) and reserves the T4: ann waits behind it
+    assert isinstance(acquire(st, Ask("cyd", "k2", PPM, node="b"), now=1, new_id=new_id), Queued)
+    assert isinstance(acquire(st, Ask("ann", "k1", 50_000, node="b"), now=2, new_id=new_id), Queued)
+    # cyd's small kernel goes to the V100: now cyd holds more than ann, ann is first, fits
+    decision, changes = core.acquire(st, Ask("cyd", "k1", 20_000), Quota(), 3, policy, new_id)
+    assert isinstance(decision.outcome, Grant)
+    assert st.lease_for_kernel("ann", "k1") is not None, "ann's request still waits"
+    assert {g.lease.user for g in changes.granted} == {"cyd", "ann"}
+    assert [r.user for r in st.queue.values()] == ["cyd"]
+    order = core.queue_order(st, 3, policy)
+    ok = core.usable_gpus(st, order[0].fraction_ppm, policy, order[0].node)
+    assert core.place(ok, st.allocated, order[0].fraction_ppm, policy) is None
+    core.check_invariants(st, policy)
+
+
 def test_without_backfill_reservation_small_requests_overtake_forever():
     gpus = [GPU("g0", "n", "A100", 81920, 0)]
     st = pool(*gpus)
