@@ -136,6 +136,34 @@ async def test_acquire_then_repeat_returns_same_lease(broker: Broker) -> None:
     assert gpus["gpus"][0]["leases"] == 2
 
 
+async def test_a_queued_answer_never_puts_you_behind_the_queues_end(broker: Broker) -> None:
+    """``position`` and ``queue_length`` of a 202 describe the same instant, also while
+    other students join and leave the queue (position <= length, always)."""
+    async with broker.client("alice") as alice:
+        assert (await acquire(alice, "all", 1.0)).status_code == 201
+    users = [f"u{n:02d}" for n in range(30)]
+
+    async def join_and_leave(user: str) -> list[tuple[int, int]]:
+        seen = []
+        async with broker.client(user) as c:
+            for round_ in range(4):
+                r = await acquire(c, f"{user}-{round_}", 0.5)
+                assert r.status_code == 202, r.text
+                body = r.json()
+                seen.append((body["position"], body["queue_length"]))
+                assert f"position {body['position']} of {body['queue_length']}" in body["message"]
+                assert (await c.delete(f"/leases/{body['id']}")).status_code == 204
+        return seen
+
+    answers = [
+        x for per_user in await asyncio.gather(*map(join_and_leave, users)) for x in per_user
+    ]
+    assert len(answers) == 4 * len(users)
+    behind = [(p, n) for p, n in answers if not 1 <= p <= n]
+    assert not behind, f"positions behind the queue's end: {behind[:5]}"
+    assert max(n for _, n in answers) > 1, "the students never queued together"
+
+
 async def test_fifty_students_fill_a_v100_then_the_queue_long_polls(broker: Broker) -> None:
     async with broker.client("alice") as alice, broker.client("bob") as bob:
         answers = await asyncio.gather(*(acquire(alice, f"k{n}", 0.02) for n in range(50)))

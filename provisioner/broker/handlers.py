@@ -3,7 +3,10 @@
 Every handler does three things: identify the caller (``Authorization`` header ->
 the app's :class:`~provisioner.broker.auth.Authenticator`), validate the input
 (:mod:`.validation`), and make ONE call into
-:class:`~provisioner.broker.service.BrokerService`; our exceptions become JSON error
+:class:`~provisioner.broker.service.BrokerService` (awaiting its answer with
+:func:`resolved`: behind ``--http-processes`` the service is a
+:class:`~provisioner.broker.remote.RemoteService` in the broker's process, so
+handlers never read its memory directly); our exceptions become JSON error
 bodies ``{"error": CODE, "message": ...}`` with ``exc.status``. Tornado's own errors
 (unknown route 404, method 405) are JSON too; an unexpected exception is a 500 with
 no traceback in the answer (the traceback goes to the broker's log).
@@ -29,7 +32,7 @@ import json
 import logging
 import traceback
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from tornado import web
 
@@ -53,6 +56,18 @@ from .service import (
 )
 
 log = logging.getLogger("gpu_lease.broker.http")
+
+T = TypeVar("T")
+
+
+async def resolved(value: T | Awaitable[T]) -> T:
+    """``value``, awaited if it is awaitable: the service's answer in this process is a
+    value, a front's :class:`~provisioner.broker.remote.RemoteService` answers every
+    call with a coroutine (``--http-processes``)."""
+    if inspect.isawaitable(value):
+        return await value
+    return cast(T, value)
+
 
 JSON_TYPE = "application/json; charset=UTF-8"
 #: the largest request body accepted by default (``GPULeaseBroker.max_body_bytes``)
@@ -328,9 +343,9 @@ class APIHandler(web.RequestHandler):
         self.set_status(status)
         self.finish(json.dumps(body, allow_nan=False, separators=(",", ":")))
 
-    def lease_json(self, lease: Lease) -> dict[str, Any]:
-        body = lease.to_json(self.service.state.gpus.get(lease.gpu_uuid))
-        usage = self.service.lease_usage(lease)
+    async def lease_json(self, lease: Lease) -> dict[str, Any]:
+        gpu, usage = await resolved(self.service.lease_facts(lease))
+        body = lease.to_json(gpu)
         body.update(used_mb=usage.used_mb, enforcement=usage.enforcement, mps=usage.mps)
         return body
 
@@ -486,8 +501,8 @@ class DashboardHandler(IndexHandler):
 
 class HealthHandler(APIHandler):
     @api
-    def get(self) -> None:
-        self.write_json(health_json(self.service.health()))
+    async def get(self) -> None:
+        self.write_json(health_json(await resolved(self.service.health())))
 
 
 class OpenAPIHandler(APIHandler):
@@ -507,11 +522,11 @@ class MetricsHandler(APIHandler):
         await super().prepare()
 
     @api
-    def get(self) -> None:
+    async def get(self) -> None:
         metrics = self.settings.get("gpu_lease_metrics")
         if metrics is None or not hasattr(metrics, "render"):
             raise errors.LeaseNotFound("This broker does not export metrics.")
-        body, content_type = metrics.render()
+        body, content_type = await resolved(metrics.render())
         self.set_header("Content-Type", content_type)
         self.finish(body)
 
@@ -540,7 +555,7 @@ class LeasesHandler(APIHandler):
             all_users=validation.parse_flag(self.query("all"), "all"),
             history=validation.parse_flag(self.query("history"), "history"),
         )
-        self.write_json({"leases": [self.lease_json(x) for x in leases]})
+        self.write_json({"leases": [await self.lease_json(x) for x in leases]})
 
     @api
     async def post(self) -> None:
@@ -565,11 +580,11 @@ class LeasesHandler(APIHandler):
                     "position": result.position,
                     "kernel_id": req.kernel_id,
                     "fraction": ppm_to_fraction(req.fraction_ppm),
-                    "queue_length": len(self.service.state.queue),
+                    "queue_length": result.queue_length,
                     "reason": result.reason,
                     **({} if result.eta_seconds is None else {"eta_seconds": result.eta_seconds}),
                     "message": f"Your request waits at position {result.position} of "
-                    f"{len(self.service.state.queue)} in the GPU queue. {result.reason}".strip(),
+                    f"{result.queue_length} in the GPU queue. {result.reason}".strip(),
                 },
                 status=202,
             )
@@ -577,7 +592,7 @@ class LeasesHandler(APIHandler):
         assert result.lease is not None
         if result.outcome == "granted":
             self.set_header("Location", f"{self.base_url}api/v1/leases/{result.lease.id}")
-        self.write_json(self.lease_json(result.lease), status=ACQUIRE_STATUS[result.outcome])
+        self.write_json(await self.lease_json(result.lease), status=ACQUIRE_STATUS[result.outcome])
 
     def on_connection_close(self) -> None:
         # the client gave up its long-poll: stop waiting (its queue place stays
@@ -590,7 +605,7 @@ class LeasesHandler(APIHandler):
 class LeaseHandler(APIHandler):
     @api
     async def get(self, lease_id: str) -> None:
-        self.write_json(self.lease_json(await self.service.get_lease(self.ident, lease_id)))
+        self.write_json(await self.lease_json(await self.service.get_lease(self.ident, lease_id)))
 
     @api
     async def delete(self, lease_id: str) -> None:
@@ -605,7 +620,7 @@ class RenewHandler(APIHandler):
     async def post(self, lease_id: str) -> None:
         beat = validation.parse_heartbeat(self.json_body())
         lease = await self.service.renew(self.ident, lease_id, **beat)
-        self.write_json(self.lease_json(lease))
+        self.write_json(await self.lease_json(lease))
 
 
 class RevokeHandler(APIHandler):
@@ -614,7 +629,8 @@ class RevokeHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
         reason = validation.parse_revoke(self.json_body())
-        self.write_json(self.lease_json(await self.service.revoke(self.ident, lease_id, reason)))
+        lease = await self.service.revoke(self.ident, lease_id, reason)
+        self.write_json(await self.lease_json(lease))
 
 
 # -- node agents -----------------------------------------------------------------------
@@ -667,9 +683,8 @@ class QueueHandler(APIHandler):
     async def get(self) -> None:
         # length: everyone waiting, also where a student sees only their own entries
         waiting = await self.service.queue(self.ident)
-        self.write_json(
-            {"queue": [waiting_json(w) for w in waiting], "length": len(self.service.state.queue)}
-        )
+        length = await resolved(self.service.queue_length())
+        self.write_json({"queue": [waiting_json(w) for w in waiting], "length": length})
 
 
 # -- quotas and usage --------------------------------------------------------------------
@@ -677,14 +692,14 @@ class QueueHandler(APIHandler):
 
 class QuotasHandler(APIHandler):
     @api
-    def get(self) -> None:
-        self.write_json(book_json(self.service.list_quotas(self.ident)))
+    async def get(self) -> None:
+        self.write_json(book_json(await resolved(self.service.list_quotas(self.ident))))
 
 
 class MyQuotaHandler(APIHandler):
     @api
-    def get(self) -> None:
-        mine = self.service.my_quota(self.ident)
+    async def get(self) -> None:
+        mine = await resolved(self.service.my_quota(self.ident))
         self.write_json({**standing_json(mine), "admin": self.ident.admin})
 
 
@@ -702,16 +717,16 @@ class QuotaHandler(APIHandler):
     async def get(self, name: str = "") -> None:
         if self.level == "user" and validation.parse_flag(self.query("effective"), "effective"):
             # the effective quota as admission applies it: needs the user's groups
-            self.service.check_may_read_quota_of(self.ident, name)
+            await resolved(self.service.check_may_read_quota_of(self.ident, name))
             if name == self.ident.user:
                 groups, source = self.ident.groups, "your token"
             else:
                 groups, source = await self.authenticator.groups_of(name)
-            standing = self.service.effective_quota_of(self.ident, name, groups)
+            standing = await resolved(self.service.effective_quota_of(self.ident, name, groups))
             own = standing.own.to_json() if standing.own is not None else None
             self.write_json({**standing_json(standing), "groups_from": source, "own": own})
             return
-        quota, effective = self.service.get_quota(self.ident, self.level, name)
+        quota, effective = await resolved(self.service.get_quota(self.ident, self.level, name))
         body = quota.to_json()
         if effective is not None:
             body["effective"] = effective.to_json()

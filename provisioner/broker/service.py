@@ -140,6 +140,8 @@ class AcquireResult:
     reason: str = ""
     #: estimated seconds until the grant (``scheduling.estimate_waits``), if it has one
     eta_seconds: float | None = None
+    #: how many requests wait in the queue (a queued outcome's answer says so)
+    queue_length: int = 0
 
 
 @dataclass(frozen=True)
@@ -432,6 +434,7 @@ class BrokerService:
                 f"{exc.message} List the broker's GPUs with GET /api/v1/gpus (or `gpu-lease top`).",
                 **exc.details,
             ) from exc
+        waiting = len(self.state.queue)  # as the decision saw it, as its position is
         await self._commit(changes)  # a repeat awaits what it repeats
         outcome = decision.outcome
         if isinstance(outcome, Existing):
@@ -451,6 +454,7 @@ class BrokerService:
                 position=outcome.position,
                 reason=outcome.reason,
                 eta_seconds=self.eta(outcome.request.key, now),
+                queue_length=waiting,
             )
         assert isinstance(outcome, Grant)
         log.info(
@@ -498,6 +502,7 @@ class BrokerService:
                         position=core.position_of(self.state, key, now, self.policy),
                         reason=queued.reason,
                         eta_seconds=self.eta(key, now),
+                        queue_length=len(self.state.queue),
                     )
                 waiter.event.clear()
                 try:
@@ -708,10 +713,11 @@ class BrokerService:
             self.state.leases_by_user.get(user, 0),
         )
 
-    def check_may_read_quota_of(self, ident: Identity, user: str) -> None:
-        """Admins may read anyone's effective quota; a user only their own."""
+    def check_may_read_quota_of(self, ident: Identity, user: str) -> str:
+        """Admins may read anyone's effective quota; a user only their own (``user``)."""
         if user != ident.user and not ident.admin:
             raise Forbidden("You may read only your own quota.")
+        return user
 
     def effective_quota_of(
         self, ident: Identity, user: str, groups: frozenset[str]
@@ -1021,6 +1027,14 @@ class BrokerService:
                 node.name,
                 why,
             )
+
+    def queue_length(self) -> int:
+        """How many requests wait in the queue (everyone's, also for a student)."""
+        return len(self.state.queue)
+
+    def lease_facts(self, lease: Lease) -> tuple[GPU | None, LeaseUsage]:
+        """What a lease's answer shows beside the lease: its GPU and :meth:`lease_usage`."""
+        return self.state.gpus.get(lease.gpu_uuid), self.lease_usage(lease)
 
     def lease_usage(self, lease: Lease) -> LeaseUsage:
         """What the lease's node reports: see :class:`LeaseUsage`."""
