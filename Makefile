@@ -70,8 +70,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# the broker's API, authorization, fuzzing, crash, failover, kernel and hub tests once
+# more, with HTTP served by a front process (--http-processes 1): every `broker` fixture,
+# and the hub-managed broker of the hub tests (JupyterHub auth, the dashboard's login)
+SPLIT_TESTS ?= tests/test_broker_api.py tests/test_authz.py tests/test_fuzz_bodies.py \
+	tests/test_fuzz_openapi.py tests/test_metrics.py tests/test_client.py \
+	tests/test_cli_admin.py tests/test_courses.py tests/test_faults.py \
+	tests/test_failover.py tests/test_provisioner.py tests/test_hub.py \
+	tests/test_browser_hub.py
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	GPU_LEASE_TEST_HTTP_PROCESSES=1 GPU_LEASE_HTTP_PROCESSES=1 \
+		$(BIN)/python -m pytest $(SPLIT_TESTS)
 
 test: install lint typecheck unit
 

@@ -206,6 +206,8 @@ broker_cmd = [
     env("GPU_LEASE_TTL") or "90",
     f"--GPULeaseBroker.reap_interval={env('GPU_LEASE_REAP_INTERVAL') or '5'}",
 ]
+if env("GPU_LEASE_HTTP_PROCESSES"):  # HTTP in front processes (docs/admins.md, "Many kernels")
+    broker_cmd += ["--http-processes", str(int(env("GPU_LEASE_HTTP_PROCESSES", "")))]
 if env("GPU_LEASE_NODE_GRACE"):  # seconds a node agent may be silent before its node is lost
     broker_cmd.append(f"--GPULeaseBroker.node_grace={float(env('GPU_LEASE_NODE_GRACE', ''))}")
 if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)

@@ -42,6 +42,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+#: ``make test`` runs the broker's API tests a second time with this set to 1: every
+#: ``broker`` fixture then serves HTTP from a front process (``--http-processes``)
+HTTP_PROCESSES_ENV = "GPU_LEASE_TEST_HTTP_PROCESSES"
+
+
 class Broker(BrokerProcess):
     """A broker subprocess: ``url``, ``tokens`` (user -> token), ``proc``, ``db_url``.
 
@@ -118,6 +123,9 @@ def broker(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -
     """A running broker subprocess (see the module docstring)."""
     marker = request.node.get_closest_marker("broker_args")
     extra = tuple(marker.args) if marker else ()
+    procs = os.environ.get(HTTP_PROCESSES_ENV)
+    if procs and "--http-processes" not in extra:
+        extra += ("--http-processes", procs)
     with Broker(tmp_path, broker_db_url, extra).running() as b:
         yield b
 

@@ -32,16 +32,19 @@ if __name__ == "__main__":
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
+from tornado.netutil import bind_sockets
 from tornado.web import Application as WebApplication
 from traitlets import Bool, CaselessStrEnum, Float, Integer, Type, Unicode, default, validate
 from traitlets.config import Application, catch_config_error
@@ -59,9 +62,11 @@ from ..store import (
     Store,
 )
 from .auth import AUTHENTICATORS, HUB_CACHE_MAX_AGE, Authenticator
+from .fronts import COOKIE_SECRET_ENV, FRONT_ENV, Fronts
 from .handlers import DRAIN_LIMIT, MAX_BODY_BYTES, normalize_base_url
 from .leadership import Leadership
 from .metrics import BrokerMetrics
+from .remote import RemoteMetrics, RemoteService
 from .routes import make_app
 from .service import REAP_INTERVAL, BrokerService
 
@@ -78,6 +83,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 CLOSE_CONNECTIONS_TIMEOUT = 0.5
 #: seconds a shutdown waits for waiting long-polls to answer 503
 LONG_POLLS_TIMEOUT = 0.5
+#: seconds an HTTP process (``--http-processes``) waits after SIGTERM for its broker's answers
+FRONT_FINISH_TIMEOUT = 3.0
 
 
 def _service_url() -> Any:
@@ -99,15 +106,17 @@ class OptionalType(Type):
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """Set ``stop`` on SIGTERM/SIGINT while the block runs (inside the event loop)."""
+def stop_on_signals(
+    stop: asyncio.Event, signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+) -> Iterator[None]:
+    """Set ``stop`` on SIGTERM/SIGINT (``signals``) while the block runs (in the event loop)."""
     loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
         yield
     finally:
-        for sig in STOP_SIGNALS:
+        for sig in signals:
             loop.remove_signal_handler(sig)
 
 
@@ -143,6 +152,7 @@ class GPULeaseBroker(Application):
         "leadership-ttl": "GPULeaseBroker.leadership_ttl",
         "pg-timeout": "GPULeaseBroker.pg_timeout",
         "log-level": "Application.log_level",
+        "http-processes": "GPULeaseBroker.http_processes",
     }
     flags = {
         "debug": (
@@ -185,6 +195,23 @@ class GPULeaseBroker(Application):
         help=f"""IP address to listen on. Default: {DEFAULT_IP}, or the host of
         JUPYTERHUB_SERVICE_URL when run as a JupyterHub-managed service.""",
     ).tag(config=True)
+
+    http_processes = Integer(
+        0,
+        help="""Processes that serve HTTP in front of this one. 0 (the default): this
+        process answers HTTP itself. N >= 1: this process keeps every decision (memory,
+        the database, the reaper) and N more processes accept the connections on
+        --ip/--port, each running the same API (tokens, validation, JSON) and asking this
+        one over a private Unix socket; HTTP work then runs beside the decisions instead
+        of taking turns with them. 1 is enough on 2 cores; see docs/admins.md.""",
+    ).tag(config=True)
+
+    @validate("http_processes")
+    def _check_http_processes(self, proposal: Any) -> int:
+        value = int(proposal["value"])
+        if not 0 <= value <= 64:
+            raise ValueError("http_processes must be between 0 and 64.")
+        return value
 
     @default("ip")
     def _ip_default(self) -> str:
@@ -564,14 +591,17 @@ class GPULeaseBroker(Application):
         try:
             server.listen(self.port, address=self.ip)
         except OSError as exc:
-            self.log.critical(
-                "Cannot listen on %s:%d (%s); choose another address or port with --ip/--port.",
-                self.ip,
-                self.port,
-                exc.strerror or exc,
-            )
+            self.cannot_listen(exc)
             return None
         return server
+
+    def cannot_listen(self, exc: OSError) -> None:
+        self.log.critical(
+            "Cannot listen on %s:%d (%s); choose another address or port with --ip/--port.",
+            self.ip,
+            self.port,
+            exc.strerror or exc,
+        )
 
     def start_reaper(self, service: BrokerService) -> PeriodicCallback:
         """Call ``service.tick()`` every ``reap_interval`` s; a failed pass is logged and
@@ -649,7 +679,7 @@ class GPULeaseBroker(Application):
 
     async def shut_down(
         self,
-        server: HTTPServer,
+        server: HTTPServer | Fronts,
         reaper: PeriodicCallback,
         service: BrokerService,
         leadership: Leadership | None = None,
@@ -667,10 +697,11 @@ class GPULeaseBroker(Application):
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
         server.stop()
-        try:
-            await asyncio.wait_for(server.close_all_connections(), CLOSE_CONNECTIONS_TIMEOUT)
-        except asyncio.TimeoutError:
-            pass
+        if isinstance(server, Fronts):
+            await server.close_all_connections()  # the fronts finish, or are killed
+        else:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(server.close_all_connections(), CLOSE_CONNECTIONS_TIMEOUT)
         if leadership is not None and leadership.lost is None:
             leadership.release()
         try:
@@ -681,7 +712,11 @@ class GPULeaseBroker(Application):
     # -- the whole run ---------------------------------------------------------------
     async def serve(self) -> int:
         """Start up, serve until SIGTERM/SIGINT (or a lost leadership), shut down; the exit status."""
+        front = os.environ.pop(FRONT_ENV, "")
+        if front:
+            return await self.serve_front(**json.loads(front))
         self.lost_leadership = False
+        self.failed = ""
         try:
             gpus = self.load_inventory()
             authenticator = self.make_authenticator()
@@ -707,21 +742,122 @@ class GPULeaseBroker(Application):
                 leadership.release()
             store.close()
             return 1
-        server = self.listen(self.make_web_app(service, authenticator, metrics))
+        stop = asyncio.Event()
+
+        def fronts_failed(why: str) -> None:
+            self.failed = why
+            stop.set()
+
+        server: HTTPServer | Fronts | None
+        if self.http_processes:
+            server = await self.start_fronts(service, metrics, authenticator, fronts_failed)
+        else:
+            server = self.listen(self.make_web_app(service, authenticator, metrics))
         if server is None:
             if leadership is not None:
                 leadership.release()
             service.close()
             return 2
         _collect_from_now_on()
-        stop = asyncio.Event()
         reaper = self.start_reaper(service)
         keeper = self.keep_leadership(leadership, service, stop) if leadership else None
         with stop_on_signals(stop):
             self.log_listening(gpus, store, authenticator)
             await stop.wait()
+        if self.failed:
+            self.log.critical("Cannot serve: %s", self.failed)
         await self.shut_down(server, reaper, service, leadership, keeper)
-        return 1 if self.lost_leadership else 0
+        return 1 if self.lost_leadership or self.failed else 0
+
+    async def start_fronts(
+        self,
+        service: BrokerService,
+        metrics: BrokerMetrics,
+        authenticator: Authenticator,
+        failed: Callable[[str], None],
+    ) -> Fronts | None:
+        """``--http-processes N``: bind ``ip:port`` here, start the fronts (``fronts.py``)."""
+        try:
+            sockets = listening_sockets(self.port, self.ip, self.http_processes)
+        except OSError as exc:
+            self.cannot_listen(exc)
+            return None
+        fronts = Fronts(
+            self.http_processes,
+            list(self.argv),
+            sockets,
+            service,
+            metrics.render,
+            browser_login=authenticator.browser_login,
+            failed=failed,
+        )
+        await fronts.start()
+        return fronts
+
+    async def serve_front(self, service_socket: str, fds: list[int]) -> int:
+        """An HTTP process of ``--http-processes`` (``fronts.py`` starts it): the API on
+        the inherited sockets ``fds``, the service over ``service_socket``; exits when
+        its broker process is gone."""
+        try:
+            authenticator = self.make_authenticator()
+        except GPULeaseError as exc:
+            self.log.critical("%s", exc.message)
+            return 2
+        remote = RemoteService()
+        try:
+            await remote.connect(service_socket)
+        except OSError as exc:
+            self.log.critical("Cannot reach the broker process at %s: %s", service_socket, exc)
+            return 1
+        secret = os.environ.pop(COOKIE_SECRET_ENV, "")
+        app = make_app(
+            cast(BrokerService, remote),  # the service's API; handlers await every answer
+            authenticator,
+            RemoteMetrics(remote),
+            self.base_url,
+            max_body_bytes=self.max_body_bytes,
+            metrics_require_auth=self.metrics_require_auth,
+            **({"cookie_secret": bytes.fromhex(secret)} if secret else {}),
+        )
+        server = HTTPServer(app, xheaders=True, max_body_size=DRAIN_LIMIT)
+        server.add_sockets([socket.socket(fileno=fd) for fd in fds])
+        _collect_from_now_on()
+        # Ctrl-C reaches the whole process group: the broker process stops its fronts
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop = asyncio.Event()
+        with stop_on_signals(stop, (signal.SIGTERM,)):
+            _, pending = await asyncio.wait(
+                [asyncio.create_task(stop.wait()), asyncio.create_task(remote.lost.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            for task in pending:
+                task.cancel()
+        server.stop()
+        lost = remote.lost.is_set()
+        if lost:  # what waited for it answers 503 now
+            self.log.warning("The broker process is gone; this HTTP process exits")
+        else:
+            await remote.idle(FRONT_FINISH_TIMEOUT)  # answers under way (long-polls: 503)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(server.close_all_connections(), CLOSE_CONNECTIONS_TIMEOUT)
+        remote.close()
+        return 1 if lost else 0
+
+
+def listening_sockets(port: int, ip: str, count: int) -> list[list[socket.socket]]:
+    """``count`` listening sockets on ``ip:port``, one per HTTP process (``OSError``).
+
+    Several share the port with ``SO_REUSEPORT`` (the kernel spreads new connections
+    evenly; one shared socket would let the first process take them all). A bind without
+    it first makes sure that no other process listens there, our own brokers included.
+    """
+    if count == 1:
+        return [bind_sockets(port, address=ip)]
+    probes = bind_sockets(port, address=ip)
+    port = probes[0].getsockname()[1]  # the one port 0 chose
+    for probe in probes:
+        probe.close()
+    return [bind_sockets(port, address=ip, reuse_port=True) for _ in range(count)]
 
 
 def _collect_from_now_on() -> None:

@@ -147,6 +147,38 @@ def cpu_seconds(pid: int | None) -> float:
         return 0.0
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux ``/proc``; a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux ``/proc``), children of children too."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            kids = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for kid in map(int, kids):
+            found += [kid, *children_of(kid)]
+    return found
+
+
+def tree_cpu_seconds(pid: int | None) -> float:
+    """``cpu_seconds`` of ``pid`` and of its live children (a broker's HTTP processes)."""
+    if not pid:
+        return 0.0
+    return cpu_seconds(pid) + sum(cpu_seconds(kid) for kid in children_of(pid))
+
+
 class BrokerProcess:
     """``python -m provisioner.broker.app --auth static`` on a free port, in ``tmp``.
 
@@ -253,8 +285,8 @@ class BrokerProcess:
         return dict(r.json())
 
     def cpu(self) -> float:
-        """CPU seconds the running broker has used."""
-        return cpu_seconds(self.proc.pid if self.proc is not None else None)
+        """CPU seconds the running broker has used (with its ``--http-processes``)."""
+        return tree_cpu_seconds(self.proc.pid if self.proc is not None else None)
 
     def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
         """SIGTERM; returns (exit code, seconds it took to exit)."""
@@ -270,9 +302,17 @@ class BrokerProcess:
         return code, time.monotonic() - t0
 
     def kill9(self) -> None:
+        """SIGKILL; returns once its HTTP processes (``--http-processes``), which exit
+        when it is gone, are gone too (the port is free again)."""
         if self.proc is not None and self.proc.poll() is None:
+            kids = children_of(self.proc.pid)
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+            wait_for(
+                lambda: not any(map(alive, kids)),
+                10.0,
+                "the broker's HTTP processes to exit after it was killed",
+            )
 
     def restart(self) -> None:
         """A clean restart (SIGTERM, then start again on the same port and database)."""
