@@ -2,6 +2,7 @@
 
     python benchmarks/broker_startup.py                       # this checkout, 7 starts
     python benchmarks/broker_startup.py --starts 9 --tree /tmp/before --tree .
+    python benchmarks/broker_startup.py --variant '' --variant '--http-processes 1'
 
 Each start runs ``python -m provisioner.broker.app --auth static --tokens-file FILE
 --gpus 1x32768:V100`` on a free port with a fresh SQLite database in a temporary
@@ -11,7 +12,8 @@ stops the broker with SIGTERM. With several ``--tree`` (source trees put first o
 alternate between the trees (A B A B ...), so background load hits them alike; the
 median of each tree's starts is reported, with the fastest start and the spread, and
 the CPU seconds (user + system, Linux ``/proc``) the broker process had used by then,
-which shared-machine load disturbs less than wall time.
+which shared-machine load disturbs less than wall time. Each ``--variant`` times every
+tree once more with those broker options (its HTTP processes' CPU counted too).
 
 Every tree (and the baseline) is byte-compiled first (``compileall``), as a broker
 installed from a wheel is: with ``PYTHONDONTWRITEBYTECODE=1`` in the environment (as on
@@ -30,7 +32,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,28 +42,18 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux ``/proc``), in seconds; 0.0 where unavailable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
+# the timed brokers run from their own trees (PYTHONPATH); this only reads /proc
+from provisioner.devtools.testing import free_port, tree_cpu_seconds  # noqa: E402
 
 #: stands for the no-op baseline among the trees
 BASELINE = Path("no-op tornado app")
 
 
-def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[float, float]:
+def one_start(
+    tree: Path, tmp: Path, n: int, extra: tuple[str, ...] = (), timeout: float = 60.0
+) -> tuple[float, float]:
     """Wall seconds from ``Popen`` to the first 200 of ``/api/v1/health``, and the broker's
     CPU seconds by then (the broker is stopped afterwards). ``tree`` ``BASELINE``: the
     no-op app instead."""
@@ -86,6 +77,7 @@ def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[flo
         "1x32768:V100",
         "--db-url",
         f"sqlite:///{tmp / f'start-{n}.sqlite'}",
+        *extra,
     ]
     if tree == BASELINE:
         cmd = [sys.executable, "-m", "noop_broker", "--port", str(port)]  # -m: its bytecode
@@ -102,7 +94,7 @@ def one_start(tree: Path, tmp: Path, n: int, timeout: float = 60.0) -> tuple[flo
                         )
                     try:
                         if client.get(url).status_code == 200:
-                            return time.perf_counter() - t0, cpu_seconds(proc.pid)
+                            return time.perf_counter() - t0, tree_cpu_seconds(proc.pid)
                     except httpx.TransportError:
                         pass
                     time.sleep(0.01)
@@ -125,26 +117,36 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="a source tree to time (repeatable; default: this checkout)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help="broker options to time each tree with (repeatable, e.g. '' and "
+        "'--http-processes 1'; default: none)",
+    )
     args = p.parse_args(argv)
-    trees = [t.resolve() for t in (args.tree or [ROOT])] + [BASELINE]
-    times: dict[Path, list[float]] = {t: [] for t in trees}
-    cpu: dict[Path, list[float]] = {t: [] for t in trees}
-    for src in [t / "provisioner" for t in trees if t != BASELINE] + [ROOT / "benchmarks"]:
+    trees = [t.resolve() for t in (args.tree or [ROOT])]
+    configs = [(t, tuple(v.split())) for t in trees for v in (args.variant or [""])]
+    configs.append((BASELINE, ()))
+    times: dict[tuple[Path, tuple[str, ...]], list[float]] = {c: [] for c in configs}
+    cpu: dict[tuple[Path, tuple[str, ...]], list[float]] = {c: [] for c in configs}
+    for src in [t / "provisioner" for t in trees] + [ROOT / "benchmarks"]:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(src)], check=True)
     with tempfile.TemporaryDirectory(prefix="broker-startup-") as tmp:
         n = 0
         for _ in range(args.starts):
-            for tree in trees:
+            for tree, extra in configs:
                 n += 1
-                wall, used = one_start(tree, Path(tmp), n)
-                times[tree].append(wall)
-                cpu[tree].append(used)
-    base = statistics.median(times[BASELINE])
-    for tree, got in times.items():
+                wall, used = one_start(tree, Path(tmp), n, extra)
+                times[tree, extra].append(wall)
+                cpu[tree, extra].append(used)
+    base = statistics.median(times[BASELINE, ()])
+    for (tree, extra), got in times.items():
         print(
-            f"{tree}: median {statistics.median(got):.3f} s, fastest {min(got):.3f} s, "
+            f"{tree}{' ' + ' '.join(extra) if extra else ''}: median {statistics.median(got):.3f} s, fastest {min(got):.3f} s, "
             f"slowest {max(got):.3f} s over {len(got)} starts "
-            f"({', '.join(f'{x:.3f}' for x in got)}); CPU median {statistics.median(cpu[tree]):.2f} s"
+            f"({', '.join(f'{x:.3f}' for x in got)}); "
+            f"CPU median {statistics.median(cpu[tree, extra]):.2f} s"
             + ("" if tree == BASELINE else f"; {statistics.median(got) / base:.2f}x the no-op app")
         )
     return 0

@@ -13,7 +13,10 @@ What it measures (each part can be chosen with ``--only``):
                 dropped afterwards; skipped with the reason if unreachable). Each client is
                 closed-loop (no think time): POST /api/v1/leases, then DELETE it, for
                 ``--duration`` s after ``--warmup`` s. CPU seconds per pair of the broker
-                process and of this load generator are reported next to the rate.
+                (its HTTP processes included) and of this load generator are reported
+                next to the rate. Each database twice: the broker as it starts by default
+                (one process) and with ``--http-processes N`` (rows ``sqlite +N``; N from
+                ``--http-processes``, default 1), on which the ceiling aims are judged.
 ``scaling``     one client's acquire latency (p50/p99 over ``--probes`` pairs) as the pool
                 grows 1 -> 1,000 GPUs and the active leases 0 -> 10,000 (filled through the
                 API by 64 concurrent clients; leases get a 1 h TTL so none expires). One
@@ -459,10 +462,14 @@ def run_throughput(args: argparse.Namespace, tmp: Path) -> tuple[list[LoadResult
     with running_noop(tmp) as noop:
         each_load(noop, "no-op")
     for db in args.dbs:
-        with ExitStack() as stack:
-            url = database_url(stack, db, tmp, "throughput", notes)
-            if url is not None:
-                each_load(stack.enter_context(running_broker(tmp, url, "1x81920:A100", extra)), db)
+        for procs in sorted({0, args.http_processes}):
+            name = f"{db} +{procs}" if procs else db
+            more = ("--http-processes", str(procs)) if procs else ()
+            with ExitStack() as stack:
+                url = database_url(stack, db, tmp, f"throughput{procs}", notes)
+                if url is not None:
+                    broker = running_broker(tmp, url, "1x81920:A100", extra + more)
+                    each_load(stack.enter_context(broker), name)
     return results, notes
 
 
@@ -884,15 +891,15 @@ def report(data: dict[str, Any]) -> str:
         lines += [
             "",
             "Throughput (closed loop, acquire+release pairs, 1 GPU, fraction 0.01)",
-            f"{'db':<11}{'clients':>7}{'pairs/s':>9}{'acq p50':>9}{'acq p99':>9}{'rel p50':>9}"
+            f"{'db':<14}{'clients':>7}{'pairs/s':>9}{'acq p50':>9}{'acq p99':>9}{'rel p50':>9}"
             f"{'broker':>9}{'broker':>8}{'1 core':>8}{'loadgen':>9}{'/ raw':>8}{'/ no-op':>9}",
-            f"{'':<11}{'':>7}{'':>9}{'ms':>9}{'ms':>9}{'ms':>9}{'us/pair':>9}{'%CPU':>8}"
+            f"{'':<14}{'':>7}{'':>9}{'ms':>9}{'ms':>9}{'ms':>9}{'us/pair':>9}{'%CPU':>8}"
             f"{'pairs/s':>8}{'us/pair':>9}{'sqlite':>8}{'same run':>9}",
         ]
         noop = {r["clients"]: r["pairs_per_s"] for r in tp if r["db"] == "no-op"}
         for r in tp:
             lines.append(
-                f"{r['db']:<11}{r['clients']:>7}{r['pairs_per_s']:>9.0f}{r['acquire_p50_ms']:>9.2f}"
+                f"{r['db']:<14}{r['clients']:>7}{r['pairs_per_s']:>9.0f}{r['acquire_p50_ms']:>9.2f}"
                 f"{r['acquire_p99_ms']:>9.2f}{r['release_p50_ms']:>9.2f}"
                 f"{r['broker_cpu_us_per_pair']:>9.0f}"
                 f"{r['broker_cpu_us_per_pair'] * r['pairs_per_s'] / 1e4:>8.0f}"
@@ -980,17 +987,22 @@ def judge(data: dict[str, Any]) -> list[dict[str, str]]:
                 "verdict": "met" if r64["pairs_per_s"] >= AIM_PAIRS_64 else "NOT met",
             }
         )
-    for db, aim in AIM_CEILING.items():
-        r, ceiling = tp.get((db, 64)), tp.get(("no-op", 64))
-        if r and ceiling:
-            share = ratio(r["pairs_per_s"], ceiling["pairs_per_s"])
-            aims.append(
-                {
-                    "aim": f">= {aim:g} of the no-op ceiling at 64 clients ({db})",
-                    "value": f"{share:.2f} ({r['pairs_per_s']:.0f} / {ceiling['pairs_per_s']:.0f})",
-                    "verdict": "met" if share >= aim else "NOT met",
-                }
-            )
+    ceiling = tp.get(("no-op", 64))
+    for (db, clients), r in sorted(tp.items()):
+        aim = AIM_CEILING.get(db.split(" +")[0])
+        if clients != 64 or aim is None or not ceiling:
+            continue
+        share = ratio(r["pairs_per_s"], ceiling["pairs_per_s"])
+        split = " +" in db  # the aim is for the broker with its HTTP processes
+        aims.append(
+            {
+                "aim": f">= {aim:g} of the no-op ceiling at 64 clients ({db})"
+                if split
+                else f"(one process, no aim) share of the ceiling ({db})",
+                "value": f"{share:.2f} ({r['pairs_per_s']:.0f} / {ceiling['pairs_per_s']:.0f})",
+                "verdict": ("met" if share >= aim else "NOT met") if split else "-",
+            }
+        )
     for (db, clients), r in sorted(tp.items()):
         if db == "no-op":
             continue
@@ -1059,6 +1071,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probes", type=int, help="pairs per scaling probe (500; quick 200)")
     ap.add_argument(
         "--broker-args", default="", help="extra broker options, e.g. '--log-level=WARN'"
+    )
+    ap.add_argument(
+        "--http-processes",
+        type=int,
+        default=1,
+        help="throughput: each database also with the broker's --http-processes N "
+        "(rows 'sqlite +N'; the ceiling aims are judged on those); 0: only one process",
     )
     ap.add_argument(
         "--profile", type=Path, help="profile the broker under load instead; write into DIR"
