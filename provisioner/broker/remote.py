@@ -165,8 +165,13 @@ class ServiceServer:
                 reply = ("error", rid, RuntimeError(f"{type(exc).__name__}: {exc}"))
             finally:
                 calls.pop(rid, None)
+            try:
+                data = _pack(reply)
+            except Exception:  # noqa: BLE001 (an answer that cannot be pickled: a 500, not a hang)
+                log.exception("The answer to a front's call of %s cannot be sent", name)
+                data = _pack(("error", rid, RuntimeError(f"the answer to {name} cannot be sent")))
             if not writer.is_closing():
-                writer.write(_pack(reply))
+                writer.write(data)
 
         try:
             while (msg := await _read(reader)) is not None:
@@ -179,6 +184,8 @@ class ServiceServer:
                     cancelled.cancel()
         except ConnectionError as exc:
             log.warning("A front's connection failed: %s", exc)
+        except Exception:  # noqa: BLE001 (a frame that cannot be read: drop the front's link)
+            log.exception("A front's connection failed")
         finally:
             for task in calls.values():  # its clients are gone with it
                 task.cancel()
@@ -258,6 +265,8 @@ class RemoteService:
                     _fail(fut, msg[2])
         except ConnectionError as exc:
             log.warning("The broker's service connection failed: %s", exc)
+        except Exception:  # noqa: BLE001 (an answer that cannot be read: this front exits)
+            log.exception("The broker's service connection failed")
         finally:
             for fut in self._pending.values():
                 if not fut.done():
