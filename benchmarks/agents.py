@@ -43,7 +43,7 @@ from typing import Any
 
 from broker_throughput import ROOT, HTTPConn, LoadResult, broker_process, closed_loop
 
-from provisioner.devtools.testing import BrokerProcess, cpu_seconds, wait_for
+from provisioner.devtools.testing import BrokerProcess, cpu_seconds, stop_process, wait_for
 
 NODES = 100
 GPUS_PER_NODE = 8
@@ -186,12 +186,7 @@ class RealAgent:
         return cpu_seconds(self.proc.pid)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -121,9 +122,9 @@ def test_kill9_of_a_front_starts_another(tmp_path: Path) -> None:
         assert "exited with status -9; starting another" in broker.log()
 
 
-def _answer(call: object) -> httpx.Response | None:
+def _answer(call: Callable[[], httpx.Response]) -> httpx.Response | None:
     try:
-        return call()  # type: ignore[operator, no-any-return]
+        return call()
     except httpx.TransportError:
         return None
 

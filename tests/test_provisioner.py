@@ -34,6 +34,7 @@ from jupyter_core.utils import ensure_event_loop
 from traitlets.config import Config
 
 from provisioner.devtools.testing import (
+    execute,
     free_port,
     stop_process,
     wait_for,
@@ -184,22 +185,10 @@ async def kernel(
 
 
 async def run(km: AsyncKernelManager, code: str) -> str:
-    """Execute ``code`` in the kernel; its stdout."""
-    kc = km.client()
-    kc.start_channels()
-    out: list[str] = []
-
-    def hook(msg: dict[str, Any]) -> None:
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-
-    try:
-        await kc.wait_for_ready(timeout=30)
-        reply = await kc.execute_interactive(code, timeout=30, output_hook=hook)
-        assert reply["content"]["status"] == "ok", reply["content"]
-    finally:
-        kc.stop_channels()
-    return "".join(out)
+    """Execute ``code`` in the kernel; its stdout (the reply must be ``ok``)."""
+    out, reply = await execute(km, code)
+    assert reply["status"] == "ok", reply
+    return out
 
 
 ENV_CODE = (

@@ -51,7 +51,12 @@ import httpx  # noqa: E402
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 
 from provisioner import inventory  # noqa: E402
-from provisioner.devtools.testing import BrokerProcess, wait_for  # noqa: E402
+from provisioner.devtools.testing import (  # noqa: E402
+    BrokerProcess,
+    execute,
+    stop_process,
+    wait_for,
+)
 from provisioner.kernelspecs import build_kernelspec, spec_json  # noqa: E402
 
 NODE = "gpu-node"
@@ -192,13 +197,8 @@ class Site:
         wait_for(up, timeout=60)
 
     def stop_agent(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            self.agent.terminate()
-            try:
-                self.agent.wait(30)
-            except subprocess.TimeoutExpired:
-                self.agent.kill()
-                self.agent.wait()
+        if self.agent is not None:
+            stop_process(self.agent, 30)
         self.agent = None
 
     def agent_log(self) -> str:
@@ -253,23 +253,7 @@ async def run(
     km: AsyncKernelManager, code: str, timeout: float = 300
 ) -> tuple[str, dict[str, Any]]:
     """Execute ``code``; (its stdout + stderr, the reply's content)."""
-    kc = km.client()
-    kc.start_channels()
-    out: list[str] = []
-
-    def hook(msg: dict[str, Any]) -> None:
-        if msg["msg_type"] == "stream":
-            out.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            content = msg["content"]
-            out.append(f"{content.get('ename')}: {content.get('evalue')}")
-
-    try:
-        await kc.wait_for_ready(timeout=120)
-        reply = await kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-    finally:
-        kc.stop_channels()
-    return "".join(out), dict(reply["content"])
+    return await execute(km, code, ready_timeout=120, timeout=timeout)
 
 
 def last_json(text: str) -> dict[str, Any]:

@@ -126,6 +126,31 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             proc.wait()
 
 
+async def execute(
+    km: Any, code: str, *, ready_timeout: float = 30.0, timeout: float = 30.0
+) -> tuple[str, dict[str, Any]]:
+    """Run ``code`` in the kernel of ``km`` (a jupyter_client ``AsyncKernelManager``):
+    its output (stdout, stderr, and ``ename: evalue`` of an error) and the execute
+    reply's content, whatever its status."""
+    kc = km.client()
+    kc.start_channels()
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            content = msg["content"]
+            out.append(f"{content.get('ename')}: {content.get('evalue')}")
+
+    try:
+        await kc.wait_for_ready(timeout=ready_timeout)
+        reply = await kc.execute_interactive(code, timeout=timeout, output_hook=hook)
+    finally:
+        kc.stop_channels()
+    return "".join(out), dict(reply["content"])
+
+
 def load_example(name: str) -> ModuleType:
     """``examples/<name>.py`` as a module (registered as ``name``: dataclasses need it)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
