@@ -265,7 +265,7 @@ class APIHandler(web.RequestHandler):
     def compute_etag(self) -> str | None:
         return None
 
-    async def prepare(self) -> None:
+    def prepare(self) -> None:
         length = self.request.headers.get("Content-Length")
         if length is not None:
             try:
@@ -516,10 +516,10 @@ class OpenAPIHandler(APIHandler):
 class MetricsHandler(APIHandler):
     """``GET {p}metrics``: Prometheus text; a token is needed if ``metrics_require_auth``."""
 
-    async def prepare(self) -> None:
+    def prepare(self) -> None:
         if self.settings.get("gpu_lease_metrics_require_auth"):
             self.auth_required = True
-        await super().prepare()
+        super().prepare()
 
     @api
     async def get(self) -> None:

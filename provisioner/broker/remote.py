@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -34,7 +35,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ..errors import GPULeaseError, NotActive
 from ..model import Lease
@@ -84,19 +85,63 @@ def _pack(msg: tuple[Any, ...]) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-async def _read(reader: asyncio.StreamReader) -> tuple[Any, ...] | None:
-    """The next frame, or None at the end of the stream."""
-    try:
-        head = await reader.readexactly(_LEN.size)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ConnectionError(f"a frame of {n} bytes is more than {MAX_FRAME}")
-    try:
-        return pickle.loads(await reader.readexactly(n))  # noqa: S301 (our own user: see above)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
+class _Link(asyncio.Protocol):
+    """One end of the service socket: frames out (:meth:`send`), frames in (``frame``).
+
+    A protocol, not streams: the frames that one read brings are parsed in that read's
+    callback (no task, no await per frame). A frame that cannot be read drops the link.
+    """
+
+    #: for the log
+    what = "The service connection"
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def send(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def frame(self, msg: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        buf: bytes | bytearray = data
+        if self._buf:
+            self._buf += data
+            buf = self._buf
+        pos, end = 0, len(buf)
+        try:
+            while end - pos >= _LEN.size:
+                (n,) = _LEN.unpack_from(buf, pos)
+                if n > MAX_FRAME:
+                    raise ConnectionError(f"a frame of {n} bytes is more than {MAX_FRAME}")
+                stop = pos + _LEN.size + n
+                if stop > end:
+                    break
+                msg = pickle.loads(buf[pos + _LEN.size : stop])  # noqa: S301 (our own user)
+                pos = stop
+                self.frame(msg)
+        except Exception as exc:  # noqa: BLE001 (whatever the frame was: drop the link)
+            self.fault(exc)
+            return
+        if buf is self._buf:
+            del self._buf[:pos]
+        elif pos < end:
+            self._buf += buf[pos:]
+
+    def fault(self, exc: BaseException) -> None:
+        """A frame could not be read: log it and drop the link."""
+        log.error("%s failed", self.what, exc_info=exc)
+        self._buf.clear()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 def _leases_in(result: Any) -> list[Lease]:
@@ -119,77 +164,110 @@ class ServiceServer:
         self.service = service
         self.render_metrics = render_metrics
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._links: set[_FrontLink] = set()
 
     async def start(self, path: str) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _FrontLink(self), path)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
+        tasks = [task for link in self._links for task in link.calls.values()]
+        for link in list(self._links):
+            if link.transport is not None:
+                link.transport.abort()
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _target(self, name: str) -> Callable[..., Any]:
+    def target(self, name: str) -> Callable[..., Any]:
         if name not in METHODS:
             raise AttributeError(f"{name} may not be called by a front")
         if name == "render_metrics":
             return self.render_metrics
         if name == "policy":
             return lambda: self.service.policy
-        return getattr(self.service, name)
+        method: Callable[..., Any] = getattr(self.service, name)
+        return method
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sock = writer.get_extra_info("socket")
+
+class _FrontLink(_Link):
+    """The broker's end of one front's connection: each call answered in turn."""
+
+    what = "A front's connection"
+
+    def __init__(self, server: ServiceServer) -> None:
+        super().__init__()
+        self.server = server
+        self.calls: dict[int, asyncio.Future[Any]] = {}
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
         if sock is not None and not _same_user(sock):
             log.warning("Refused a connection to the service socket from another user")
-            writer.close()
+            cast(asyncio.Transport, transport).abort()
             return
-        calls: dict[int, asyncio.Task[None]] = {}
+        self.server._links.add(self)
 
-        async def call(rid: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            try:
-                result = self._target(name)(*args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = await result
-                facts = {x.id: self.service.lease_facts(x) for x in _leases_in(result)}
-                reply: tuple[Any, ...] = ("ok", rid, result, facts)
-            except asyncio.CancelledError:
-                return  # the front's client went away, or the broker stops
-            except GPULeaseError as exc:
-                reply = ("error", rid, exc)
-            except Exception as exc:  # noqa: BLE001 (the front logs it as a 500)
-                log.exception("A front's call of %s failed", name)
-                reply = ("error", rid, RuntimeError(f"{type(exc).__name__}: {exc}"))
-            finally:
-                calls.pop(rid, None)
-            try:
-                data = _pack(reply)
-            except Exception:  # noqa: BLE001 (an answer that cannot be pickled: a 500, not a hang)
-                log.exception("The answer to a front's call of %s cannot be sent", name)
-                data = _pack(("error", rid, RuntimeError(f"the answer to {name} cannot be sent")))
-            if not writer.is_closing():
-                writer.write(data)
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None:
+            log.warning("%s failed: %s", self.what, exc)
+        self.server._links.discard(self)
+        for call in list(self.calls.values()):  # its clients are gone with it
+            call.cancel()
 
+    def frame(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "cancel":
+            if (cancelled := self.calls.get(msg[1])) is not None:
+                cancelled.cancel()
+            return
+        _, rid, name, args, kwargs = msg
         try:
-            while (msg := await _read(reader)) is not None:
-                if msg[0] == "call":
-                    task = asyncio.create_task(call(*msg[1:]))
-                    calls[msg[1]] = task
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                elif msg[0] == "cancel" and (cancelled := calls.get(msg[1])) is not None:
-                    cancelled.cancel()
-        except ConnectionError as exc:
-            log.warning("A front's connection failed: %s", exc)
-        except Exception:  # noqa: BLE001 (a frame that cannot be read: drop the front's link)
-            log.exception("A front's connection failed")
-        finally:
-            for task in calls.values():  # its clients are gone with it
-                task.cancel()
-            writer.close()
+            result = self.server.target(name)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 (answered as an error)
+            self.answer(rid, name, exc=exc)
+            return
+        if not inspect.isawaitable(result):
+            self.answer(rid, name, result)
+            return
+        call = asyncio.ensure_future(result)
+        self.calls[rid] = call
+        call.add_done_callback(functools.partial(self._done, rid, name))
+
+    def _done(self, rid: int, name: str, call: asyncio.Future[Any]) -> None:
+        self.calls.pop(rid, None)
+        if call.cancelled():
+            return  # the front's client went away, or the broker stops
+        exc = call.exception()
+        if exc is None:
+            self.answer(rid, name, call.result())
+        else:
+            self.answer(rid, name, exc=exc)
+
+    def answer(
+        self, rid: int, name: str, result: Any = None, exc: BaseException | None = None
+    ) -> None:
+        if exc is None:
+            try:
+                facts = {x.id: self.server.service.lease_facts(x) for x in _leases_in(result)}
+            except Exception as failed:  # noqa: BLE001 (answered as an error)
+                exc = failed
+        if exc is None:
+            reply: tuple[Any, ...] = ("ok", rid, result, facts)
+        elif isinstance(exc, GPULeaseError):
+            reply = ("error", rid, exc)
+        else:  # the front logs it as a 500
+            log.error("A front's call of %s failed", name, exc_info=exc)
+            reply = ("error", rid, RuntimeError(f"{type(exc).__name__}: {exc}"))
+        try:
+            data = _pack(reply)
+        except Exception:  # noqa: BLE001 (an answer that cannot be pickled: a 500, not a hang)
+            log.exception("The answer to a front's call of %s cannot be sent", name)
+            data = _pack(("error", rid, RuntimeError(f"the answer to {name} cannot be sent")))
+        self.send(data)
 
 
 def _same_user(sock: socket.socket) -> bool:
@@ -213,10 +291,47 @@ def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:
     fut.add_done_callback(lambda f: f.exception())
 
 
+def _gone() -> NotActive:
+    return NotActive("The broker process is gone; retry in a moment.", retry_after=1)
+
+
+class _Answer(asyncio.Future[Any]):
+    """The answer to one call. Cancelling it (the HTTP client went away) tells the
+    broker process, so a long-poll is cancelled there as it is in one process."""
+
+    def __init__(self, remote: RemoteService, rid: int) -> None:
+        super().__init__(loop=remote.loop)
+        self._remote = remote
+        self._rid = rid
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not self.done():
+            self._remote._cancel(self._rid)
+        return super().cancel(msg=msg)
+
+
+class _BrokerLink(_Link):
+    """A front's end of the service socket."""
+
+    what = "The broker's service connection"
+
+    def __init__(self, remote: RemoteService) -> None:
+        super().__init__()
+        self.remote = remote
+
+    def frame(self, msg: tuple[Any, ...]) -> None:
+        self.remote._answer(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if exc is not None:
+            log.warning("%s failed: %s", self.what, exc)
+        self.remote._lost()
+
+
 class RemoteService:
     """The service's API, as the handlers use it, answered by the broker process.
 
-    Every method is a coroutine (the handlers await what may be remote); ``clock`` is
+    Every method returns a future (the handlers await what may be remote); ``clock`` is
     this process's ``time.time`` and ``policy`` is asked once at :meth:`connect`.
     :meth:`lease_facts` is answered from what came with the lease, else asked.
     ``lost`` is set when the broker's end closes (the front then exits).
@@ -226,75 +341,71 @@ class RemoteService:
         self.clock = time.time
         self.policy: Any = None
         self.lost = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._pending: dict[int, _Answer] = {}
         self._facts: dict[str, Any] = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._link: _BrokerLink | None = None
         self._idle: asyncio.Future[None] | None = None
 
     async def connect(self, path: str) -> None:
-        reader, self._writer = await asyncio.open_unix_connection(path, limit=1 << 20)
-        self._reading = asyncio.create_task(self._read_replies(reader))
+        _, self._link = await self.loop.create_unix_connection(lambda: _BrokerLink(self), path)
         self.policy = await self.call("policy")
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._link is not None and self._link.transport is not None:
+            self._link.transport.close()
 
     async def idle(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until no call awaits its answer."""
         if self._pending:
-            self._idle = asyncio.get_running_loop().create_future()
+            self._idle = self.loop.create_future()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._idle), timeout)
 
-    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while (msg := await _read(reader)) is not None:
-                fut = self._pending.pop(msg[1], None)
-                if not self._pending and self._idle is not None and not self._idle.done():
-                    self._idle.set_result(None)
-                if fut is None or fut.done():
-                    continue
-                if msg[0] == "ok":
-                    if len(self._facts) > 4096:  # a handler that failed never asked
-                        self._facts.clear()
-                    self._facts.update(msg[3])
-                    fut.set_result(msg[2])
-                else:
-                    _fail(fut, msg[2])
-        except ConnectionError as exc:
-            log.warning("The broker's service connection failed: %s", exc)
-        except Exception:  # noqa: BLE001 (an answer that cannot be read: this front exits)
-            log.exception("The broker's service connection failed")
-        finally:
-            for fut in self._pending.values():
-                if not fut.done():
-                    _fail(
-                        fut,
-                        NotActive("The broker process is gone; retry in a moment.", retry_after=1),
-                    )
-            self._pending.clear()
-            if self._idle is not None and not self._idle.done():
-                self._idle.set_result(None)
-            self.lost.set()
+    def _settle_idle(self) -> None:
+        if not self._pending and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
-    async def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if self.lost.is_set() or self._writer is None:
-            raise NotActive("The broker process is gone; retry in a moment.", retry_after=1)
+    def _answer(self, msg: tuple[Any, ...]) -> None:
+        fut = self._pending.pop(msg[1], None)
+        self._settle_idle()
+        if fut is None or fut.done():
+            return
+        if msg[0] == "ok":
+            if len(self._facts) > 4096:  # a handler that failed never asked
+                self._facts.clear()
+            self._facts.update(msg[3])
+            fut.set_result(msg[2])
+        else:
+            _fail(fut, msg[2])
+
+    def _lost(self) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                _fail(fut, _gone())
+        self._settle_idle()
+        self.lost.set()
+
+    def _cancel(self, rid: int) -> None:
+        if self._pending.pop(rid, None) is not None and self._link is not None:
+            self._link.send(_pack(("cancel", rid)))
+            self._settle_idle()
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        """Send the call; the future is its answer (cancel it to cancel the call)."""
+        if self.lost.is_set() or self._link is None:
+            failed: asyncio.Future[Any] = self.loop.create_future()
+            _fail(failed, _gone())
+            return failed
         rid = next(self._ids)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        self._writer.write(_pack(("call", rid, name, args, kwargs)))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            if self._pending.pop(rid, None) is not None and not self._writer.is_closing():
-                self._writer.write(_pack(("cancel", rid)))
-            raise
+        fut = self._pending[rid] = _Answer(self, rid)
+        self._link.send(_pack(("call", rid, name, args, kwargs)))
+        return fut
 
     def lease_facts(self, lease: Lease) -> Any:
-        """What came with ``lease`` (see the module), else a coroutine that asks."""
+        """What came with ``lease`` (see the module), else a future that asks."""
         facts = self._facts.pop(lease.id, None)
         return facts if facts is not None else self.call("lease_facts", lease)
 
@@ -304,7 +415,9 @@ class RemoteService:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name not in METHODS:
             raise AttributeError(name)
-        return lambda *args, **kwargs: self.call(name, *args, **kwargs)
+        method = functools.partial(self.call, name)
+        setattr(self, name, method)  # found in the instance from now on
+        return method
 
 
 class RemoteMetrics:
