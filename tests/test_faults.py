@@ -885,3 +885,32 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
         standby.stop()
         standby.kill9()
     assert not standby.problems(), standby.problems()
+
+
+def test_ids_are_unguessable_and_a_forked_child_draws_its_own() -> None:
+    """``new_id`` takes its bytes from ``os.urandom`` 4 KiB at a time (one system call per
+    256 ids): ids stay unique 128-bit URL-safe strings that never begin with ``-``, and a
+    forked child does not hand out the ids its parent's buffer still holds."""
+    import base64
+    import os
+
+    from provisioner.broker.service import new_id
+
+    ids = [new_id() for _ in range(3000)]  # several refills
+    assert len(set(ids)) == len(ids)
+    for lease_id in ids:
+        assert len(lease_id) == 22 and not lease_id.startswith("-")
+        assert len(base64.urlsafe_b64decode(lease_id + "==")) == 16
+    new_id()  # the buffer now holds the next ids
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent
+        os.close(read)
+        os.write(write, " ".join(new_id() for _ in range(20)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child = pipe.read().split()
+    os.waitpid(pid, 0)
+    parent = [new_id() for _ in range(20)]
+    assert len(child) == 20 and not set(child) & set(parent)

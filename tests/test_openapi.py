@@ -204,3 +204,25 @@ def test_fresh_document_each_call() -> None:
     a = build_openapi()
     a["components"]["schemas"]["Lease"]["properties"].clear()
     assert build_openapi()["components"]["schemas"]["Lease"]["properties"]
+
+
+@pytest.mark.parametrize("base_url", ["/", "/services/gpu-lease/"])
+def test_each_path_matches_exactly_one_route_whatever_their_order(base_url: str) -> None:
+    """``url_specs`` puts the routes kernels call first (tornado takes the first pattern
+    that matches): that is safe only while no path matches two patterns."""
+    import re
+
+    from provisioner.broker.routes import HOT_PATHS, TABLE, url_specs
+
+    specs = url_specs(base_url)
+    assert [s.regex.pattern for s in specs[: len(HOT_PATHS)]] == [
+        r.pattern(base_url) + "$" for r in TABLE if r.path in HOT_PATHS
+    ]
+    for route in TABLE:
+        for value in ("me", "default", "users", "renew", "abc-123"):
+            path = re.sub(r"\{[^}]+\}", value, base_url.rstrip("/") + route.path)
+            for candidate in {path, path.rstrip("/") + "/"}:
+                matching = [s for s in specs if s.regex.match(candidate)]
+                assert len(matching) <= 1, (candidate, [s.regex.pattern for s in matching])
+        sample = re.sub(r"\{[^}]+\}", "abc-123", base_url.rstrip("/") + route.path)
+        assert [s.handler_class for s in specs if s.regex.match(sample)] == [route.handler]

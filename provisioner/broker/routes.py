@@ -616,11 +616,19 @@ def openapi_paths() -> dict[str, Any]:
 HandlerWrap = Callable[[type[web.RequestHandler]], type[web.RequestHandler]]
 
 
+#: what kernels call all the time (acquire, release, renew): matched first
+HOT_PATHS = frozenset(
+    {"/api/v1/leases", "/api/v1/leases/{lease_id}", "/api/v1/leases/{lease_id}/renew"}
+)
+
+
 def url_specs(base_url: str = "/", wrap: HandlerWrap | None = None) -> list[web.URLSpec]:
     """Tornado's URL patterns of :data:`TABLE` under ``base_url``.
 
     ``wrap`` (from the authenticator) may replace each handler class, e.g. by one that
-    also accepts JupyterHub's OAuth login cookie.
+    also accepts JupyterHub's OAuth login cookie. The routes every kernel calls
+    (:data:`HOT_PATHS`) come first: tornado tries the patterns in order, and no two of
+    them match the same path.
     """
     return [
         web.URLSpec(
@@ -628,20 +636,22 @@ def url_specs(base_url: str = "/", wrap: HandlerWrap | None = None) -> list[web.
             wrap(route.handler) if wrap is not None else route.handler,
             {"public": route.public, **route.handler_kwargs},
         )
-        for route in TABLE
+        for route in sorted(TABLE, key=lambda r: r.path not in HOT_PATHS)
     ]
 
 
 # -- the application ---------------------------------------------------------------------
 
 
+_access = logging.getLogger("gpu_lease.broker.access")
+
+
 def _log_request(handler: web.RequestHandler) -> None:
     status = handler.get_status()
     ms = 1000.0 * handler.request.request_time()
     level = logging.DEBUG if status < 400 else logging.INFO if status < 500 else logging.WARNING
-    access = logging.getLogger("gpu_lease.broker.access")
-    if access.isEnabledFor(level):
-        access.log(
+    if _access.isEnabledFor(level):
+        _access.log(
             level,
             "%d %s %s (%s) %.1fms",
             status,
