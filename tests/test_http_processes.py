@@ -208,3 +208,25 @@ def test_a_second_broker_on_the_port_is_refused(tmp_path: Path, second: str) -> 
         assert other.proc.wait(60) == 2, other.log()
         assert "Cannot listen on 127.0.0.1" in other.log()
         assert first.health()["status"] == "ok"
+
+
+def test_the_paired_benchmark_compares_two_trees_under_the_same_load(tmp_path: Path) -> None:
+    """``benchmarks/broker_paired.py`` (how a change's CPU per pair is judged on a noisy
+    machine) runs: two brokers with a front each, both driven in the same window."""
+    root = Path(__file__).resolve().parent.parent
+    script = root / "benchmarks" / "broker_paired.py"
+    cmd = [sys.executable, str(script), "--tree", str(root), "--tree", str(root)]
+    p = subprocess.run(
+        [*cmd, "--windows", "2", "--seconds", "0.5", "--clients", "4"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith(str(root)[-40:])]
+    assert len(rows) == 2, p.stdout
+    assert rows[0][1:] == [rows[0][1], "1.000", "1.000", "1.000"], p.stdout  # tree 0 ÷ itself
+    assert 0.3 < float(rows[1][2]) < 3.0 and float(rows[1][1]) > 0, p.stdout
+    assert "window  2:" in p.stdout and "HTTP" in p.stdout
+    bad = subprocess.run([*cmd[:3], str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "give --tree at least twice" in bad.stderr

@@ -63,7 +63,7 @@ T = TypeVar("T")
 async def resolved(value: T | Awaitable[T]) -> T:
     """``value``, awaited if it is awaitable: the service's answer in this process is a
     value, a front's :class:`~provisioner.broker.remote.RemoteService` answers every
-    call with a coroutine (``--http-processes``)."""
+    call with a future (``--http-processes``)."""
     if inspect.isawaitable(value):
         return await value
     return cast(T, value)

@@ -212,7 +212,8 @@ class BrokerProcess:
     are more command-line options (``--gpus`` there replaces ``gpus``; ``--base-url``
     moves ``url``). Every start logs to its own file, ``<name>-<n>.log`` (``log_path``
     is the current one). ``profile`` (a file) runs the broker under cProfile; the
-    profile is written when it exits on SIGTERM.
+    profile is written when it exits on SIGTERM. ``source`` is the source tree put first
+    on ``PYTHONPATH`` (this checkout by default; another for A/B benchmarks).
     """
 
     def __init__(
@@ -226,8 +227,10 @@ class BrokerProcess:
         env: Mapping[str, str] | None = None,
         profile: Path | None = None,
         name: str = "broker",
+        source: Path = ROOT,
     ) -> None:
         self.tmp = tmp
+        self.source = source
         self.db_url = db_url
         self.gpus = gpus
         self.extra = extra
@@ -296,7 +299,7 @@ class BrokerProcess:
         assert self.proc is None or self.proc.poll() is not None
         self.starts += 1
         env = dict(os.environ if self.env is None else self.env)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.source), env.get("PYTHONPATH")]))
         env.pop("JUPYTERHUB_API_TOKEN", None)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
