@@ -19,7 +19,7 @@ tree, the broker process and the HTTP process (``--http-processes``) apart.
 
 This measures work per pair, not rate: the throughput aims stay with
 ``broker_throughput.py``. Run the first tree against itself (A/A) to see the noise of
-the ratio (0.99–1.00 on 2 vCPUs over 12 windows).
+the ratio (0.99–1.03 on 2 vCPUs over 12 windows).
 """
 
 from __future__ import annotations
