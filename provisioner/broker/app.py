@@ -592,7 +592,7 @@ class GPULeaseBroker(Application):
 
     def listen(self, app: WebApplication) -> HTTPServer | None:
         """An HTTP server listening on ``ip:port``; None (logged) if it cannot."""
-        server = HTTPServer(app, xheaders=True, max_body_size=DRAIN_LIMIT)
+        server = http_server(app)
         try:
             server.listen(self.port, address=self.ip)
         except OSError as exc:
@@ -824,7 +824,7 @@ class GPULeaseBroker(Application):
             metrics_require_auth=self.metrics_require_auth,
             **({"cookie_secret": bytes.fromhex(secret)} if secret else {}),
         )
-        server = HTTPServer(app, xheaders=True, max_body_size=DRAIN_LIMIT)
+        server = http_server(app)
         server.add_sockets([socket.socket(fileno=fd) for fd in fds])
         _collect_from_now_on()
         # Ctrl-C reaches the whole process group: the broker process stops its fronts
@@ -847,6 +847,12 @@ class GPULeaseBroker(Application):
             await asyncio.wait_for(server.close_all_connections(), CLOSE_CONNECTIONS_TIMEOUT)
         remote.close()
         return 1 if lost else 0
+
+
+def http_server(app: WebApplication) -> HTTPServer:
+    """The broker's HTTP server for ``app``, in one process or in a front: behind a proxy
+    (``X-Forwarded-For``, ``X-Forwarded-Proto``), bodies read up to ``DRAIN_LIMIT``."""
+    return HTTPServer(app, xheaders=True, max_body_size=DRAIN_LIMIT)
 
 
 def listening_sockets(port: int, ip: str, count: int) -> list[list[socket.socket]]:
