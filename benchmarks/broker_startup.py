@@ -62,7 +62,10 @@ def one_start(
     tokens.write_text(json.dumps({"startup-bench-token": {"user": "bench"}}))
     env = dict(os.environ)
     env.pop("JUPYTERHUB_API_TOKEN", None)
-    env["PYTHONPATH"] = str(ROOT / "benchmarks" if tree == BASELINE else tree)
+    # the tree first; what the environment had after it (dependencies installed with
+    # ``pip --target``, as on a machine without a virtual environment)
+    first = str(ROOT / "benchmarks" if tree == BASELINE else tree)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [first, env.get("PYTHONPATH")]))
     cmd = [
         sys.executable,
         "-m",
