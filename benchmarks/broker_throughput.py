@@ -17,6 +17,8 @@ What it measures (each part can be chosen with ``--only``):
                 next to the rate. Each database twice: the broker as it starts by default
                 (one process) and with ``--http-processes N`` (rows ``sqlite +N``; N from
                 ``--http-processes``, default 1), on which the ceiling aims are judged.
+                ``--load-processes L`` drives every load from L processes (clients split
+                between them, one shared window) where one cannot keep the server busy.
 ``scaling``     one client's acquire latency (p50/p99 over ``--probes`` pairs) as the pool
                 grows 1 -> 1,000 GPUs and the active leases 0 -> 10,000 (filled through the
                 API by 64 concurrent clients; leases get a 1 h TTL so none expires). One
@@ -270,38 +272,38 @@ class LoadResult:
     errors: int
     broker_cpu_us_per_pair: float
     loadgen_cpu_us_per_pair: float
+    #: load-generator processes (``--load-processes``)
+    load_processes: int = 1
 
 
 def _acquire_body(kernel_id: str, fraction: float) -> bytes:
     return json.dumps({"kernel_id": kernel_id, "fraction": fraction}).encode()
 
 
-async def closed_loop(
-    broker: BrokerProcess | NoopProcess,
+async def _drive(
+    port: int,
+    tokens: list[str],
+    first: int,
     clients: int,
-    *,
-    warmup: float,
-    duration: float,
     fraction: float,
-    db: str,
-) -> LoadResult:
-    """``clients`` connections, each acquire -> release in a loop; stats over the window."""
-    users = list(broker.tokens)
-    conns = [HTTPConn(broker.port, broker.tokens[users[i % len(users)]]) for i in range(clients)]
+    t_window: float,
+    t_end: float,
+    cpu_marks: Callable[[str], None] | None = None,
+) -> tuple[list[float], list[float], int, int]:
+    """``clients`` connections (client numbers ``first`` ...), each acquire -> release in a
+    loop until ``t_end`` (``time.perf_counter``, the same clock in every process); the pairs
+    wholly inside [``t_window``, ``t_end``] count. ``cpu_marks("0")`` is called at
+    ``t_window`` and ``cpu_marks("1")`` at ``t_end``. Returns (acquire s, release s,
+    errors, pairs)."""
+    conns = [HTTPConn(port, tokens[(first + i) % len(tokens)]) for i in range(clients)]
     await asyncio.gather(*(c.open() for c in conns))
     acq: list[float] = []
     rel: list[float] = []
-    errors = 0
-    pairs = 0
+    counts = {"errors": 0, "pairs": 0}
     run = uuid.uuid4().hex[:8]
     perf = time.perf_counter
-    t_start = perf()
-    t_window = t_start + warmup
-    t_end = t_window + duration
-    marks: dict[str, float] = {}
 
     async def client(n: int, conn: HTTPConn) -> None:
-        nonlocal errors, pairs
         i = 0
         while True:
             t0 = perf()
@@ -313,32 +315,71 @@ async def closed_loop(
             )
             t1 = perf()
             if status != 201:
-                errors += 1
-                if errors > 100:
+                counts["errors"] += 1
+                if counts["errors"] > 100:
                     raise RuntimeError(f"acquire answered {status}: {body[:300]!r}")
                 continue
             lease_id = json.loads(body)["id"]
             status, body = await conn.send(conn.delete(f"/api/v1/leases/{lease_id}"))
             t2 = perf()
             if status != 204:
-                errors += 1
-                if errors > 100:
+                counts["errors"] += 1
+                if counts["errors"] > 100:
                     raise RuntimeError(f"release answered {status}: {body[:300]!r}")
             if t0 >= t_window and t2 <= t_end:
                 acq.append(t1 - t0)
                 rel.append(t2 - t1)
-                pairs += 1
+                counts["pairs"] += 1
 
     async def sample_cpu() -> None:
+        if cpu_marks is None:
+            return
         await asyncio.sleep(max(0.0, t_window - perf()))
-        marks["b0"], marks["l0"] = broker.cpu(), time.process_time()
+        cpu_marks("0")
         await asyncio.sleep(max(0.0, t_end - perf()))
-        marks["b1"], marks["l1"] = broker.cpu(), time.process_time()
+        cpu_marks("1")
 
     try:
-        await asyncio.gather(sample_cpu(), *(client(n, c) for n, c in enumerate(conns)))
+        await asyncio.gather(sample_cpu(), *(client(first + n, c) for n, c in enumerate(conns)))
     finally:
         await asyncio.gather(*(c.close() for c in conns))
+    return acq, rel, counts["errors"], counts["pairs"]
+
+
+def _load_part(
+    port: int,
+    tokens: list[str],
+    first: int,
+    clients: int,
+    fraction: float,
+    t_window: float,
+    t_end: float,
+) -> tuple[list[float], list[float], int, int, float]:
+    """One process of a ``--load-processes`` load: ``_drive``, plus this process's CPU
+    seconds inside the window."""
+    marks: dict[str, float] = {}
+
+    def mark(which: str) -> None:
+        marks[which] = time.process_time()
+
+    acq, rel, errors, pairs = asyncio.run(
+        _drive(port, tokens, first, clients, fraction, t_window, t_end, mark)
+    )
+    return acq, rel, errors, pairs, marks["1"] - marks["0"]
+
+
+def _result(
+    db: str,
+    clients: int,
+    duration: float,
+    acq: list[float],
+    rel: list[float],
+    errors: int,
+    pairs: int,
+    broker_cpu: float,
+    loadgen_cpu: float,
+    processes: int,
+) -> LoadResult:
     per_pair = 1e6 / max(pairs, 1)
     return LoadResult(
         db=db,
@@ -351,8 +392,101 @@ async def closed_loop(
         release_p50_ms=percentile(rel, 50) * 1e3,
         pair_mean_ms=(statistics.fmean(acq) + statistics.fmean(rel)) * 1e3 if acq else math.nan,
         errors=errors,
-        broker_cpu_us_per_pair=(marks["b1"] - marks["b0"]) * per_pair,
-        loadgen_cpu_us_per_pair=(marks["l1"] - marks["l0"]) * per_pair,
+        broker_cpu_us_per_pair=broker_cpu * per_pair,
+        loadgen_cpu_us_per_pair=loadgen_cpu * per_pair,
+        load_processes=processes,
+    )
+
+
+async def closed_loop(
+    broker: BrokerProcess | NoopProcess,
+    clients: int,
+    *,
+    warmup: float,
+    duration: float,
+    fraction: float,
+    db: str,
+) -> LoadResult:
+    """``clients`` connections, each acquire -> release in a loop; stats over the window."""
+    t_window = time.perf_counter() + warmup
+    marks: dict[str, float] = {}
+
+    def mark(which: str) -> None:
+        marks["b" + which], marks["l" + which] = broker.cpu(), time.process_time()
+
+    acq, rel, errors, pairs = await _drive(
+        broker.port,
+        [broker.tokens[u] for u in broker.tokens],
+        0,
+        clients,
+        fraction,
+        t_window,
+        t_window + duration,
+        mark,
+    )
+    return _result(
+        db,
+        clients,
+        duration,
+        acq,
+        rel,
+        errors,
+        pairs,
+        marks["b1"] - marks["b0"],
+        marks["l1"] - marks["l0"],
+        1,
+    )
+
+
+def closed_loop_processes(
+    broker: BrokerProcess | NoopProcess,
+    clients: int,
+    processes: int,
+    *,
+    warmup: float,
+    duration: float,
+    fraction: float,
+    db: str,
+) -> LoadResult:
+    """``closed_loop`` from ``processes`` load-generator processes (``clients`` split
+    between them), for machines where one load process cannot keep the server busy. They
+    share the window (``time.perf_counter`` is the system's monotonic clock); the load
+    generator's CPU per pair is theirs together."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    tokens = [broker.tokens[u] for u in broker.tokens]
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    firsts = [sum(shares[:i]) for i in range(processes)]
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+        # the workers' start (a spawn imports this module) must not eat the warm-up
+        list(pool.map(time.sleep, [0.0] * processes))
+        t_window = time.perf_counter() + warmup
+        t_end = t_window + duration
+        futures = [
+            pool.submit(_load_part, broker.port, tokens, f, n, fraction, t_window, t_end)
+            for f, n in zip(firsts, shares, strict=True)
+            if n
+        ]
+        time.sleep(max(0.0, t_window - time.perf_counter()))
+        b0 = broker.cpu()
+        time.sleep(max(0.0, t_end - time.perf_counter()))
+        b1 = broker.cpu()
+        parts = [f.result() for f in futures]
+    acq = [x for p in parts for x in p[0]]
+    rel = [x for p in parts for x in p[1]]
+    return _result(
+        db,
+        clients,
+        duration,
+        acq,
+        rel,
+        sum(p[2] for p in parts),
+        sum(p[3] for p in parts),
+        b1 - b0,
+        sum(p[4] for p in parts),
+        processes,
     )
 
 
@@ -442,16 +576,28 @@ def run_throughput(args: argparse.Namespace, tmp: Path) -> tuple[list[LoadResult
 
     def each_load(server: BrokerProcess | NoopProcess, db: str) -> None:
         for clients in args.clients:
-            r = asyncio.run(
-                closed_loop(
+            procs = min(args.load_processes, clients)
+            if procs > 1:
+                r = closed_loop_processes(
                     server,
                     clients,
+                    procs,
                     warmup=args.warmup,
                     duration=args.duration,
                     fraction=0.01,
                     db=db,
                 )
-            )
+            else:
+                r = asyncio.run(
+                    closed_loop(
+                        server,
+                        clients,
+                        warmup=args.warmup,
+                        duration=args.duration,
+                        fraction=0.01,
+                        db=db,
+                    )
+                )
             results.append(r)
             print(
                 f"  {db:<10} {clients:>3} clients: {r.pairs_per_s:7.0f} pairs/s, "
@@ -1078,6 +1224,13 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="throughput: each database also with the broker's --http-processes N "
         "(rows 'sqlite +N'; the ceiling aims are judged on those); 0: only one process",
+    )
+    ap.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="throughput: the load generator's processes (1); more where one process "
+        "cannot keep the servers busy (many cores)",
     )
     ap.add_argument(
         "--profile", type=Path, help="profile the broker under load instead; write into DIR"

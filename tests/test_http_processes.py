@@ -10,6 +10,7 @@ and start-up errors.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -230,3 +231,76 @@ def test_the_paired_benchmark_compares_two_trees_under_the_same_load(tmp_path: P
     assert "window  2:" in p.stdout and "HTTP" in p.stdout
     bad = subprocess.run([*cmd[:3], str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "give --tree at least twice" in bad.stderr
+
+
+def test_the_throughput_benchmark_drives_a_broker_from_several_load_processes(
+    tmp_path: Path,
+) -> None:
+    """``broker_throughput.py --load-processes 2`` (for machines where one load process
+    cannot keep the fronts busy): both processes' pairs and CPU are counted, the
+    no-op and a real broker alike, with no errors."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "bt.json"
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(root / "benchmarks" / "broker_throughput.py"),
+            "--only",
+            "throughput",
+            "--dbs",
+            "sqlite",
+            "--clients",
+            "5",
+            "--duration",
+            "0.6",
+            "--warmup",
+            "0.2",
+            "--http-processes",
+            "0",
+            "--load-processes",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["db"]: r for r in json.loads(out.read_text())["throughput"]}
+    assert set(rows) == {"no-op", "sqlite"}, rows
+    for r in rows.values():
+        assert r["load_processes"] == 2 and r["clients"] == 5, r
+        assert r["errors"] == 0 and r["pairs"] > 0, r
+        assert r["loadgen_cpu_us_per_pair"] > 0 and r["broker_cpu_us_per_pair"] > 0, r
+        assert r["acquire_p50_ms"] <= r["acquire_p99_ms"], r
+
+
+def test_the_startup_benchmark_keeps_the_environments_pythonpath(tmp_path: Path) -> None:
+    """``broker_startup.py`` puts the tree first on ``PYTHONPATH`` and keeps what the
+    environment had after it (dependencies installed with ``pip --target``): a
+    ``sitecustomize`` found only there runs in every timed process."""
+    root = Path(__file__).resolve().parent.parent
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (deps / "sitecustomize.py").write_text(
+        "import os, pathlib\n"
+        f"pathlib.Path({str(marks)!r}, str(os.getpid())).write_bytes(\n"
+        "    pathlib.Path('/proc/self/cmdline').read_bytes().replace(b'\\0', b' ')\n"
+        ")\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(deps)}
+    p = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "broker_startup.py"), "--starts", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "x the no-op app" in p.stdout, p.stdout
+    started = [m.read_text() for m in marks.iterdir()]
+    assert any("-m provisioner.broker.app" in c for c in started), started
+    assert any("-m noop_broker" in c for c in started), started
