@@ -459,9 +459,17 @@ def closed_loop_processes(
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     firsts = [sum(shares[:i]) for i in range(processes)]
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
-        # the workers' start (a spawn imports this module) must not eat the warm-up
-        list(pool.map(time.sleep, [0.0] * processes))
+    # the workers' start (a spawn imports this module) must not eat the warm-up: each
+    # worker waits at the barrier once it is up, so none can run the others' first tasks
+    # and all of them are started (one per task submitted) before the window is set
+    started = ctx.Barrier(processes + 1)
+    with ProcessPoolExecutor(
+        processes, mp_context=ctx, initializer=started.wait, initargs=(60.0,)
+    ) as pool:
+        ready = [pool.submit(int) for _ in range(processes)]
+        started.wait(60.0)
+        for f in ready:
+            f.result()
         t_window = time.perf_counter() + warmup
         t_end = t_window + duration
         futures = [
