@@ -831,9 +831,9 @@ def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     logging.getLogger("gpu_lease").setLevel(logging.WARNING)  # in-process: no log handler
 
     async def one(i: int | str) -> None:
-        result = await service.acquire(ident, Ask("u00", f"v{i}", 10_000))
+        result = await service.leases.acquire(ident, Ask("u00", f"v{i}", 10_000))
         assert result.lease is not None
-        await service.release(ident, result.lease.id)
+        await service.leases.release(ident, result.lease.id)
 
     async def service_pairs() -> float:
         for i in range(50):

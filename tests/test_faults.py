@@ -217,7 +217,7 @@ async def take(svc: BrokerService, n: int) -> list[str]:
     ids = []
     for i in range(n):
         user = f"u{i:02d}"
-        res = await svc.acquire(Identity(user), Ask(user, f"k{i}", 50_000))
+        res = await svc.leases.acquire(Identity(user), Ask(user, f"k{i}", 50_000))
         assert res.outcome == "granted" and res.lease is not None
         ids.append(res.lease.id)
     return ids
@@ -240,7 +240,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         passes = []
         for _ in range(3):
             clock.now += 5.0
-            passes.append(await svc.tick())
+            passes.append(await svc.leases.tick())
         assert [p["grace"] for p in passes] == [0, 0, 0]
         assert passes[1]["expired"] == 1  # at +10 s, its expiry (+6 s) has passed
         assert svc.state.leases == {}
@@ -248,7 +248,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         # a real stall (longer than 3 reap intervals) still gives grace
         (_,) = await take(svc, 1)
         clock.now += 16.0
-        assert (await svc.tick())["grace"] == 1 and len(svc.state.leases) == 1
+        assert (await svc.leases.tick())["grace"] == 1 and len(svc.state.leases) == 1
     finally:
         svc.close()
 
@@ -265,10 +265,10 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         for _ in range(4):  # normal life: renewals and reaper passes
             clock.now += reap
             for lid in ids:
-                await svc.renew(Identity(svc.state.leases[lid].user), lid)
-            assert (await svc.tick())["expired"] == 0
+                await svc.leases.renew(Identity(svc.state.leases[lid].user), lid)
+            assert (await svc.leases.tick())["expired"] == 0
         clock.now += jump
-        counts = await svc.tick()
+        counts = await svc.leases.tick()
         assert counts["expired"] == 0 and counts["grace"] == 10
         assert sorted(svc.state.leases) == sorted(ids)
         assert_store_matches(svc)
@@ -278,8 +278,8 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         while clock.now < t_jump + 2 * ttl:
             clock.now += reap
             for lid in live:
-                await svc.renew(Identity(svc.state.leases[lid].user), lid)
-            if (await svc.tick())["expired"]:
+                await svc.leases.renew(Identity(svc.state.leases[lid].user), lid)
+            if (await svc.leases.tick())["expired"]:
                 assert expired_at is None
                 expired_at = clock.now
         assert expired_at is not None
@@ -287,7 +287,7 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         assert sorted(svc.state.leases) == sorted(live)
         assert_store_matches(svc)
         with pytest.raises(LeaseExpired):
-            await svc.renew(Identity("u00"), dead)
+            await svc.leases.renew(Identity("u00"), dead)
     finally:
         svc.close()
 

@@ -186,13 +186,13 @@ async def test_with_a_real_broker_service(tmp_path: Any) -> None:
         alice = Identity("alice")
         ids = []
         for k in range(3):
-            result = await service.acquire(alice, Ask("alice", f"kernel-{k}", 20_000))
+            result = await service.leases.acquire(alice, Ask("alice", f"kernel-{k}", 20_000))
             assert result.outcome == "granted" and result.lease is not None
             ids.append(result.lease.id)
-        again = await service.acquire(alice, Ask("alice", "kernel-0", 20_000))
+        again = await service.leases.acquire(alice, Ask("alice", "kernel-0", 20_000))
         assert again.outcome == "repeated"
         with pytest.raises(CannotFit):  # 0.001 of 32 GiB is below the context overhead
-            await service.acquire(alice, Ask("alice", "tiny", 1_000))
+            await service.leases.acquire(alice, Ask("alice", "tiny", 1_000))
         s = scrape(metrics)
         labels = {"uuid": gpus[0].uuid, "node": "local", "name": "V100"}
         assert value(s, "gpu_lease_gpu_allocated_fraction", **labels) == 0.06
@@ -203,7 +203,7 @@ async def test_with_a_real_broker_service(tmp_path: Any) -> None:
         assert value(s, "gpu_lease_acquire_seconds_count", outcome="repeated") == 1
         assert value(s, "gpu_lease_refusals_total", reason="cannot_fit") == 1
 
-        await service.release(alice, ids[0])
+        await service.leases.release(alice, ids[0])
         s = scrape(metrics)
         assert value(s, "gpu_lease_gpu_allocated_fraction", **labels) == 0.04
         assert value(s, "gpu_lease_leases_ended_total", state="released") == 1

@@ -13,7 +13,7 @@ Start-up, one method each: load the GPUs (exit 2 with the inventory's message if
 there are none), build the authenticator (exit 2 on a bad tokens file), open the
 store, stand by until it leads (``--ha-lock``: :mod:`.leadership`), rebuild the state
 (``service.start()``, exit 1 if the database fails), listen (exit 2 if the address is
-taken), run the reaper (``service.tick()`` every ``reap_interval`` s) and, with
+taken), run the reaper (``service.leases.tick()`` every ``reap_interval`` s) and, with
 ``--ha-lock``, keep the leadership renewed. SIGTERM/SIGINT stop serving (a waiting
 long-poll answers 503), stop listening, give the leadership up, close the store and
 return (exit 0) within a second. A broker that loses its leadership stops serving at
@@ -575,7 +575,7 @@ class GPULeaseBroker(Application):
         """Rebuild the state from the store, then apply ``quotas_file`` (``GPULeaseError``)."""
         service.start()
         if self.quotas_file:
-            service.apply_quotas(quota_entries, self.quotas_file)
+            service.quotas.apply_quotas(quota_entries, self.quotas_file)
 
     def make_web_app(
         self, service: BrokerService, authenticator: Authenticator, metrics: BrokerMetrics
@@ -609,12 +609,12 @@ class GPULeaseBroker(Application):
         )
 
     def start_reaper(self, service: BrokerService) -> PeriodicCallback:
-        """Call ``service.tick()`` every ``reap_interval`` s; a failed pass is logged and
+        """Call ``service.leases.tick()`` every ``reap_interval`` s; a failed pass is logged and
         retried at the next one (a broker that is not serving skips its passes)."""
 
         async def reap() -> None:
             try:
-                await service.tick()
+                await service.leases.tick()
             except (StoreError, NotActive) as exc:
                 self.log.warning("Reaper pass failed, will retry: %s", exc.message)
             except Exception:
@@ -664,7 +664,7 @@ class GPULeaseBroker(Application):
 
         def lost(why: str) -> None:
             self.lost_leadership = True
-            service.stop_serving("not the active broker any more")
+            service.core.stop_serving("not the active broker any more")
             stop.set()
 
         return asyncio.create_task(leadership.keep(lost))
@@ -693,8 +693,8 @@ class GPULeaseBroker(Application):
         """Stop serving (waiting long-polls answer 503 first), the reaper and the server,
         close open connections, give the leadership up, close the store."""
         self.log.info("Shutting down")
-        service.stop_serving("shutting down")
-        await service.long_polls_answered(LONG_POLLS_TIMEOUT)
+        service.core.stop_serving("shutting down")
+        await service.core.long_polls_answered(LONG_POLLS_TIMEOUT)
         await asyncio.sleep(0.01)  # their handlers write the 503s
         reaper.stop()
         if keeper is not None:
@@ -738,7 +738,7 @@ class GPULeaseBroker(Application):
             if leadership is None:
                 store.close()
                 return 0 if store.supports_ha_lock else 2
-            service.gate = leadership.check
+            service.core.gate = leadership.check
         try:
             self.load_state(service, quota_entries)
         except GPULeaseError as exc:

@@ -344,7 +344,7 @@ class APIHandler(web.RequestHandler):
         self.finish(json.dumps(body, allow_nan=False, separators=(",", ":")))
 
     async def lease_json(self, lease: Lease) -> dict[str, Any]:
-        gpu, usage = await resolved(self.service.lease_facts(lease))
+        gpu, usage = await resolved(self.service.queries.lease_facts(lease))
         body = lease.to_json(gpu)
         body.update(used_mb=usage.used_mb, enforcement=usage.enforcement, mps=usage.mps)
         return body
@@ -502,7 +502,7 @@ class DashboardHandler(IndexHandler):
 class HealthHandler(APIHandler):
     @api
     async def get(self) -> None:
-        self.write_json(health_json(await resolved(self.service.health())))
+        self.write_json(health_json(await resolved(self.service.queries.health())))
 
 
 class OpenAPIHandler(APIHandler):
@@ -538,7 +538,7 @@ class GPUsHandler(APIHandler):
     @api
     async def get(self) -> None:
         policy = self.service.policy
-        self.write_json({"gpus": [gpu_json(h, policy) for h in await self.service.gpus()]})
+        self.write_json({"gpus": [gpu_json(h, policy) for h in await self.service.queries.gpus()]})
 
 
 class LeasesHandler(APIHandler):
@@ -549,7 +549,7 @@ class LeasesHandler(APIHandler):
 
     @api
     async def get(self) -> None:
-        leases = await self.service.list_leases(
+        leases = await self.service.queries.list_leases(
             self.ident,
             user=self.query("user") or None,
             all_users=validation.parse_flag(self.query("all"), "all"),
@@ -560,7 +560,7 @@ class LeasesHandler(APIHandler):
     @api
     async def post(self) -> None:
         ask, wait = validation.parse_acquire(self.json_body(), self.ident)
-        self._task = asyncio.ensure_future(self.service.acquire(self.ident, ask, wait))
+        self._task = asyncio.ensure_future(self.service.leases.acquire(self.ident, ask, wait))
         try:
             result = await self._task
         except asyncio.CancelledError:
@@ -605,11 +605,13 @@ class LeasesHandler(APIHandler):
 class LeaseHandler(APIHandler):
     @api
     async def get(self, lease_id: str) -> None:
-        self.write_json(await self.lease_json(await self.service.get_lease(self.ident, lease_id)))
+        self.write_json(
+            await self.lease_json(await self.service.queries.get_lease(self.ident, lease_id))
+        )
 
     @api
     async def delete(self, lease_id: str) -> None:
-        await self.service.release(self.ident, lease_id)
+        await self.service.leases.release(self.ident, lease_id)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -619,7 +621,7 @@ class RenewHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
         beat = validation.parse_heartbeat(self.json_body())
-        lease = await self.service.renew(self.ident, lease_id, **beat)
+        lease = await self.service.leases.renew(self.ident, lease_id, **beat)
         self.write_json(await self.lease_json(lease))
 
 
@@ -629,7 +631,7 @@ class RevokeHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
         reason = validation.parse_revoke(self.json_body())
-        lease = await self.service.revoke(self.ident, lease_id, reason)
+        lease = await self.service.leases.revoke(self.ident, lease_id, reason)
         self.write_json(await self.lease_json(lease))
 
 
@@ -643,7 +645,7 @@ class NodesHandler(APIHandler):
 
     @api
     async def get(self) -> None:
-        nodes = await self.service.list_nodes(self.ident)
+        nodes = await self.service.nodes.list_nodes(self.ident)
         self.write_json({"nodes": [node_json(v, self.ident.admin) for v in nodes]})
 
 
@@ -655,12 +657,12 @@ class NodeHandler(APIHandler):
     @api
     async def put(self, node: str) -> None:
         gpus, version, enforce = validation.parse_node_registration(self.json_body(), node)
-        view = await self.service.register_node(self.ident, node, gpus, version, enforce)
+        view = await self.service.nodes.register_node(self.ident, node, gpus, version, enforce)
         self.write_json(node_json(view, detail=True))
 
     @api
     async def delete(self, node: str) -> None:
-        await self.service.drain_node(self.ident, node)
+        await self.service.nodes.drain_node(self.ident, node)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -674,7 +676,7 @@ class NodeHeartbeatHandler(APIHandler):
     @api
     async def post(self, node: str) -> None:
         usage, at, mps = validation.parse_node_heartbeat(self.json_body())
-        beat = await self.service.node_heartbeat(self.ident, node, usage, at, mps)
+        beat = await self.service.nodes.node_heartbeat(self.ident, node, usage, at, mps)
         self.write_json(heartbeat_json(beat))
 
 
@@ -682,8 +684,8 @@ class QueueHandler(APIHandler):
     @api
     async def get(self) -> None:
         # length: everyone waiting, also where a student sees only their own entries
-        waiting = await self.service.queue(self.ident)
-        length = await resolved(self.service.queue_length())
+        waiting = await self.service.queries.queue(self.ident)
+        length = await resolved(self.service.queries.queue_length())
         self.write_json({"queue": [waiting_json(w) for w in waiting], "length": length})
 
 
@@ -693,13 +695,13 @@ class QueueHandler(APIHandler):
 class QuotasHandler(APIHandler):
     @api
     async def get(self) -> None:
-        self.write_json(book_json(await resolved(self.service.list_quotas(self.ident))))
+        self.write_json(book_json(await resolved(self.service.quotas.list_quotas(self.ident))))
 
 
 class MyQuotaHandler(APIHandler):
     @api
     async def get(self) -> None:
-        mine = await resolved(self.service.my_quota(self.ident))
+        mine = await resolved(self.service.quotas.my_quota(self.ident))
         self.write_json({**standing_json(mine), "admin": self.ident.admin})
 
 
@@ -717,16 +719,20 @@ class QuotaHandler(APIHandler):
     async def get(self, name: str = "") -> None:
         if self.level == "user" and validation.parse_flag(self.query("effective"), "effective"):
             # the effective quota as admission applies it: needs the user's groups
-            await resolved(self.service.check_may_read_quota_of(self.ident, name))
+            await resolved(self.service.quotas.check_may_read_quota_of(self.ident, name))
             if name == self.ident.user:
                 groups, source = self.ident.groups, "your token"
             else:
                 groups, source = await self.authenticator.groups_of(name)
-            standing = await resolved(self.service.effective_quota_of(self.ident, name, groups))
+            standing = await resolved(
+                self.service.quotas.effective_quota_of(self.ident, name, groups)
+            )
             own = standing.own.to_json() if standing.own is not None else None
             self.write_json({**standing_json(standing), "groups_from": source, "own": own})
             return
-        quota, effective = await resolved(self.service.get_quota(self.ident, self.level, name))
+        quota, effective = await resolved(
+            self.service.quotas.get_quota(self.ident, self.level, name)
+        )
         body = quota.to_json()
         if effective is not None:
             body["effective"] = effective.to_json()
@@ -735,12 +741,12 @@ class QuotaHandler(APIHandler):
     @api
     async def put(self, name: str = "") -> None:
         quota = validation.parse_quota(self.json_body())
-        stored = await self.service.put_quota(self.ident, self.level, name, quota)
+        stored = await self.service.quotas.put_quota(self.ident, self.level, name, quota)
         self.write_json(stored.to_json())
 
     @api
     async def delete(self, name: str = "") -> None:
-        await self.service.delete_quota(self.ident, self.level, name)
+        await self.service.quotas.delete_quota(self.ident, self.level, name)
         self.set_status(204)
         self.clear_header("Content-Type")
         self.finish()
@@ -751,7 +757,7 @@ class UsageHandler(APIHandler):
     async def get(self) -> None:
         since = validation.parse_since(self.query("since"), self.service.clock())
         by = self.query("by") or "user"
-        self.write_json(await self.service.usage(self.ident, since, by))
+        self.write_json(await self.service.quotas.usage(self.ident, since, by))
 
 
 class HistoryHandler(APIHandler):
@@ -764,7 +770,7 @@ class HistoryHandler(APIHandler):
             self.query("since") or validation.DEFAULT_HISTORY_WINDOW, now
         )
         step = validation.parse_step(self.query("step"), now - since)
-        body = await self.service.history(
+        body = await self.service.queries.history(
             self.ident, since, step, group=self.query("group"), user=self.query("user") or None
         )
         self.write_json(history_json(body))

@@ -79,7 +79,8 @@ QUEUE_WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 
 
 class ServiceView(Protocol):
-    """What the scrape-time collector reads of ``BrokerService``: nothing but these two."""
+    """What the scrape-time collector reads of ``BrokerService``: these two, and the node
+    agents' figures from its ``nodes`` (``NodeService``) where it has one."""
 
     @property
     def state(self) -> PoolState: ...
@@ -91,10 +92,10 @@ class ServiceView(Protocol):
 def _node_view(service: ServiceView) -> tuple[dict[str, int], dict[str, int], int]:
     """Node states, per-GPU used MiB and the unleased GPU processes, where the service has
     node agents (else none)."""
-    states = getattr(service, "node_states", None)
-    used = getattr(service, "gpu_used_mb", None)
-    unleased = getattr(service, "unleased_processes", None)
-    return (states() if states else {}), (used() if used else {}), (unleased() if unleased else 0)
+    nodes = getattr(service, "nodes", None)
+    if nodes is None:
+        return {}, {}, 0
+    return nodes.node_states(), nodes.gpu_used_mb(), nodes.unleased_processes()
 
 
 class _PoolCollector(Collector):

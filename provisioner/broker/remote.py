@@ -13,10 +13,13 @@ The wire: frames of a 4-byte big-endian length and a pickle.
 - front -> broker: ``("call", id, method, args, kwargs)`` and ``("cancel", id)`` (the
   HTTP client went away: a long-poll is cancelled as it is in one process);
 - broker -> front: ``("ok", id, result, facts)`` or ``("error", id, exception)``;
-  ``facts`` maps the id of each lease in ``result`` to ``service.lease_facts(lease)``,
-  which the handler asks for next when it writes the lease (one round trip, not two).
+  ``facts`` maps the id of each lease in ``result`` to
+  ``service.queries.lease_facts(lease)``, which the handler asks for next when it writes
+  the lease (one round trip, not two).
 
-Only the methods in :data:`METHODS` may be called. The socket lives in a directory only
+A ``method`` names a service and its method (``"leases.acquire"``), as the handlers call
+them (``service.leases.acquire``), or one of :data:`ROOT_METHODS`. Only the methods in
+:data:`METHODS` may be called. The socket lives in a directory only
 the broker's user may enter, and the broker answers only processes of its own user
 (``SO_PEERCRED``): a pickle from a front is trusted as the broker's own.
 """
@@ -39,7 +42,8 @@ from typing import Any, cast
 
 from ..errors import GPULeaseError, NotActive
 from ..model import Lease
-from .service import AcquireResult, BrokerService
+from .leases import AcquireResult
+from .service import BrokerService
 
 log = logging.getLogger("gpu_lease.broker.remote")
 
@@ -47,37 +51,37 @@ _LEN = struct.Struct(">I")
 #: the largest frame either side accepts (a history or lease list of a big site fits)
 MAX_FRAME = 256 * 1024 * 1024
 
-#: what a front may call: the service's API as the handlers use it
-METHODS = frozenset(
-    {
-        "acquire",
-        "release",
-        "renew",
-        "revoke",
-        "get_lease",
-        "list_leases",
-        "queue",
-        "queue_length",
-        "gpus",
-        "health",
-        "get_quota",
-        "my_quota",
-        "check_may_read_quota_of",
-        "effective_quota_of",
-        "list_quotas",
-        "put_quota",
-        "delete_quota",
-        "usage",
-        "history",
-        "register_node",
-        "drain_node",
-        "node_heartbeat",
-        "list_nodes",
-        "lease_facts",
-        "policy",
-        "render_metrics",
-    }
-)
+#: what a front may call: each service's API as the handlers use it (service -> methods)
+METHODS: dict[str, frozenset[str]] = {
+    "leases": frozenset({"acquire", "release", "renew", "revoke"}),
+    "queries": frozenset(
+        {
+            "get_lease",
+            "list_leases",
+            "queue",
+            "queue_length",
+            "gpus",
+            "health",
+            "lease_facts",
+            "history",
+        }
+    ),
+    "quotas": frozenset(
+        {
+            "get_quota",
+            "my_quota",
+            "check_may_read_quota_of",
+            "effective_quota_of",
+            "list_quotas",
+            "put_quota",
+            "delete_quota",
+            "usage",
+        }
+    ),
+    "nodes": frozenset({"register_node", "drain_node", "node_heartbeat", "list_nodes"}),
+}
+#: what a front may call besides: the broker's policy, and its metrics rendered
+ROOT_METHODS = frozenset({"policy", "render_metrics"})
 
 
 def _pack(msg: tuple[Any, ...]) -> bytes:
@@ -183,13 +187,14 @@ class ServiceServer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def target(self, name: str) -> Callable[..., Any]:
-        if name not in METHODS:
-            raise AttributeError(f"{name} may not be called by a front")
         if name == "render_metrics":
             return self.render_metrics
         if name == "policy":
             return lambda: self.service.policy
-        method: Callable[..., Any] = getattr(self.service, name)
+        part, _, method_name = name.partition(".")
+        if method_name not in METHODS.get(part, ()):
+            raise AttributeError(f"{name} may not be called by a front")
+        method: Callable[..., Any] = getattr(getattr(self.service, part), method_name)
         return method
 
 
@@ -252,7 +257,8 @@ class _FrontLink(_Link):
     ) -> None:
         if exc is None:
             try:
-                facts = {x.id: self.server.service.lease_facts(x) for x in _leases_in(result)}
+                queries = self.server.service.queries
+                facts = {x.id: queries.lease_facts(x) for x in _leases_in(result)}
             except Exception as failed:  # noqa: BLE001 (answered as an error)
                 exc = failed
         if exc is None:
@@ -328,12 +334,39 @@ class _BrokerLink(_Link):
         self.remote._lost()
 
 
+class _RemotePart:
+    """One service of the broker (``leases``, ``quotas``, ...) as the handlers use it:
+    each of its methods in :data:`METHODS` sends ``"PART.METHOD"`` and returns a future."""
+
+    def __init__(self, remote: RemoteService, part: str) -> None:
+        self._remote = remote
+        self._part = part
+        self._methods = METHODS[part]
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_") or name not in self._methods:
+            raise AttributeError(name)
+        method = functools.partial(self._remote.call, f"{self._part}.{name}")
+        setattr(self, name, method)  # found in the instance from now on
+        return method
+
+
+class _RemoteQueries(_RemotePart):
+    """``queries``, whose :meth:`lease_facts` is answered from what came with the lease."""
+
+    def lease_facts(self, lease: Lease) -> Any:
+        """What came with ``lease`` (see the module), else a future that asks."""
+        facts = self._remote._facts.pop(lease.id, None)
+        return facts if facts is not None else self._remote.call("queries.lease_facts", lease)
+
+
 class RemoteService:
     """The service's API, as the handlers use it, answered by the broker process.
 
-    Every method returns a future (the handlers await what may be remote); ``clock`` is
+    ``leases``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's services:
+    every method returns a future (the handlers await what may be remote); ``clock`` is
     this process's ``time.time`` and ``policy`` is asked once at :meth:`connect`.
-    :meth:`lease_facts` is answered from what came with the lease, else asked.
+    ``queries.lease_facts`` is answered from what came with the lease, else asked.
     ``lost`` is set when the broker's end closes (the front then exits).
     """
 
@@ -347,6 +380,10 @@ class RemoteService:
         self._facts: dict[str, Any] = {}
         self._link: _BrokerLink | None = None
         self._idle: asyncio.Future[None] | None = None
+        self.leases = _RemotePart(self, "leases")
+        self.quotas = _RemotePart(self, "quotas")
+        self.nodes = _RemotePart(self, "nodes")
+        self.queries = _RemoteQueries(self, "queries")
 
     async def connect(self, path: str) -> None:
         _, self._link = await self.loop.create_unix_connection(lambda: _BrokerLink(self), path)
@@ -404,20 +441,8 @@ class RemoteService:
         self._link.send(_pack(("call", rid, name, args, kwargs)))
         return fut
 
-    def lease_facts(self, lease: Lease) -> Any:
-        """What came with ``lease`` (see the module), else a future that asks."""
-        facts = self._facts.pop(lease.id, None)
-        return facts if facts is not None else self.call("lease_facts", lease)
-
     def render_metrics(self) -> Any:
         return self.call("render_metrics")
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        if name not in METHODS:
-            raise AttributeError(name)
-        method = functools.partial(self.call, name)
-        setattr(self, name, method)  # found in the instance from now on
-        return method
 
 
 class RemoteMetrics:
@@ -430,4 +455,4 @@ class RemoteMetrics:
         return self.remote.render_metrics()
 
 
-__all__ = ["METHODS", "RemoteMetrics", "RemoteService", "ServiceServer"]
+__all__ = ["METHODS", "ROOT_METHODS", "RemoteMetrics", "RemoteService", "ServiceServer"]

@@ -150,7 +150,7 @@ async def _replay(
                 continue
             ident = idents[user]
             ask = Ask(user, kernel, fraction_to_ppm(fraction), ident.groups, False, group=group)
-            result = await service.acquire(ident, ask, 0)
+            result = await service.leases.acquire(ident, ask, 0)
             if result.outcome == "queued":
                 assert result.request is not None
                 counts["queued"] += 1
@@ -160,18 +160,18 @@ async def _replay(
                 started((user, kernel), hold)
         elif kind == "release":
             user, lease_id = data
-            await service.release(idents[user], lease_id)
+            await service.leases.release(idents[user], lease_id)
             granted_from_queue()
         elif kind == "give-up" and data in waiting:
             request_id, _ = waiting.pop(data)
             counts["gave_up"] += 1
-            await service.release(idents[data[0]], request_id)
+            await service.leases.release(idents[data[0]], request_id)
             granted_from_queue()
     clock[0] = end
     for key, (request_id, _) in list(waiting.items()):
-        await service.release(idents[key[0]], request_id)
+        await service.leases.release(idents[key[0]], request_id)
     for lease in list(service.state.leases.values()):
-        await service.release(idents[lease.user], lease.id)
+        await service.leases.release(idents[lease.user], lease.id)
     service.close()
     return counts
 
