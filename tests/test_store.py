@@ -1036,21 +1036,21 @@ def test_leadership_is_taken_once_and_fences_a_deposed_writer(db_url: str) -> No
     refused write left nothing behind."""
     refused: list[tuple[str, bool]] = []
     with _two_brokers(db_url) as (a, b):
-        epoch, holder, remaining = a.take_leadership("a", 0.6)
+        epoch, holder, remaining = a.fencing.take("a", 0.6)
         assert epoch is not None and holder == "a" and 0 < remaining <= 0.6
-        a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append((why, deposed)))
-        assert b.take_leadership("b", 0.6)[:2] == (None, "a")
+        a.fencing.set(Fence("a", epoch), lambda why, deposed: refused.append((why, deposed)))
+        assert b.fencing.take("b", 0.6)[:2] == (None, "a")
         a.insert_lease(_lease("by-a"), PPM)
-        wait_for(lambda: b.take_leadership("b", 30.0)[0] is not None, 10, "the takeover")
-        assert b.leadership()[:2] == ("b", epoch + 1)
-        assert not a.renew_leadership("a", epoch, 0.6)
+        wait_for(lambda: b.fencing.take("b", 30.0)[0] is not None, 10, "the takeover")
+        assert b.fencing.read()[:2] == ("b", epoch + 1)
+        assert not a.fencing.renew("a", epoch, 0.6)
         with pytest.raises(NotActive, match="another broker holds the leadership"):
             a.insert_lease(_lease("late", user="bob"), PPM)
         with pytest.raises(NotActive):
             a.end_leases([("by-a", "released", 2000.0, None)])
         assert refused and all(deposed for _, deposed in refused)
         assert b.get_lease("late") is None and b.get_lease("by-a").state == "active"  # type: ignore[union-attr]
-        b.set_fence(Fence("b", epoch + 1))
+        b.fencing.set(Fence("b", epoch + 1))
         b.end_leases([("by-a", "released", 2000.0, None)])
         assert b.get_lease("by-a").state == "released"  # type: ignore[union-attr]
 
@@ -1061,16 +1061,16 @@ def test_a_lapsed_leadership_nobody_took_is_renewed(db_url: str) -> None:
     holder renews, which it may: nobody else has written."""
     refused: list[bool] = []
     with _two_brokers(db_url) as (a, _):
-        epoch, _, _ = a.take_leadership("a", 0.3)
+        epoch, _, _ = a.fencing.take("a", 0.3)
         assert epoch is not None
-        a.set_fence(Fence("a", epoch), lambda why, deposed: refused.append(deposed))
-        wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to lapse")
+        a.fencing.set(Fence("a", epoch), lambda why, deposed: refused.append(deposed))
+        wait_for(lambda: a.fencing.read()[2] < 0, 10, "the leadership to lapse")
         with pytest.raises(NotActive, match="expired"):
             a.insert_lease(_lease("x"), PPM)
         assert refused == [False] and a.get_lease("x") is None
-        assert a.renew_leadership("a", epoch, 30.0)
+        assert a.fencing.renew("a", epoch, 30.0)
         a.insert_lease(_lease("x"), PPM)
-        assert a.leadership()[:2] == ("a", epoch)
+        assert a.fencing.read()[:2] == ("a", epoch)
 
 
 @PG_ONLY
@@ -1080,17 +1080,17 @@ def test_a_takeover_waits_for_a_write_in_flight_but_not_for_a_paused_one(db_url:
     A writer that stops mid-transaction (SIGSTOP) is ended by the server's
     idle-in-transaction timeout, so the takeover happens soon after."""
     with _two_brokers(db_url, pg_timeout=1.0) as (a, b):
-        epoch, _, _ = a.take_leadership("a", 0.3)
+        epoch, _, _ = a.fencing.take("a", 0.3)
         assert epoch is not None
         with a._engine.connect() as raw:  # a write of "a" between its fence and its commit
             raw.begin()
             raw.execute(sa.text("SELECT epoch FROM leadership WHERE id = 1 FOR SHARE"))
-            wait_for(lambda: a.leadership()[2] < 0, 10, "the leadership to expire")
+            wait_for(lambda: a.fencing.read()[2] < 0, 10, "the leadership to expire")
             t0 = time.monotonic()
-            assert b.take_leadership("b", 30.0, lock_wait=0.2) == (None, None, 0.2)
+            assert b.fencing.take("b", 30.0, lock_wait=0.2) == (None, None, 0.2)
             assert time.monotonic() - t0 < 5
             # "a" is paused here: the server ends its transaction after pg_timeout
-            wait_for(lambda: b.take_leadership("b", 30.0)[0] == epoch + 1, 20, "takeover")
+            wait_for(lambda: b.fencing.take("b", 30.0)[0] == epoch + 1, 20, "takeover")
             with pytest.raises(sa.exc.OperationalError):
                 raw.execute(sa.text("SELECT 1"))
 
@@ -1098,11 +1098,11 @@ def test_a_takeover_waits_for_a_write_in_flight_but_not_for_a_paused_one(db_url:
 @PG_ONLY
 def test_a_released_leadership_is_taken_at_once(db_url: str) -> None:
     with _two_brokers(db_url) as (a, b):
-        epoch, _, _ = a.take_leadership("a", 60.0)
+        epoch, _, _ = a.fencing.take("a", 60.0)
         assert epoch is not None
-        a.set_fence(Fence("a", epoch))
-        a.release_leadership("a", epoch)
-        assert b.take_leadership("b", 60.0)[0] == epoch + 1
+        a.fencing.set(Fence("a", epoch))
+        a.fencing.release("a", epoch)
+        assert b.fencing.take("b", 60.0)[0] == epoch + 1
         with pytest.raises(NotActive):
             a.put_quota("default", "", Quota(max_leases=1))
 
@@ -1136,8 +1136,8 @@ def test_postgres_sessions_are_bounded(db_url: str) -> None:
 
 def test_leadership_needs_postgres(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'x.sqlite'}")
-    assert not store.supports_ha_lock
+    assert not store.fencing.supported
     with pytest.raises(StoreError, match="PostgreSQL"):
-        store.take_leadership("a", 1.0)
+        store.fencing.take("a", 1.0)
     with pytest.raises(StoreError, match="PostgreSQL"):
-        store.set_fence(Fence("a", 1))
+        store.fencing.set(Fence("a", 1))

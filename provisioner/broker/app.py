@@ -632,7 +632,7 @@ class GPULeaseBroker(Application):
         the database is not PostgreSQL (logged). Database errors are logged and retried:
         a standby outlives a database restart.
         """
-        if not store.supports_ha_lock:
+        if not store.fencing.supported:
             self.log.critical(
                 "--ha-lock needs a PostgreSQL database (--db-url postgresql://USER@HOST/DB); "
                 "with SQLite run a single broker without --ha-lock."
@@ -737,7 +737,7 @@ class GPULeaseBroker(Application):
             leadership = await self.stand_by(store)
             if leadership is None:
                 store.close()
-                return 0 if store.supports_ha_lock else 2
+                return 0 if store.fencing.supported else 2
             service.core.gate = leadership.check
         try:
             self.load_state(service, quota_entries)

@@ -1,8 +1,8 @@
 """Fenced leadership of active/standby brokers on PostgreSQL (``--ha-lock``).
 
 Who calls this: ``app.py``, with one :class:`Leadership` per broker process. The SQL is
-the store's (:meth:`~provisioner.store.Store.take_leadership`, ``renew_leadership``,
-``release_leadership``, ``set_fence``); this module keeps the time.
+the store's (``store.fencing``: :meth:`~provisioner.store_fencing.Fencing.take`, ``renew``,
+``release``, ``set``); this module keeps the time.
 
 - A standby runs :meth:`Leadership.wait_until_leader`: it tries to take the leadership
   row and sleeps until the current leadership expires (by the database's clock), at
@@ -122,12 +122,12 @@ class Leadership:
         On success the store's fence is set before anything else is written.
         """
         sent = self.clock()
-        epoch, holder, remaining = self.store.take_leadership(self.holder, self.ttl)
+        epoch, holder, remaining = self.store.fencing.take(self.holder, self.ttl)
         if epoch is None:
             return False, holder, remaining
         self.epoch = epoch
         self._valid_until = sent + self.ttl - self.margin
-        self.store.set_fence(Fence(self.holder, epoch), self._refused)
+        self.store.fencing.set(Fence(self.holder, epoch), self._refused)
         return True, holder, self.ttl
 
     async def wait_until_leader(self, stop: asyncio.Event) -> bool:
@@ -187,7 +187,7 @@ class Leadership:
             sent = self.clock()
             try:
                 renewed = await asyncio.to_thread(
-                    self.store.renew_leadership, self.holder, self.epoch, self.ttl
+                    self.store.fencing.renew, self.holder, self.epoch, self.ttl
                 )
             except StoreError as exc:
                 if not failing:
@@ -216,7 +216,7 @@ class Leadership:
         if epoch is None:
             return
         try:
-            self.store.release_leadership(self.holder, epoch)
+            self.store.fencing.release(self.holder, epoch)
         except StoreError as exc:
             log.warning("Could not give the leadership up (%s); it expires by itself.", exc.message)
 
