@@ -1,6 +1,6 @@
 """The pool's history in time buckets: allocation, queue length and waits (pure).
 
-Called by :meth:`provisioner.broker.service.BrokerService.history` (``GET
+Called by :meth:`provisioner.broker.queries.QueryService.history` (``GET
 /api/v1/history``, the dashboard's plots) with the lease rows and queue records the
 store read for the period; nothing here does I/O or reads the clock.
 

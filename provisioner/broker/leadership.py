@@ -100,7 +100,7 @@ class Leadership:
     def check(self) -> None:
         """Raise :class:`NotActive` unless this broker may answer with state now.
 
-        Called by ``BrokerService.check_serving`` at the start of every request.
+        Called by ``ServiceCore.check_serving`` (``core.py``) at the start of every request.
         """
         if self.lost is not None:
             raise NotActive(

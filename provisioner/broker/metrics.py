@@ -262,7 +262,7 @@ class BrokerMetrics:
 
     # -- service.Metrics ------------------------------------------------------------
     def observe_acquire(self, seconds: float, outcome: str) -> None:
-        """Called by ``BrokerService.acquire`` once per answered acquire."""
+        """Called by ``LeaseService.acquire`` once per answered acquire."""
         self._acquire.labels(outcome=outcome).observe(max(0.0, seconds))
 
     def observe_queue_wait(self, seconds: float) -> None:

@@ -284,7 +284,7 @@ def parse_revoke(body: dict[str, Any]) -> str:
 
 
 def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
-    """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``BrokerService.renew``.
+    """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``LeaseService.renew``.
 
     ``pid`` (an int > 0), ``execution_state`` (a kernel state such as ``idle`` or
     ``busy``: letters, digits, ``_`` and ``-``, at most 32) and ``last_activity``

@@ -1,6 +1,6 @@
 """Group commit: the broker's one database thread, so that the event loop never waits on I/O.
 
-Who calls this: :class:`~provisioner.broker.service.BrokerService`, for every store
+Who calls this: :class:`~provisioner.broker.core.ServiceCore` (the services), for every store
 call once it serves. The service decides and applies a change to memory on the event
 loop, then ``await``s :meth:`Writer.write`; the writer's thread persists every change
 submitted while its previous transaction committed in ONE transaction
