@@ -114,7 +114,7 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
     lines = [
         f"## {workload}, seeds {' '.join(map(str, seeds))}: mean [min..max] over seeds",
         f"{'scheme':<20} {'u-sat/fluid':>21} {'u-sat/fluid-reclaim':>21} {'wait m':>17} "
-        f"{'lg p95/hold':>17} {'J':>17}",
+        f"{'lg p95/hold':>17} {'J':>17} {'lost':>13} {'return m':>17}",
     ]
     for name, ms in rows.items():
         lines.append(
@@ -123,7 +123,9 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
             f"{cell([m.utilisation_saturated / f.utilisation_saturated for m, f in zip(ms, fluid_r, strict=True)], '.1%'):>21} "
             f"{cell([m.wait_mean / 60 for m in ms], '.0f'):>17} "
             f"{cell([m.large_wait_p95 / m.large_hold_mean if m.large_hold_mean else 0.0 for m in ms], '.2f'):>17} "
-            f"{cell([m.jain_slowdown for m in ms], '.2f'):>17}"
+            f"{cell([m.jain_slowdown for m in ms], '.2f'):>17} "
+            f"{cell([float(m.revoked) for m in ms], '.0f'):>13} "
+            f"{cell([m.return_wait_mean / 60 for m in ms], '.0f'):>17}"
         )
     return "\n".join(lines)
 
