@@ -13,6 +13,9 @@ J = Jain's index over users' mean session slowdown (waits+duration)/duration, Jw
 users' mean wait;
 idle-h = GPU-hours held by kernels idle >= 10 min while someone waited; revoked =
 leases taken back by idle reclaim. Ratios compare ``ours`` with the baselines.
+The parking table compares ``ours`` (reclaim) with ``park`` and ``park-arrival``: work
+lost = kernels ended with their state (= revoked), busy-h lost = the busy hours those
+kernels had run, first/return = mean wait of first asks and of returns after reclaim/park.
 """
 
 from __future__ import annotations
@@ -76,6 +79,25 @@ def ratios(rows: list[Metrics]) -> str:
     return "; ".join(out)
 
 
+def parking(rows: list[Metrics]) -> str:
+    """Reclaim against parking (issue 28): work lost, and who waits how long."""
+    by = {m.scheme: m for m in rows}
+    names = [n for n in ("ours", "park", "park-arrival") if n in by]
+    if len(names) < 2:
+        return ""
+    lines = [
+        f"{'scheme':<14} {'work lost':>9} {'busy-h lost':>11} {'parked':>7} {'wait m':>7} "
+        f"{'p95 m':>7} {'first m':>8} {'return m':>9}"
+    ]
+    for n in names:
+        m = by[n]
+        lines.append(
+            f"{n:<14} {m.revoked:>9} {m.busy_h_lost:>11.1f} {m.parked:>7} {_m(m.wait_mean):>7} "
+            f"{_m(m.wait_p95):>7} {_m(m.first_wait_mean):>8} {_m(m.return_wait_mean):>9}"
+        )
+    return "\n".join(lines)
+
+
 def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
     """Each scheme over several seeds of one workload: mean [min..max] of the key numbers."""
     rows: dict[str, list[Metrics]] = {}
@@ -92,7 +114,7 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
     lines = [
         f"## {workload}, seeds {' '.join(map(str, seeds))}: mean [min..max] over seeds",
         f"{'scheme':<20} {'u-sat/fluid':>21} {'u-sat/fluid-reclaim':>21} {'wait m':>17} "
-        f"{'lg p95/hold':>17} {'J':>17}",
+        f"{'lg p95/hold':>17} {'J':>17} {'lost':>13} {'return m':>17}",
     ]
     for name, ms in rows.items():
         lines.append(
@@ -101,7 +123,9 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
             f"{cell([m.utilisation_saturated / f.utilisation_saturated for m, f in zip(ms, fluid_r, strict=True)], '.1%'):>21} "
             f"{cell([m.wait_mean / 60 for m in ms], '.0f'):>17} "
             f"{cell([m.large_wait_p95 / m.large_hold_mean if m.large_hold_mean else 0.0 for m in ms], '.2f'):>17} "
-            f"{cell([m.jain_slowdown for m in ms], '.2f'):>17}"
+            f"{cell([m.jain_slowdown for m in ms], '.2f'):>17} "
+            f"{cell([float(m.revoked) for m in ms], '.0f'):>13} "
+            f"{cell([m.return_wait_mean / 60 for m in ms], '.0f'):>17}"
         )
     return "\n".join(lines)
 
@@ -138,6 +162,9 @@ def main(argv: list[str] | None = None) -> None:
         print(table(rows))
         if any(m.scheme == "ours" for m in rows):
             print(ratios(rows))
+        if parked := parking(rows):
+            print(f"\nreclaim or park ({trace.name}): work lost = kernels ended with their state")
+            print(parked)
     if args.json:
         Path(args.json).write_text(json.dumps([m.row() for m in everything], indent=1))
 

@@ -22,6 +22,13 @@ environment and a cap of ``--cap-mb``):
   chunks; failed unless every framework refused both, held no more than its cap, and NVML
   showed no more than the cap plus the context.
 
+* ``checkpoint``: whether this node can *park* idle kernels (issue 28): the driver's
+  process checkpoint API through ``libcuda.so.1`` (:mod:`provisioner.node.checkpoint`);
+  where it is offered, one more capped probe holds its cap and is parked and resumed: its
+  GPU memory must leave the GPU and come back, and the check reports the GiB/s. ``missing``
+  where the driver lacks it (older than 570, not x86-64, no driver): idle kernels there
+  are reclaimed as before.
+
 A framework that sees no GPU (a CPU build) is ``not run`` with why, never a pass.
 """
 
@@ -52,6 +59,7 @@ from .inventory import (
 )
 from .kernelspecs import DEFAULT_CONTEXT_OVERHEAD_MB
 from .mps import MPS_CONTROL
+from .node.checkpoint import CheckpointFailed, CheckpointUnavailable, CudaCheckpoint, support
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -382,6 +390,7 @@ def run_checks(
                 {"processes": processes},
             )
         )
+        checks.append(check_checkpoint(None, []))
         return checks
     installed = [c.name.split(":", 1)[1] for c in frameworks if c.status == "ok"]
     errors: tuple[type[BaseException], ...] = (InventoryError, *_error_types(_nvml_module(nvml)))
@@ -393,7 +402,83 @@ def run_checks(
         )
     except errors as exc:
         checks.append(Check("cap_escape", "failed", f"the cap checks failed: {exc}"))
+    try:
+        checks.append(
+            check_checkpoint(
+                nvml_check.data["gpus"][0], installed, cap_mb, context_overhead_mb, nvml
+            )
+        )
+    except errors as exc:
+        checks.append(Check("checkpoint", "failed", f"the checkpoint check failed: {exc}"))
     return checks
+
+
+def check_checkpoint(
+    gpu: dict[str, Any] | None,
+    frameworks: list[str],
+    cap_mb: int | None = None,
+    context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB,
+    nvml: ModuleType | Any = NVML_MODULE,
+) -> Check:
+    """Can this node park kernels? The driver's answer, then one probe parked and resumed."""
+    verdict = support()
+    if not verdict.works:
+        return Check("checkpoint", "missing", f"parking idle kernels: {verdict.reason}")
+    what = f"parking idle kernels ({verdict.reason}, CUDA API {verdict.driver_api})"
+    if gpu is None:
+        return Check("checkpoint", "not run", f"{what}: no GPU here")
+    if not frameworks:
+        return Check("checkpoint", "not run", f"{what}: no framework to hold GPU memory")
+    cap = cap_mb or min(DEFAULT_CAP_MB, gpu["memory_mb"] // 8)
+    nvml = _nvml_module(nvml)
+    nvml.nvmlInit()
+    data: dict[str, Any] = {"driver_api": verdict.driver_api}
+    probe: _ProbeProcess | None = None
+    try:
+        for framework in frameworks:  # the first one that sees the GPU holds the memory
+            candidate = _ProbeProcess(framework, gpu, cap, context_overhead_mb)
+            ready = candidate.event()
+            if ready["event"] == "ready":
+                probe = candidate
+                break
+            candidate.close()
+            if not ready.get("no_gpu"):
+                return Check(
+                    "checkpoint",
+                    "failed",
+                    f"{what}: the {framework} probe failed: {ready.get('error')}",
+                )
+        if probe is None:
+            return Check("checkpoint", "not run", f"{what}: no installed framework sees the GPU")
+        data["framework"] = probe.framework
+        probe.step()
+        probe.event()  # holding its cap
+        pid = probe.proc.pid
+        data["before_mb"] = _used_mb(nvml, [pid]).get(pid, 0)
+        handle = CudaCheckpoint()
+        park_s = handle.park(pid)
+        data["park_s"] = round(park_s, 4)
+        data["parked_mb"] = _used_mb(nvml, [pid]).get(pid, 0)
+        data["resume_s"] = round(handle.resume(pid), 4)
+        data["after_mb"] = _used_mb(nvml, [pid]).get(pid, 0)
+    except (CheckpointFailed, CheckpointUnavailable) as exc:
+        return Check("checkpoint", "failed", f"{what}: {exc}", data)
+    finally:
+        if probe is not None:
+            probe.close()
+        try:
+            nvml.nvmlShutdown()
+        except _error_types(nvml):
+            pass
+    data["park_gib_per_s"] = round(data["before_mb"] / 1024 / park_s, 2)
+    freed = data["parked_mb"] <= data["before_mb"] // 10
+    back = data["after_mb"] >= data["before_mb"] - SLACK_MB
+    detail = (
+        f"parked and resumed a {data['framework']} process holding {data['before_mb']} MiB: "
+        f"out in {data['park_s']} s ({data['park_gib_per_s']} GiB/s, {data['parked_mb']} MiB "
+        f"left on the GPU), back in {data['resume_s']} s ({data['after_mb']} MiB)"
+    )
+    return Check("checkpoint", "ok" if freed and back else "failed", detail, data)
 
 
 def exit_status(checks: list[Check]) -> int:

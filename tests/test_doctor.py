@@ -254,3 +254,49 @@ def test_bad_numbers_are_refused(args: tuple[str, str]) -> None:
     result = doctor(*args)
     assert result.returncode == 2 and result.stdout == ""
     assert args[0] in result.stderr
+
+
+def test_checkpoint_parks_and_resumes_a_probe_on_a_driver_that_offers_it(tmp_path: Path) -> None:
+    """The stand-in libcuda first on the library path: the driver's checkpoint API is there.
+
+    The stand-in CuPy writes its memory into the stand-in NVML, which shows a process the
+    stand-in driver holds CHECKPOINTED with 0 MiB: parked means off the GPU, resumed back."""
+    from tests.standin_libcuda.build import build
+
+    lib = build(tmp_path / "lib")
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    env = {"LD_LIBRARY_PATH": str(lib), "STANDIN_LIBCUDA_DIR": str(driver)}
+    result = doctor(
+        "--json", "--processes", "3", fake_nvml=nvml_state(tmp_path), standin=True, **env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    check = by_name(result.stdout)["checkpoint"]
+    assert check["status"] == "ok", check
+    data = check["data"]
+    assert data["framework"] == "cupy" and data["driver_api"] == 12090
+    assert data["before_mb"] > 1024 and data["parked_mb"] == 0
+    assert data["after_mb"] == data["before_mb"]
+    assert data["park_gib_per_s"] > 0 and "GiB/s" in check["detail"]
+    steps = [line.split()[0] for line in (driver / "calls.log").read_text().splitlines()]
+    assert steps == [
+        "cuCheckpointProcessLock",
+        "cuCheckpointProcessCheckpoint",
+        "cuCheckpointProcessRestore",
+        "cuCheckpointProcessUnlock",
+    ]
+
+
+def test_checkpoint_on_a_driver_without_it_is_missing_not_failed(tmp_path: Path) -> None:
+    """Driver 580 and older 5xx have it; one without the entry points is said plainly."""
+    from tests.standin_libcuda.build import build
+
+    lib = build(tmp_path / "lib", checkpoint=False)
+    env = {"LD_LIBRARY_PATH": str(lib), "STANDIN_LIBCUDA_DIR": str(tmp_path)}
+    result = doctor(
+        "--json", "--processes", "3", fake_nvml=nvml_state(tmp_path), standin=True, **env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    check = by_name(result.stdout)["checkpoint"]
+    assert check["status"] == "missing"
+    assert "driver 570 or later" in check["detail"] and "reclaimed" in check["detail"]

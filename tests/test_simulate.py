@@ -38,9 +38,14 @@ def test_small_trace_invariants_conservation_and_lease_lives(small, scheme):
     m = metrics(result)
     assert m.rejected == 0
     assert m.served + m.waiting_at_end == m.requests  # nothing lost, nothing twice
-    assert m.requests == len(small.sessions) + m.revoked - sum(  # revoked students come back...
-        1 for lease in result.leases if lease.reason == "revoked" and not _returns(small, lease)
+    taken = [lease for lease in result.leases if lease.reason in ("revoked", "parked")]
+    assert m.requests == len(small.sessions) + len(taken) - sum(  # their students come back...
+        1 for lease in taken if not _returns(small, lease)
     )  # ...unless nothing is left of their session
+    if scheme.park:  # the same victims, none of them ended: nothing to redo
+        assert m.revoked == 0 and m.busy_h_lost == 0.0 and m.parked == len(taken)
+    else:
+        assert m.parked == 0 and m.revoked == len(taken)
     ttl = (scheme.policy or Policy()).ttl
     for lease in result.leases:
         s = small.sessions[lease.session]
@@ -50,7 +55,7 @@ def test_small_trace_invariants_conservation_and_lease_lives(small, scheme):
             assert lease.end == pytest.approx(session_end)
         elif lease.reason == "expired":  # a crashed kernel's lease lives one TTL longer
             assert s.crash and lease.end == pytest.approx(session_end + ttl)
-        elif lease.reason == "revoked":  # idle, or a crashed kernel's lease before it expired
+        elif lease.reason in ("revoked", "parked"):  # idle, or a crashed kernel's before it expired
             assert lease.end < session_end or (s.crash and lease.end <= session_end + ttl)
         else:
             assert lease.end is None and result.stopped_at < session_end + ttl
@@ -160,3 +165,41 @@ def test_trace_round_trip(tmp_path, small):
     again = load_trace(path)
     assert again.pool == small.pool and again.horizon == small.horizon
     assert sorted(again.sessions, key=lambda s: s.id) == sorted(small.sessions, key=lambda s: s.id)
+
+
+def _park_then_contend() -> Trace:
+    # alice (1.0) goes idle at 10 s and is parked at the 930 s tick for bob; carol arrives at
+    # 2000 s, after the park; alice is back at 2500 s; both wait for bob's end at 2930 s
+    alice = Session("a", "alice", 0.0, 1.0, 3000.0, ((0.0, 10.0), (2500.0, 3000.0)))
+    bob = Session("b", "bob", 100.0, 1.0, 2000.0, ((0.0, 2000.0),))
+    carol = Session("c", "carol", 2000.0, 1.0, 100.0, ((0.0, 100.0),))
+    return Trace("park", 6000.0, V100, [alice, bob, carol])
+
+
+@pytest.mark.parametrize(
+    "name, alice_back, carol",
+    [
+        ("park", (2930.0, 3430.0), (3430.0, 3530.0)),
+        ("park-arrival", (3030.0, 3530.0), (2930.0, 3030.0)),
+    ],
+)
+def test_a_parked_kernel_resumes_from_its_park_time_or_as_a_new_arrival(name, alice_back, carol):
+    result = Simulator(_park_then_contend(), BY_NAME[name], check=True).run()
+    by_user: dict[str, list] = {}
+    for lease in sorted(result.leases, key=lambda x: x.start):
+        by_user.setdefault(result.trace.sessions[lease.session].user, []).append(lease)
+    first, back = by_user["alice"]
+    assert first.reason == "parked" and first.end == 930.0
+    assert (back.start, back.end) == alice_back and back.reason == "released"
+    (c,) = by_user["carol"]
+    assert (c.start, c.end) == carol
+    m = metrics(result)
+    assert (m.revoked, m.parked, m.busy_h_lost) == (0, 1, 0.0)
+    assert m.return_wait_mean == alice_back[0] - 2500.0
+
+
+def test_reclaim_loses_the_busy_time_the_kernel_had_run():
+    result = Simulator(_park_then_contend(), BY_NAME["ours"], check=True).run()
+    m = metrics(result)
+    assert (m.revoked, m.parked) == (1, 0)
+    assert m.busy_h_lost == pytest.approx(10.0 / 3600)  # alice's one busy stretch, 0-10 s

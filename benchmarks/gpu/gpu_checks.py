@@ -21,7 +21,14 @@ What it does, each step on its own (a step that fails is recorded, the next one 
    agent must report the over-use to the broker; then with the agent's ``--enforce revoke``
    and ``--enforce kill``, the lease must end and the kernel stop;
 6. with ``--mps`` and ``nvidia-cuda-mps-control`` on PATH: the same escape in a kernel with
-   ``enforcement=mps`` under the agent's MPS daemon, where the driver must refuse it.
+   ``enforcement=mps`` under the agent's MPS daemon, where the driver must refuse it;
+7. with ``--park``: a PyTorch kernel holding 1 GiB and 8 GiB is parked and resumed through
+   the driver's checkpoint API (``park_density.park_check``);
+8. with ``--density``: 50 kernels at 0.02 train a small CNN at once, against one exclusive
+   kernel, without and (with ``--mps``) with MPS (``park_density.density_check``).
+
+``--device cpu`` runs steps 7-8 with no GPU, against the stand-in NVML and libcuda
+(``tests/test_gpu_checks.py``), so the script is known to run before a device call.
 
 Writes ``gpu_checks.json`` (everything) and ``gpu_checks.txt`` (a summary) under ``--out``.
 """
@@ -58,6 +65,9 @@ from provisioner.devtools.testing import (  # noqa: E402
     wait_for,
 )
 from provisioner.kernelspecs import build_kernelspec, spec_json  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import park_density  # noqa: E402
 
 NODE = "gpu-node"
 FRAMEWORK_DISTS = {
@@ -214,6 +224,19 @@ def nvml_used(pid: int) -> int | None:
     finally:
         nvml.nvmlShutdown()
     return sum(found) if found else None
+
+
+def nvml_free_mb() -> int | None:
+    """NVML's free memory (MiB) on the first GPU, or None where NVML has no GPU."""
+    nvml = inventory._nvml_module(inventory.NVML_MODULE)
+    nvml.nvmlInit()
+    try:
+        if nvml.nvmlDeviceGetCount() < 1:
+            return None
+        info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0))
+        return int(info.free) // 2**20
+    finally:
+        nvml.nvmlShutdown()
 
 
 # -- 4. kernels -------------------------------------------------------------------------------
@@ -518,6 +541,7 @@ def summary(results: dict[str, Any]) -> str:
                 else ""
             )
         )
+    lines += park_density.summary_lines(results)
     for key in (
         "escape_cooperative",
         "enforce_revoke",
@@ -552,12 +576,22 @@ def main() -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.02, 0.25])
     parser.add_argument("--frameworks", nargs="+", default=None)
     parser.add_argument("--mps", action="store_true", help="also the MPS escape check")
-    steps = ("doctor", "doctor-broker", "kernels", "escape", "enforce", "mps")
-    parser.add_argument("--steps", nargs="+", choices=steps, default=list(steps))
+    steps = ("doctor", "doctor-broker", "kernels", "escape", "enforce", "mps", "park", "density")
+    parser.add_argument("--steps", nargs="+", choices=steps, default=list(steps[:6]))
+    parser.add_argument("--park", action="store_true", help="also park/resume (step 7)")
+    parser.add_argument("--density", action="store_true", help="also density (step 8)")
+    parser.add_argument("--park-gib", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--density-fraction", type=float, default=0.02)
+    parser.add_argument("--density-kernels", type=int, default=None, help="default: 1/fraction")
+    parser.add_argument("--density-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: steps 7-8 on stand-ins"
+    )
     parser.add_argument(
         "--context-overhead-mb", type=int, default=512, help="the broker's (default 512)"
     )
     args = parser.parse_args()
+    args.steps += [s for s, on in (("park", args.park), ("density", args.density)) if on]
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpu-checks-"))
     env = dict(os.environ)
@@ -618,6 +652,52 @@ def main() -> int:
             with step(results, "mps_missing") as rec:
                 rec.update(asyncio.run(mps_missing_check(kernels, min(args.fractions), tmp)))
             save()
+        if "park" in args.steps:
+            g = sys.modules[__name__]
+            memory_mb = int(site.get("/gpus", "alice")["gpus"][0]["memory_mb"])
+            with step(results, "park") as rec:
+                rec["runs"] = []
+                for gib in args.park_gib:
+                    try:
+                        r = asyncio.run(
+                            park_density.park_check(
+                                g,
+                                kernels,
+                                gib,
+                                device=args.device,
+                                memory_mb=memory_mb,
+                                overhead_mb=args.context_overhead_mb,
+                            )
+                        )
+                    except Exception as exc:
+                        r = {"gib": gib, "error": f"{type(exc).__name__}: {exc}"}
+                        r["traceback"] = traceback.format_exc()[-3000:]
+                    rec["runs"].append(r)
+            save()
+        if "density" in args.steps:
+            g = sys.modules[__name__]
+            n = args.density_kernels or int(round(1 / args.density_fraction))
+            variants = [("density", "cooperative")]
+            if args.mps and shutil.which("nvidia-cuda-mps-control"):
+                variants.append(("density_mps", "mps"))
+            for key, enforcement in variants:
+                if enforcement == "mps":
+                    site.start_agent("--enforce", "report", "--mps")
+                with step(results, key) as rec:
+                    rec.update(
+                        asyncio.run(
+                            park_density.density_check(
+                                g,
+                                kernels,
+                                fraction=args.density_fraction,
+                                n=n,
+                                seconds=args.density_seconds,
+                                device=args.device,
+                                enforcement=enforcement,
+                            )
+                        )
+                    )
+                save()
     finally:
         site.stop_agent()
         results["broker_log_tail"] = site.broker.log(8000)

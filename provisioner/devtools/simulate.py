@@ -14,6 +14,15 @@ later. A kernel whose lease is revoked (idle reclaim) is shut down; its student 
 back when next active (the next busy stretch), asks again and waits again. A session
 marked ``crash`` ends without a release; its lease expires one TTL later.
 
+*Parking* (``Scheme.park``, issue 28) is idle reclaim that keeps the kernel: the same
+victims at the same moments, but the kernel's GPU memory goes to host RAM instead of the
+kernel ending, so nothing is lost ("work lost": kernels ended with their state, and the busy
+hours they had run; both 0 when parking works). The returning student's resume request
+queues with the arrival time of its park (``resume_order="park-time"``: ahead of whoever
+came after the park) or as a new arrival (``"arrival"``). Not modelled: a park that fails
+or finds too little host RAM (the broker then reclaims, as today), and the seconds a
+restore takes (GiB at the copy bandwidth: seconds, against waits of minutes).
+
 Baselines are :class:`Scheme` settings over the same core (whole-GPU: every request
 rounded up to one GPU; first-fit; random fit: first-fit over a GPU order shuffled
 at every decision, i.e. uniform among fitting GPUs) plus a *fluid* reference that
@@ -187,6 +196,10 @@ class Scheme:
     fluid_reclaim_after: float | None = None
     #: the core's policy, but reservation and backfill use each kernel's known hold time
     clairvoyant: bool = False
+    #: idle victims are parked (state kept) instead of ended; see the module docstring
+    park: bool = False
+    #: where a parked kernel's resume request queues: "park-time" or "arrival"
+    resume_order: str = "park-time"
 
 
 #: baselines: FIFO order, no reservation, never reclaim (as Kubernetes / gpushare schedule)
@@ -233,6 +246,22 @@ OURS: tuple[Scheme, ...] = (
         note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
     ),
 )
+#: parking instead of reclaim (issue 28): the same victims, their state kept
+PARKING: tuple[Scheme, ...] = (
+    Scheme(
+        "park",
+        Policy(idle_reclaim_after=_RECLAIM),
+        park=True,
+        note="ours, idle kernels parked after 15 min; a resume queues from its park time",
+    ),
+    Scheme(
+        "park-arrival",
+        Policy(idle_reclaim_after=_RECLAIM),
+        park=True,
+        resume_order="arrival",
+        note="ours, parked; a resume queues as a new arrival",
+    ),
+)
 #: per-GPU references that know every hold time in advance: what drain prediction could win
 CLAIRVOYANT: tuple[Scheme, ...] = (
     Scheme(
@@ -248,7 +277,7 @@ CLAIRVOYANT: tuple[Scheme, ...] = (
         note="the same with ours' idle reclaim after 15 min (reference)",
     ),
 )
-SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *CLAIRVOYANT, *OURS)
+SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *CLAIRVOYANT, *OURS, *PARKING)
 
 
 # -- allocators: the core, and the fluid reference -----------------------------------------
@@ -256,7 +285,9 @@ SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *CLAIRVOYANT, *OURS)
 
 class Allocator(Protocol):
     def expect(self, key: Key, hold: float) -> None: ...
-    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]: ...
+    def acquire(
+        self, key: Key, ppm: int, now: float, arrived_at: float | None = None
+    ) -> list[Key]: ...
     def release(self, key: Key, now: float) -> list[Key]: ...
     def crash(self, key: Key, expires_at: float) -> None: ...
     def expire(self, now: float) -> tuple[list[Key], list[Key]]: ...
@@ -314,9 +345,12 @@ class CoreAllocator:
         grant_waiting(self.state, now, self.policy, changes)
         return self._granted(changes.granted)
 
-    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
+        """``arrived_at``: the queue position's arrival, when earlier than ``now`` (a resume)."""
         ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm)
         _, changes = core_acquire(self.state, ask, self.quota, now, self.policy, self._new_id)
+        if arrived_at is not None and key in self.state.queue:
+            self.state.queue[key].arrived_at = arrived_at
         return self._granted(changes.granted)
 
     def release(self, key: Key, now: float) -> list[Key]:
@@ -378,13 +412,13 @@ class ClairvoyantAllocator(CoreAllocator):
     def expect(self, key: Key, hold: float) -> None:
         self.hold[key] = hold
 
-    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
         req = Request(
             id=self._new_id(),
             user=key[0],
             kernel_id=key[1],
             fraction_ppm=ppm,
-            arrived_at=now,
+            arrived_at=now if arrived_at is None else arrived_at,
             last_polled_at=now,
         )
         self.state.queue[req.key] = req
@@ -484,7 +518,8 @@ class FluidAllocator:
                 granted.append(key)
         return granted
 
-    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
+    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
+        """FIFO by call order: the fluid reference has no parking (``arrived_at`` unused)."""
         self.queue[key] = ppm
         return self._drain()
 
@@ -565,6 +600,8 @@ class RequestRecord:
     asked_at: float
     hold: float  # session seconds it will hold the lease if never revoked
     granted_at: float | None = None
+    #: 0 for the session's first ask, n for its n-th return after reclaim or park
+    attempt: int = 0
 
 
 @dataclass
@@ -594,6 +631,10 @@ class Result:
     max_active: int
     rejected: int
     wall_s: float
+    #: kernels whose idle lease was parked (``Scheme.park``) rather than ended
+    parked: int = 0
+    #: session-seconds of busy time run by kernels that were then ended with their state
+    lost_busy_s: float = 0.0
 
 
 _ARRIVE, _END, _EXPIRE, _TICK = 0, 1, 2, 3
@@ -668,6 +709,9 @@ class Simulator:
         last_t = 0.0
         max_active = 0
         rejected = 0
+        parked = 0
+        lost_busy_s = 0.0
+        parked_at: dict[int, float] = {}  # session -> when its kernel was parked
 
         def key_of(i: int) -> Key:
             return (sessions[i].user, f"{sessions[i].id}.{attempt[i]}")
@@ -719,12 +763,15 @@ class Simulator:
                 key = key_of(i)
                 sess_of[key] = i
                 rec = RequestRecord(i, sessions[i].user, fraction_to_ppm(sessions[i].fraction), t,
-                                    sessions[i].duration - tau_req[i])  # fmt: skip
+                                    sessions[i].duration - tau_req[i], attempt=att)  # fmt: skip
                 req_of[key] = rec
                 requests.append(rec)
                 alloc.expect(key, rec.hold)
+                since = parked_at.pop(i, None)
+                if since is not None and self.scheme.resume_order == "arrival":
+                    since = None
                 try:
-                    granted(alloc.acquire(key, self._ppm(sessions[i]), t), t)
+                    granted(alloc.acquire(key, self._ppm(sessions[i]), t, since), t)
                 except GPULeaseError:
                     rejected += 1
                     del req_of[key]
@@ -747,7 +794,16 @@ class Simulator:
             else:  # _TICK
                 tick_pending = False
                 gone, new = alloc.reap(t, activity)
-                ended(gone, t, "revoked")
+                for key in gone:
+                    j = sess_of[key]
+                    if self.scheme.park:
+                        parked += 1
+                    else:  # the kernel ends: the busy time it had run is lost with it
+                        lease = lease_of[key]
+                        lost_busy_s += _busy_within(
+                            sessions[j].busy, lease.start - lease.anchor, t - lease.anchor
+                        )
+                ended(gone, t, "parked" if self.scheme.park else "revoked")
                 for key in gone:
                     j = sess_of[key]
                     if done[j]:
@@ -758,6 +814,8 @@ class Simulator:
                         done[j] = True  # nothing left to do: the student does not come back
                         continue
                     attempt[j] += 1
+                    if self.scheme.park:
+                        parked_at[j] = t
                     tau_req[j] = self._starts[j][k]
                     back = t + (tau_req[j] - tau)
                     heapq.heappush(heap, (back, next(seq), _ARRIVE, j, attempt[j]))
@@ -790,7 +848,13 @@ class Simulator:
         return Result(
             self.trace, self.scheme, len(self.gpus), self.policy.capacity_ppm, stopped,
             requests, leases, queue_busy, used, sat_used, sat, max_active, rejected, time.perf_counter() - t0,
+            parked, lost_busy_s,
         )  # fmt: skip
+
+
+def _busy_within(busy: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
+    """Session-seconds of the ``busy`` stretches inside [lo, hi)."""
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in busy)
 
 
 # -- metrics -------------------------------------------------------------------------------
@@ -826,6 +890,12 @@ class Metrics:
     waiting_at_end: int
     rejected: int
     revoked: int
+    #: busy session-hours the kernels ended by idle reclaim (``revoked``) had run (what their students would have to redo)
+    busy_h_lost: float
+    parked: int
+    #: mean wait of a student's return after reclaim or park, and of first arrivals
+    return_wait_mean: float
+    first_wait_mean: float
     seated_max: int
     seated_per_gpu: float
     wait_mean: float
@@ -915,6 +985,10 @@ def metrics(result: Result) -> Metrics:
         waiting_at_end=sum(1 for r in result.requests if r.granted_at is None),
         rejected=result.rejected,
         revoked=sum(1 for lease in result.leases if lease.reason == "revoked"),
+        busy_h_lost=result.lost_busy_s / 3600.0,
+        parked=result.parked,
+        return_wait_mean=mean([w for r, w in waits if r.attempt]),
+        first_wait_mean=mean([w for r, w in waits if not r.attempt]),
         seated_max=result.max_active,
         seated_per_gpu=result.max_active / result.n_gpus,
         wait_mean=mean(all_w),
@@ -963,8 +1037,8 @@ class EtaAllocator(CoreAllocator):
         for lease in leases:
             self.holds.add(now - lease.created_at)
 
-    def acquire(self, key: Key, ppm: int, now: float) -> list[Key]:
-        granted = super().acquire(key, ppm, now)
+    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
+        granted = super().acquire(key, ppm, now, arrived_at)
         if key in self.state.queue:
             self.predicted[key] = estimate_waits(self.state, now, self.policy, self.holds).get(key)
         return granted

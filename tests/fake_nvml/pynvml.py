@@ -6,6 +6,10 @@ change them while the agent runs::
 
     {"gpus": [{"uuid": "GPU-1", "name": "T4", "memory_mb": 16384}],
      "processes": {"GPU-1": [{"pid": 1234, "used_mb": 900}]}}
+
+With the stand-in libcuda beside it (``STANDIN_LIBCUDA_DIR``, tests/standin_libcuda), a
+process that the driver holds CHECKPOINTED has its GPU memory in host RAM, so NVML lists it
+with 0 MiB on the GPU, as the real driver does after ``cuCheckpointProcessCheckpoint``.
 """
 
 from __future__ import annotations
@@ -68,7 +72,23 @@ def nvmlDeviceGetMemoryInfo(handle: int) -> Any:
     return SimpleNamespace(total=total, free=total, used=0)
 
 
+def _checkpointed(pid: int) -> bool:
+    driver = os.environ.get("STANDIN_LIBCUDA_DIR")
+    if not driver:
+        return False
+    try:
+        with open(os.path.join(driver, f"{pid}.state")) as f:
+            return f.read().strip() == "2"  # CU_PROCESS_STATE_CHECKPOINTED
+    except OSError:
+        return False
+
+
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[Any]:
     uuid = nvmlDeviceGetUUID(handle)
     procs = _state().get("processes", {}).get(uuid, [])
-    return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p["used_mb"] * _MiB) for p in procs]
+    return [
+        SimpleNamespace(
+            pid=p["pid"], usedGpuMemory=0 if _checkpointed(p["pid"]) else p["used_mb"] * _MiB
+        )
+        for p in procs
+    ]
