@@ -362,7 +362,9 @@ def test_students_cannot_see_or_release_anothers_lease(hub: Hub) -> None:
     other = hub.token("student02")
     for method in ("GET", "DELETE"):
         r = hub.req(method, f"{hub.broker}/api/v1/leases/{lease['id']}", other)
-        assert r.status_code == 403, r.text
+        # as a lease that does not exist: no oracle (DESIGN.md, "Accounts and boundaries")
+        assert r.status_code == 404, r.text
+        assert r.json()["message"] == f"No GPU lease has the id {lease['id']!r}.", r.text
     r = hub.req("GET", f"{hub.broker}/api/v1/leases", other, params={"all": "1"})
     assert r.status_code == 403 or all(x["user"] == "student02" for x in r.json()["leases"])
     # the instructor holds custom:gpu-lease:admin through the hub role

@@ -1494,8 +1494,10 @@ class BrokerService:
 
     @staticmethod
     def _check_owner(ident: Identity, obj: Lease | Request) -> None:
+        """Another user's lease or request is answered as one that does not exist (the
+        404 of :meth:`_visible_lease`, word for word): no oracle for its ids."""
         if obj.user != ident.user and not ident.admin:
-            raise Forbidden("This GPU lease belongs to another user.")
+            raise LeaseNotFound(f"No GPU lease has the id {obj.id!r}.")
 
     @staticmethod
     def _require_admin(ident: Identity) -> None:
