@@ -47,6 +47,7 @@ class Hub:
         server_port_base: int | None = None,
         env: dict[str, str] | None = None,
         gpus: str = "1x32768:V100",
+        python: str | None = None,
     ) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
@@ -63,6 +64,8 @@ class Hub:
             *("--ttl", str(TTL), "--reap-interval", "0.5"),
             server_port_base=server_port_base,
         )
+        if python:  # the demo, the hub and everything it starts on another interpreter
+            args[0] = python
         extra, env = env, dict(os.environ)
         env.update(extra or {})  # hub_config's GPU_LEASE_* knobs
         env.pop("JUPYTERHUB_API_TOKEN", None)
