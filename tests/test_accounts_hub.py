@@ -115,12 +115,17 @@ def _student_python(base: Path, user: str) -> str:
     return python
 
 
-def _ids(pid: int) -> set[int]:
-    """The real, effective, saved and file-system uids of process ``pid`` (/proc)."""
+def _status(pid: int, key: str) -> list[str]:
+    """The fields of ``key`` in ``/proc/<pid>/status``."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Uid:"):
-            return {int(x) for x in line.split()[1:]}
-    raise AssertionError(f"no Uid line for process {pid}")
+        if line.startswith(f"{key}:"):
+            return line.split()[1:]
+    raise AssertionError(f"no {key} line for process {pid}")
+
+
+def _ids(pid: int) -> set[int]:
+    """The real, effective, saved and file-system uids of process ``pid``."""
+    return {int(x) for x in _status(pid, "Uid")}
 
 
 @dataclass
@@ -257,6 +262,8 @@ def test_every_server_and_kernel_runs_as_its_account(site: Site) -> None:
     for x in site.students:
         assert _ids(x.server_pid) == {x.uid}, x.name
         assert _ids(x.kernel_pid) == {x.uid}, x.name
+        # the site's usual umask for the student's files; the hub's own is 0077
+        assert _status(x.server_pid, "Umask") == ["0022"], x.name
         assert x.env["HOME"] == x.account.pw_dir
         assert "--allow-root" not in psutil.Process(x.server_pid).cmdline()
         out = run_code(site, x, "import os; print('uid', os.getuid(), os.geteuid())")
@@ -267,6 +274,7 @@ def test_every_server_and_kernel_runs_as_its_account(site: Site) -> None:
         if "provisioner.broker.app" in p.cmdline()
     ]
     assert brokers and all(_ids(p.pid) == {site.broker.pw_uid} for p in brokers)
+    assert all(_status(p.pid, "Umask") == ["0077"] for p in brokers)
     assert _ids(site.hub.info["hub_pid"]) == {0}  # the hub: root, to become each student
 
 
@@ -310,6 +318,8 @@ def test_a_students_kernel_reads_nothing_of_anothers_nor_the_secrets(site: Site)
         ("b's temporary dir", str(state / "tmp" / str(b.uid)), "list"),
         ("b's kernel's environ", f"/proc/{b.kernel_pid}/environ", "read"),
         ("b's server's environ", f"/proc/{b.server_pid}/environ", "read"),
+    ]
+    secret = [  # nobody's but root's or the broker's: refused to every student
         ("the state dir", str(state), "list"),
         ("the operator token", str(state / "admin-token"), "read"),
         ("the admin password", str(state / "admin-password"), "read"),
@@ -322,6 +332,7 @@ def test_a_students_kernel_reads_nothing_of_anothers_nor_the_secrets(site: Site)
         ("the demo's log", str(site.hub.log_path), "read"),
         ("the runtime root", str(site.runtime), "list"),
     ]
+    refused += secret
     own = [  # controls: a's own files are readable, so the refusals above are real
         ("a's connection file", str(site.runtime / str(a.uid) / f"kernel-{a.kernel_id}.json")),
         ("a's %gpu state file", a.env["GPU_LEASE_STATE_FILE"]),
@@ -332,6 +343,9 @@ def test_a_students_kernel_reads_nothing_of_anothers_nor_the_secrets(site: Site)
         label: "PermissionError" for label, _, _ in refused
     }, found
     assert {label: found[label] for label, _ in own} == {label: "read" for label, _ in own}
+    for other in site.students[1:]:
+        found = probe(site, other, secret)
+        assert found == {label: "PermissionError" for label, _, _ in secret}, (other.name, found)
 
 
 def test_a_token_gets_for_anothers_lease_what_it_gets_for_none(site: Site) -> None:
