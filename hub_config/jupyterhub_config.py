@@ -13,7 +13,11 @@ log in). What it wires:
 - ``GPU_LEASE_URL`` in every server's environment;
 - SimpleLocalProcessSpawner (one process per student, no system accounts) and
   SharedPasswordAuthenticator (one demo password) -- for production use
-  SystemdSpawner or KubeSpawner and your real authenticator (see docs).
+  SystemdSpawner or KubeSpawner and your real authenticator (see docs);
+- ``GPU_LEASE_SPAWNER=system-users``: each student's server runs as the Unix account of
+  the same name (a root hub; PAM logins; the broker as its own service account, its
+  database in a directory only it reads): docs/admins.md, "A hub with an account per
+  student";
 
 Every setting below that a test or a second demo needs to change is read from an
 environment variable (``GPU_LEASE_*``); the defaults are the demo's.
@@ -45,6 +49,7 @@ service ``gpu-lease-admin``            the demo's operator token (CLI, examples/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -57,7 +62,7 @@ from typing import Any
 
 import psutil
 from jupyterhub.app import JupyterHub
-from jupyterhub.spawner import SimpleLocalProcessSpawner
+from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 
 from provisioner.broker.courses import load_courses
 from provisioner.errors import NoGPUFound
@@ -75,7 +80,23 @@ def _port(name: str, default: int) -> int:
 
 
 STATE = Path(env("GPU_LEASE_STATE_DIR") or ROOT / ".demo").resolve()
+#: every student's server runs as the student's own Unix account (see "system accounts")
+SYSTEM_USERS = env("GPU_LEASE_SPAWNER") == "system-users"
+#: the umask the students' servers get (the hub's own files are private: see below)
+SERVER_UMASK = 0o022
+if SYSTEM_USERS:
+    if os.getuid() != 0:
+        sys.exit(
+            "GPU_LEASE_SPAWNER=system-users: the hub must run as root (it starts each "
+            "student's server as the student's account); start it as root, or unset "
+            "GPU_LEASE_SPAWNER for one shared account."
+        )
+    # whatever the hub, the proxy and the broker create from now on (the hub's database,
+    # the broker's, pid files) is theirs alone; the students' servers get SERVER_UMASK
+    os.umask(0o077)
 STATE.mkdir(parents=True, exist_ok=True)
+if SYSTEM_USERS:  # students pass through (to their runtime dirs), never list or read it
+    STATE.chmod(0o711)
 HUB_IP = env("GPU_LEASE_HUB_IP") or "127.0.0.1"
 HUB_PORT = _port("GPU_LEASE_HUB_PORT", 8000)
 BROKER_PORT = _port("GPU_LEASE_BROKER_PORT", 10101)
@@ -92,8 +113,9 @@ def _secret(var: str, filename: str, nbytes: int) -> str:
         return value
     path = STATE / filename
     if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(nbytes), encoding="utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secrets.token_hex(nbytes))
     return path.read_text(encoding="utf-8").strip()
 
 
@@ -117,7 +139,10 @@ c.JupyterHub.ip = HUB_IP
 c.JupyterHub.port = HUB_PORT
 c.JupyterHub.hub_ip = "127.0.0.1"
 c.JupyterHub.hub_port = _port("GPU_LEASE_HUB_API_PORT", 8081)
-c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
+HUB_DB = STATE / "jupyterhub.sqlite"
+with contextlib.suppress(FileExistsError):  # the hub's database: its alone, whatever the umask
+    os.close(os.open(HUB_DB, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+c.JupyterHub.db_url = f"sqlite:///{HUB_DB}"
 c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
 c.JupyterHub.cleanup_servers = True  # stopping the hub stops every server and kernel
 c.ConfigurableHTTPProxy.command = [str(ROOT / "node_modules" / ".bin" / "configurable-http-proxy")]
@@ -132,6 +157,13 @@ c.SharedPasswordAuthenticator.admin_password = _secret(
 )
 c.Authenticator.admin_users = set(courses.admins)
 c.Authenticator.allowed_users = set(courses.users()) | {"guest01"}
+if SYSTEM_USERS:
+    # the Unix accounts' own passwords (PAM), unless the site names another authenticator;
+    # every name in the courses file must be an account (JupyterHub checks at start), or
+    # the hub makes the missing ones where the admin allows it (GPU_LEASE_CREATE_USERS=1)
+    c.JupyterHub.authenticator_class = env("GPU_LEASE_AUTHENTICATOR") or "pam"
+    c.Authenticator.allowed_users = set(courses.users())
+    c.LocalAuthenticator.create_system_users = env("GPU_LEASE_CREATE_USERS") == "1"
 c.Authenticator.allow_all = env("GPU_LEASE_ALLOW_ALL", "0") == "1"
 c.JupyterHub.load_groups = courses.hub_groups()
 
@@ -182,6 +214,58 @@ else:  # JupyterHub 5: redefine the user role with the same scope added
     roles.append({"name": "user", "scopes": ["self", ACCESS_SCOPE]})
 c.JupyterHub.load_roles = roles
 
+
+# -- system accounts: the broker's own account and directory ----------------------------
+def _private_dir(path: Path, uid: int, gid: int, mode: int = 0o700) -> None:
+    """``path`` a directory owned by ``uid``:``gid`` with ``mode`` (made, or fixed, by root).
+
+    Whatever sits there that is not a directory (a link a student planted) is removed.
+    """
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
+    os.chown(path, uid, gid, follow_symlinks=False)
+    path.chmod(mode)
+
+
+def _broker_account(command: list[str]) -> dict[str, Any]:
+    """The broker service's ``user`` and ``cwd`` with system accounts; its database moves to
+    a directory that account alone owns (0700). Exits with what to do when the account is
+    missing or the agents' tokens file is readable by others."""
+    import pwd
+
+    name = env("GPU_LEASE_BROKER_USER") or "gpu-lease"
+    try:
+        account = pwd.getpwnam(name)
+    except KeyError:
+        sys.exit(
+            f"GPU_LEASE_SPAWNER=system-users: the broker's account {name!r} does not exist; "
+            f"create it (useradd --system --shell /usr/sbin/nologin {name}) or name another "
+            "with GPU_LEASE_BROKER_USER."
+        )
+    if account.pw_uid == 0:
+        sys.exit(
+            f"GPU_LEASE_BROKER_USER={name} is root: the broker runs as an unprivileged "
+            "account of its own; create one (useradd --system gpu-lease) and name it."
+        )
+    folder = Path(env("GPU_LEASE_BROKER_DIR") or STATE / "broker").resolve()
+    _private_dir(folder, account.pw_uid, account.pw_gid)
+    database = folder / "gpu-lease.sqlite"
+    command[command.index(f"sqlite:///{STATE / 'gpu-lease.sqlite'}")] = f"sqlite:///{database}"
+    tokens = env("GPU_LEASE_AGENT_TOKENS")
+    if tokens:
+        st = Path(tokens).stat()
+        readable = st.st_uid == account.pw_uid or (
+            st.st_gid == account.pw_gid and st.st_mode & 0o040
+        )
+        if st.st_mode & 0o007 or not readable:
+            sys.exit(
+                f"The agents' tokens file {tokens} must be readable by the broker's account "
+                f"and nobody else: chown {name} {tokens}; chmod 600 {tokens}."
+            )
+    return {"user": name, "cwd": str(folder)}
+
+
 # -- the broker, a hub-managed service ----------------------------------------------------
 # make demo (GPU_LEASE_FAST_EXIT=1) runs the broker and the servers through
 # provisioner/devtools/fastexit.py: they stop as usual but skip Python's teardown at exit,
@@ -212,13 +296,16 @@ if env("GPU_LEASE_NODE_GRACE"):  # seconds a node agent may be silent before its
     broker_cmd.append(f"--GPULeaseBroker.node_grace={float(env('GPU_LEASE_NODE_GRACE', ''))}")
 if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)
     broker_cmd += ["--tokens-file", str(Path(env("GPU_LEASE_AGENT_TOKENS")).resolve())]
+broker_service: dict[str, Any] = {"cwd": str(STATE)}
+if SYSTEM_USERS:
+    broker_service = _broker_account(broker_cmd)
 c.JupyterHub.services = [
     {
         "name": SERVICE,
         "display": True,
         "url": f"http://127.0.0.1:{BROKER_PORT}",  # the broker listens here (JUPYTERHUB_SERVICE_URL)
         "command": broker_cmd,
-        "cwd": str(STATE),
+        **broker_service,  # its working directory (and, with system accounts, its account)
         "oauth_no_confirm": True,
         # the dashboard's browser login: let an instructor's OAuth token carry the admin scope
         "oauth_client_allowed_scopes": [ADMIN_SCOPE],
@@ -274,8 +361,8 @@ def _listens_on(pid: int, port: int) -> bool:
     return False
 
 
-class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
-    """SimpleLocalProcessSpawner that routes a student only to their own server, and
+class GracefulSpawner(LocalProcessSpawner):
+    """A local process spawner that routes a student only to their own server, and
     stops a server with SIGTERM first.
 
     The port: the hub counts any HTTP answer at a server's address as "up" and then routes
@@ -340,7 +427,39 @@ class GracefulLocalProcessSpawner(SimpleLocalProcessSpawner):
             await asyncio.sleep(0.2)
 
 
-c.JupyterHub.spawner_class = GracefulLocalProcessSpawner
+class GracefulLocalProcessSpawner(GracefulSpawner, SimpleLocalProcessSpawner):
+    """Every server as the hub's own user, homes under the state directory (the demo)."""
+
+
+def _account(name: str) -> Any:
+    import pwd
+
+    return pwd.getpwnam(name)
+
+
+class SystemUserSpawner(GracefulSpawner):
+    """Each server as the Unix account of the student's name (LocalProcessSpawner's setuid,
+    home and shell), with the site's usual umask, and a runtime and temporary directory of
+    its own: ``<root>/<uid>``, owned by the account, 0700, made by the hub before each start.
+    """
+
+    def make_preexec_fn(self, name: str) -> Any:
+        become = super().make_preexec_fn(name)
+
+        def preexec() -> None:
+            os.umask(SERVER_UMASK)  # the hub's is 0077, for its own files
+            become()
+
+        return preexec
+
+    async def start(self) -> object:
+        account = _account(self.user.name)
+        for root in (RUNTIME_ROOT, TMP_DIR):
+            _private_dir(root / str(account.pw_uid), account.pw_uid, account.pw_gid)
+        return await super().start()
+
+
+c.JupyterHub.spawner_class = SystemUserSpawner if SYSTEM_USERS else GracefulLocalProcessSpawner
 c.Spawner.term_timeout = 30  # kernels get jupyter_client's shutdown, then leases are released
 c.SimpleLocalProcessSpawner.home_dir_template = str(STATE / "home" / "{username}")
 c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
@@ -369,7 +488,7 @@ c.Spawner.args = [
 KERNEL_TRANSPORT = env("GPU_LEASE_KERNEL_TRANSPORT") or "ipc"
 if KERNEL_TRANSPORT == "ipc":
     c.Spawner.args.append("--KernelManager.transport=ipc")
-if os.getuid() == 0:
+if os.getuid() == 0 and not SYSTEM_USERS:  # servers as root: only the one-account demo
     c.Spawner.args.append("--allow-root")
 # JupyterLab's settings defaults for every student: no "Would you like to get notified
 # about official Jupyter news?" toast on first login, and no requests from students'
@@ -377,9 +496,11 @@ if os.getuid() == 0:
 LAB_DEFAULTS = {
     "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}
 }
-LAB_SETTINGS = STATE / "lab-settings"
+LAB_SETTINGS = STATE / "lab-settings"  # read by every server: world-readable, on purpose
 LAB_SETTINGS.mkdir(exist_ok=True)
+LAB_SETTINGS.chmod(0o755)
 (LAB_SETTINGS / "overrides.json").write_text(json.dumps(LAB_DEFAULTS, indent=1), encoding="utf-8")
+(LAB_SETTINGS / "overrides.json").chmod(0o644)
 c.Spawner.args.append(f"--LabApp.app_settings_dir={LAB_SETTINGS}")
 # The broker's own address, not the proxy's: every server runs on this machine, so the
 # kernels' lease calls (acquire, renew every ttl/3 s, release) skip a hop and keep working
@@ -408,11 +529,23 @@ if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix 
 # per-user directories are named by user id; `make demo` moves the runtime directory to
 # the system's temporary folder only when the state directory's path is too long for
 # that (GPU_LEASE_RUNTIME_DIR) and removes it when it stops.
+# With system accounts each account's directories are named by its uid, made by the hub
+# (SystemUserSpawner.start) and private to it; the roots are root's, 0711: a student
+# passes through to their own directory, and lists nobody's.
 RUNTIME_ROOT = Path(env("GPU_LEASE_RUNTIME_DIR") or STATE / "rt")
-server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(RUNTIME_ROOT / str(spawner.user.id))
 TMP_DIR = STATE / "tmp"
 TMP_DIR.mkdir(exist_ok=True)
-server_env["TMPDIR"] = str(TMP_DIR)
+if SYSTEM_USERS:
+    for _root in (RUNTIME_ROOT, TMP_DIR):
+        _root.mkdir(parents=True, exist_ok=True)
+        _root.chmod(0o711)
+    server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(
+        RUNTIME_ROOT / str(_account(spawner.user.name).pw_uid)
+    )
+    server_env["TMPDIR"] = lambda spawner: str(TMP_DIR / str(_account(spawner.user.name).pw_uid))
+else:
+    server_env["JUPYTER_RUNTIME_DIR"] = lambda spawner: str(RUNTIME_ROOT / str(spawner.user.id))
+    server_env["TMPDIR"] = str(TMP_DIR)
 c.Spawner.environment = server_env
 
 # -- variants ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ httpx, NVML, tornado) are translated into these once, at the edge that meets the
     ├── InvalidRequest                 400  malformed JSON, wrong types, NaN, bad fraction, unknown fields
     │   └── UnknownGPU                 400  the request names GPU UUIDs the pool does not have
     ├── NotAuthenticated               401  missing, forged or expired token
-    ├── Forbidden                      403  not yours / not an admin / not a member of the course
+    ├── Forbidden                      403  not an admin / not a member of the course / quota
     │   └── QuotaExceeded              403  the request would exceed a quota
     ├── LeaseNotFound                  404  no such lease (or not visible to the caller)
     │   └── NodeNotFound               404  no node of that name registered (an agent registers first)
@@ -113,7 +113,8 @@ class NotAuthenticated(GPULeaseError):
 
 
 class Forbidden(GPULeaseError):
-    """403: not yours, not an admin, or not a member of the kernel's course."""
+    """403: not an admin, or not a member of the kernel's course (another user's lease is a
+    404, as one that does not exist)."""
 
     code = "forbidden"
     status = 403

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -266,6 +267,7 @@ class Database:
         """Connect and bring the schema up to date. Called once at broker start; idempotent."""
         if self._opened:
             return
+        self._create_private_file()
         self.upgrade()
         if self._checkpoints is not None:
             # connections made from now on leave checkpoints to it (upgrade's kept SQLite's)
@@ -273,6 +275,18 @@ class Database:
             self._checkpointer = _Checkpointer(*self._checkpoints)
             self._checkpointer.start()
         self._opened = True
+
+    def _create_private_file(self) -> None:
+        """A new SQLite file is made here, mode 0600 whatever the umask (its journal and
+        WAL files take the database's mode): leases, users and tokens' names are the
+        broker's alone. An existing file keeps the mode its admin gave it."""
+        file = self._url.database if self._is_sqlite else None
+        if file in (None, "", ":memory:") or str(file).startswith("file:"):
+            return
+        try:
+            os.close(os.open(str(file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError:  # there already, or no such directory: opening it says why, as before
+            pass
 
     def close(self) -> None:
         """Close every pooled connection. Called at broker shutdown."""

@@ -60,6 +60,8 @@ PUBLIC = (200,) * 9
 USERS_200 = (401, 401, 401, 200, 200, 200, 200, 200, 200)
 ADMIN_ONLY = (401, 401, 401, 403, 403, 403, 403, 403, 200)
 OWNER = (401, 401, 401, 200, 403, 403, 403, 403, 200)
+#: another user's lease is answered as one that does not exist (DESIGN.md: no oracle)
+LEASE_OWNER = (401, 401, 401, 200, 404, 404, 404, 404, 200)
 
 #: (method, path template) -> statuses in the order of CALLERS.
 #: "instructor" is a member of ml101 without admin rights: the broker has no
@@ -72,9 +74,9 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("GET", "/api/v1/leases"): USERS_200,
     # a course (ml101) kernel: members and admins only
     ("POST", "/api/v1/leases"): (401, 401, 401, 201, 403, 201, 403, 201, 201),
-    ("GET", "/api/v1/leases/{lease_id}"): OWNER,
-    ("DELETE", "/api/v1/leases/{lease_id}"): tuple(204 if s == 200 else s for s in OWNER),
-    ("POST", "/api/v1/leases/{lease_id}/renew"): OWNER,
+    ("GET", "/api/v1/leases/{lease_id}"): LEASE_OWNER,
+    ("DELETE", "/api/v1/leases/{lease_id}"): tuple(204 if s == 200 else s for s in LEASE_OWNER),
+    ("POST", "/api/v1/leases/{lease_id}/renew"): LEASE_OWNER,
     ("POST", "/api/v1/leases/{lease_id}/revoke"): ADMIN_ONLY,
     ("GET", "/api/v1/queue"): USERS_200,
     ("GET", "/api/v1/quotas"): ADMIN_ONLY,

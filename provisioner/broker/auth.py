@@ -290,7 +290,8 @@ class StaticTokens(Authenticator):
 
     def _load(self) -> dict[bytes, StaticToken]:
         try:
-            mtime = os.stat(self.path).st_mtime
+            st = os.stat(self.path)
+            mtime = st.st_mtime
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)
         except FileNotFoundError as exc:
@@ -307,6 +308,13 @@ class StaticTokens(Authenticator):
                 f"line {getattr(exc, 'lineno', '?')}); fix it and restart the broker."
             ) from exc
         tokens = parse_tokens(data, f"the tokens file {self.path!r}")
+        if st.st_mode & 0o007:
+            log.warning(
+                "The tokens file %s is readable by every account on this machine (mode %o): "
+                "chmod 600 it, owned by the broker's account.",
+                self.path,
+                st.st_mode & 0o777,
+            )
         self._mtime = mtime
         return tokens
 

@@ -532,9 +532,10 @@ def _gone(lease: Lease) -> LeaseGone:
 
 
 def check_owner(ident: Identity, obj: Lease | Request) -> None:
-    """403 unless ``obj`` is the caller's own (or the caller is an admin)."""
+    """Another user's lease or request is answered as one that does not exist (the 404
+    of an unknown id, word for word): no oracle for its ids. Admins may act on any."""
     if obj.user != ident.user and not ident.admin:
-        raise Forbidden("This GPU lease belongs to another user.")
+        raise LeaseNotFound(f"No GPU lease has the id {obj.id!r}.")
 
 
 def require_admin(ident: Identity) -> None:

@@ -24,8 +24,8 @@ _ERROR_TEXT = {
     "400": "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction, "
     "an unprintable or over-long id or name in the URL or query).",
     "401": "Missing or invalid token.",
-    "403": "Not allowed: quota exceeded, not a member of the course, not yours, or not an admin.",
-    "404": "No such lease or record (or not visible to the caller).",
+    "403": "Not allowed: quota exceeded, not a member of the course, or not an admin.",
+    "404": "No such lease or record, or another user's (answered alike: no oracle).",
     "409": "Conflict: this kernel already holds a lease of another fraction.",
     "410": "The lease has ended (revoked or expired); the body's reason says why.",
     "413": "Request body too large.",

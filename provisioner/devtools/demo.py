@@ -102,10 +102,17 @@ def install_kernelspecs(prefix: str = "") -> list[str]:
     return names
 
 
+def _private_write(path: Path, text: str) -> None:
+    """Write ``path`` readable by its owner only (mode 0600 whatever the umask)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # made earlier with a wider mode: no longer
+        f.write(text)
+
+
 def _secret_file(path: Path, nbytes: int) -> str:
     if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(os.urandom(nbytes).hex(), encoding="utf-8")
+        _private_write(path, os.urandom(nbytes).hex())
     return path.read_text(encoding="utf-8").strip()
 
 
@@ -335,7 +342,8 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(
             f"{info['broker_url']}/api/v1/health", hub, args.ready_timeout, "The GPU lease broker"
         )
-        (state / "demo.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+        # the operator token and the admin password: the demo's owner's alone
+        _private_write(state / "demo.json", json.dumps(info, indent=1))
         print(banner(info), flush=True)
         while not stop.is_set() and hub.poll() is None:
             stop.wait(0.5)

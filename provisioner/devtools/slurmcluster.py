@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from .testing import ROOT, free_port, stop_process, wait_for
+from .testing import ROOT, free_port, stop_process, wait_for, write_private
 
 SLURMCTLD = "slurmctld"
 SLURMD = "slurmd"
@@ -222,7 +222,7 @@ def agent_tokens(path: Path, nodes: Sequence[str]) -> dict[str, str]:
     """A fresh agent token per node, written to ``path`` as the broker reads them
     (``{"TOKEN": {"agent": true, "node": NODE}}``); returns node -> token."""
     tokens = {n: f"agent-{n}-{uuid.uuid4().hex}" for n in nodes}
-    path.write_text(json.dumps({t: {"agent": True, "node": n} for n, t in tokens.items()}))
+    write_private(path, json.dumps({t: {"agent": True, "node": n} for n, t in tokens.items()}))
     return tokens
 
 

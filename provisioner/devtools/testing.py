@@ -35,6 +35,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_GPUS = "1x32768:V100"
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` readable by its owner only (mode 0600 whatever the umask): tokens."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -245,13 +253,14 @@ class BrokerProcess:
         self.url = f"http://127.0.0.1:{self.port}{self.base_url.rstrip('/')}"
         self.tokens = {user: f"tok-{user}-{uuid.uuid4().hex}" for user in users}
         self.tokens_file = tmp / f"{name}-tokens.json"
-        self.tokens_file.write_text(
+        write_private(
+            self.tokens_file,
             json.dumps(
                 {
                     self.tokens[user]: {"user": user, "groups": list(groups), "admin": admin}
                     for user, (groups, admin) in users.items()
                 }
-            )
+            ),
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
