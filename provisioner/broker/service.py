@@ -153,6 +153,8 @@ class GPUHolding:
     gpu: GPU
     allocated_ppm: int
     leases: int
+    #: the uid its MPS server serves clients of now (its agent's report; None: none)
+    mps_uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -223,11 +225,13 @@ class History:
 class LeaseUsage:
     """``used_mb``: GPU memory its kernel's processes used at the node's last heartbeat (None
     without an agent); ``enforcement``: the layer that holds the cap (``cooperative`` or
-    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one."""
+    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one;
+    ``mps_server_uid``: the uid the GPU's MPS server serves clients of now (None: none)."""
 
     used_mb: int | None
     enforcement: str
     mps: str | None
+    mps_server_uid: int | None = None
 
 
 @dataclass
@@ -698,7 +702,12 @@ class BrokerService:
         await self._ready()
         st = self.state
         return [
-            GPUHolding(g, st.allocated.get(g.uuid, 0), st.lease_count.get(g.uuid, 0))
+            GPUHolding(
+                g,
+                st.allocated.get(g.uuid, 0),
+                st.lease_count.get(g.uuid, 0),
+                st.mps_uid.get(g.uuid),
+            )
             for g in st.ordered_gpus()
         ]
 
@@ -946,9 +955,11 @@ class BrokerService:
         usage: list[tuple[int, str, int]],
         at: float | None = None,
         mps: dict[str, str] | None = None,
+        mps_uid: dict[str, int | None] | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
-        and (agents with ``--mps``) its GPUs' MPS daemon states.
+        and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
+        server serves (a change may let a waiting MPS kernel be placed: the queue drains).
 
         Samples or MPS states of a GPU this node did not register are refused (403), memory
         above the GPU's size is refused (400); nothing is changed then. A report never frees or
@@ -976,7 +987,7 @@ class BrokerService:
                     f"Process {pid} cannot use {used} MiB of GPU {uuid}, which has "
                     f"{gpu.memory_mb} MiB; report what NVML measures."
                 )
-        for uuid in mps or {}:
+        for uuid in {**(mps or {}), **(mps_uid or {})}:
             if uuid not in mine:
                 raise Forbidden(
                     f"GPU {uuid} is not one of node {name!r}'s registered GPUs; an agent "
@@ -988,6 +999,10 @@ class BrokerService:
         node.last_seen = now
         node.usage = list(usage)
         node.mps = dict(mps or {})
+        node.mps_uid = {u: uid for u, uid in (mps_uid or {}).items() if uid is not None}
+        served = self._mps_uids()
+        mps_changed = served != self.state.mps_uid
+        self.state.mps_uid = served
         ends, kill = self._account_usage(node, usage, now)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
@@ -995,7 +1010,7 @@ class BrokerService:
         if ends:
             await self._mutate(lambda: self._commit(core.end(self.state, ends, now, self.policy)))
             self._log_overuse(node, ends, kill)
-        elif was == "lost":
+        elif was == "lost" or mps_changed:
             await self._grant_waiting()
         watch = sorted({x.pid for x in self.state.leases.values() if x.pid and x.gpu_uuid in mine})
         return Heartbeat(name, core.node_state(node, now, self.policy), now, watch, kill)
@@ -1075,7 +1090,10 @@ class BrokerService:
         if node is None:
             return LeaseUsage(None, "cooperative", None)
         return LeaseUsage(
-            self.used_mb.get(lease.id), f"agent-{node.enforce}", node.mps.get(lease.gpu_uuid)
+            self.used_mb.get(lease.id),
+            f"agent-{node.enforce}",
+            node.mps.get(lease.gpu_uuid),
+            node.mps_uid.get(lease.gpu_uuid),
         )
 
     def _node_of(self, gpu_uuid: str) -> Node | None:
@@ -1176,6 +1194,10 @@ class BrokerService:
         pool = list(self.state.gpus.values())
         await self.writer.call(lambda: self.store.sync_gpus(pool, self.policy.capacity_ppm))
         log.info("Removed %d GPU(s) that left their node once their leases ended", len(free))
+
+    def _mps_uids(self) -> dict[str, int]:
+        """GPU uuid -> the uid its MPS server serves, as the nodes' agents last reported."""
+        return {u: uid for n in self.nodes.values() for u, uid in n.mps_uid.items()}
 
     def _close_gpus(self, now: float) -> None:
         self.state.closed = core.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
@@ -1426,12 +1448,18 @@ class BrokerService:
         fresh = []
         for lease in leases:
             known = mine.get(lease.id)
-            fresh.append(
-                known if known is not None and known.renewed_at > lease.renewed_at else lease
-            )
+            if known is not None and known.renewed_at > lease.renewed_at:
+                lease = known
+            elif known is not None:  # memory only: see Lease.mps_uid
+                lease.mps_uid = known.mps_uid
+            fresh.append(lease)
+        waiting = {r.id: r for r in self.state.queue.values()}
         for req in queue:
             req.last_polled_at = polled.get(req.id, now)
+            if req.id in waiting:
+                req.mps_uid = waiting[req.id].mps_uid
         self.state = PoolState.build(pool, fresh, queue)
+        self.state.mps_uid = self._mps_uids()
         self._etas = None
         self._close_gpus(now)
 
