@@ -771,7 +771,7 @@ def why_waiting(
         if serving:
             names = [title(g) for g in serving[:3]] + (["others"] if len(serving) > 3 else [])
             owner = (
-                f"{names[0]}'s MPS server is"
+                f"The MPS server of {names[0]} is"
                 if len(names) == 1
                 else f"The MPS servers of {', '.join(names[:-1])} and {names[-1]} are"
             )

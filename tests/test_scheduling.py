@@ -486,7 +486,7 @@ def test_an_mps_kernel_is_placed_only_where_the_mps_server_serves_its_uid_or_non
     if not granted:
         assert isinstance(out, Queued)
         assert out.reason == (
-            "GPU 0 (V100)'s MPS server is serving another user's kernels, and MPS serves one "
+            "The MPS server of GPU 0 (V100) is serving another user's kernels, and MPS serves one "
             "user per GPU at a time: your MPS kernel waits until those kernels end."
         )
         assert "ann" not in out.reason and str(ANN) not in out.reason  # never who
@@ -530,7 +530,7 @@ def test_one_drain_does_not_place_two_users_mps_kernels_on_one_gpu():
     reason = core.decide_acquire(
         st, Ask("bob", "k", 100_000, mps_uid=BOB), Quota(), 4, policy, _IDS
     ).outcome.reason
-    assert reason.startswith("GPU 0 (V100)'s MPS server is serving another user's kernels")
+    assert reason.startswith("The MPS server of GPU 0 (V100) is serving another user's kernels")
 
 
 def test_the_first_users_stream_of_mps_kernels_does_not_starve_the_second():
@@ -570,4 +570,4 @@ def test_a_repeated_acquire_brings_back_the_uid_a_restarted_broker_forgot():
     assert isinstance(first, Queued) and first.request.mps_uid is None
     again = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=2)
     assert isinstance(again, Queued) and st.queue[("bob", "k")].mps_uid == BOB
-    assert "MPS server is serving another user's kernels" in again.reason
+    assert "MPS server of GPU 0 (V100) is serving another user's kernels" in again.reason
