@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from traitlets import Bool, CaselessStrEnum, Float, Unicode, default
@@ -217,6 +217,7 @@ async def run_agent(
     enforce: str = "report",
     kill_unleased_after: float = 0.0,
     mps_states: Callable[[], dict[str, str]] | None = None,
+    mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -228,7 +229,9 @@ async def run_agent(
     processes of the kernels the broker names in ``kill`` are killed at once; with
     ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
     With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
-    each heartbeat carries the GPUs' MPS daemon states.
+    each heartbeat carries the GPUs' MPS daemon states; with ``mps_uids`` (its
+    :meth:`~provisioner.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
+    serves, so that the broker places no MPS kernel where it would hang.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
@@ -244,9 +247,19 @@ async def run_agent(
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
             usage = []
+        uids: dict[str, int | None] | None = None
+        if mps_uids is not None:
+            try:
+                uids = await mps_uids()
+            except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
+                log.exception("Cannot learn which uid each GPU's MPS server serves")
         try:
             beat = await client.node_heartbeat(
-                node, usage, at=time.time(), mps=mps_states() if mps_states else None
+                node,
+                usage,
+                at=time.time(),
+                mps=mps_states() if mps_states else None,
+                mps_uid=uids,
             )
             kernels = {int(p) for p in beat.get("watch", [])}
             if enforce == "kill":
@@ -443,6 +456,7 @@ class GPULeaseAgent(Application):
                 self.enforce,
                 self.kill_unleased_after,
                 mps.states if mps is not None else None,
+                mps.server_uids if mps is not None else None,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)

@@ -346,6 +346,7 @@ class BrokerClient:
         wait: float = 30.0,
         queue_timeout: float | None = None,
         on_queued: QueuedCallback | None = None,
+        mps_uid: int | None = None,
     ) -> dict[str, Any]:
         """Acquire a lease for ``kernel_id``, waiting in the queue if the pool is full.
 
@@ -355,9 +356,13 @@ class BrokerClient:
         (sync or async) and the same request is posted again, keeping its queue
         place, until a lease comes or ``queue_timeout`` seconds (``None``: no
         limit) have passed. Then :class:`errors.NoCapacity` is raised, after a
-        best-effort cancel of the queued request.
+        best-effort cancel of the queued request. ``mps_uid`` (enforcement=mps kernels
+        only): the Unix uid the kernel runs as, so that the broker places it only where
+        the GPU's MPS server serves that uid or none.
         """
         body: dict[str, Any] = {"kernel_id": kernel_id, "fraction": fraction}
+        if mps_uid is not None:
+            body["mps_uid"] = mps_uid
         if node is not None:
             body["node"] = node
         if gpu_uuids is not None:
@@ -449,16 +454,20 @@ class BrokerClient:
         usage: list[dict[str, Any]],
         at: float | None = None,
         mps: dict[str, str] | None = None,
+        mps_uid: dict[str, int | None] | None = None,
     ) -> dict[str, Any]:
         """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
 
-        ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``).
+        ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
+        ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
         """
         body: dict[str, Any] = {"usage": usage}
         if at is not None:
             body["at"] = at
         if mps is not None:
             body["mps"] = mps
+        if mps_uid is not None:
+            body["mps_uid"] = mps_uid
         return self._dict(
             await self._send("POST", f"/nodes/{_quote(node)}/heartbeat", body=body, retries=0)
         )

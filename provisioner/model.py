@@ -184,6 +184,9 @@ class Node:
     unleased: list[tuple[int, str, int]] = field(default_factory=list)
     #: GPU uuid -> its MPS control daemon's state, from the last heartbeat (agent ``--mps``)
     mps: dict[str, str] = field(default_factory=dict)
+    #: GPU uuid -> the Unix uid its MPS server serves clients of now (absent: none), from
+    #: the last heartbeat (agent ``--mps``); see :func:`provisioner.scheduling.mps_blocked`
+    mps_uid: dict[str, int] = field(default_factory=dict)
 
     def summary(self, state: str) -> dict[str, Any]:
         return {
@@ -203,6 +206,7 @@ class Node:
             "usage": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.usage],
             "unleased": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.unleased],
             "mps": dict(self.mps),
+            "mps_uid": {g.uuid: self.mps_uid.get(g.uuid) for g in self.gpus},
         }
 
 
@@ -226,6 +230,10 @@ class Lease:
     last_activity: float | None = None
     #: the user's groups (courses) when the lease was granted, sorted; see :func:`attribution`
     groups: tuple[str, ...] = ()
+    #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reported it (None: not
+    #: an MPS kernel). A placement hint, not an identity: see ``scheduling.mps_blocked``.
+    #: Kept in memory only (a restarted broker learns it again from the agents' reports)
+    mps_uid: int | None = None
 
     @property
     def active(self) -> bool:
@@ -254,6 +262,7 @@ class Lease:
             "execution_state": self.execution_state,
             "last_activity": self.last_activity,
             "groups": list(self.groups),
+            "mps_uid": self.mps_uid,
         }
 
 
@@ -277,6 +286,8 @@ class Request:
     node: str | None = None
     gpu_uuids: tuple[str, ...] | None = None
     priority: int = 0
+    #: as :attr:`Lease.mps_uid` (each repeat of the acquire brings it again)
+    mps_uid: int | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -371,6 +382,9 @@ class PoolState:
     #: uuids of GPUs where nothing new is placed (their node is lost or drained, or the GPU
     #: vanished from its node while leased); their leases run on until they end
     closed: set[str] = field(default_factory=set)
+    #: GPU uuid -> the uid its MPS server serves clients of now, as the node agents
+    #: report it (absent: no server, or one without clients)
+    mps_uid: dict[str, int] = field(default_factory=dict)
     _ordered: list[GPU] | None = field(default=None, repr=False, compare=False)
 
     def ordered_gpus(self) -> list[GPU]:
@@ -459,6 +473,7 @@ class PoolState:
             leases_by_user=dict(self.leases_by_user),
             lease_count=dict(self.lease_count),
             closed=set(self.closed),
+            mps_uid=dict(self.mps_uid),
         )
 
 

@@ -15,6 +15,15 @@ restarts a daemon that exits (1 s, doubling to 30 s), reports each GPU's daemon
 and ``gpu-lease top`` say which layer holds), and on its way out asks each daemon to
 ``quit`` (``echo quit | nvidia-cuda-mps-control``), then SIGTERM, then SIGKILL.
 
+MPS serves **one Unix user per GPU at a time**: the daemon starts an MPS server for the
+uid of the first client, and a client of another uid does not fail, it waits (its CUDA
+call hangs) until that server's clients are all gone. So before each heartbeat the agent
+asks each running daemon which uid its server serves (:meth:`MPSDaemon.server_uid`:
+``get_server_list``, then ``get_client_list PID`` for each server, and the server
+process's uid from ``/proc/PID/status``); a server without clients counts as none (it
+gives way to the next uid at once). The broker then places an ``enforcement=mps`` kernel
+only on a GPU whose server serves its uid or none (``scheduling.mps_blocked``).
+
 The provisioner computes the same pipe directory from its ``mps_dir`` (default
 :data:`DEFAULT_MPS_DIR`, the agent's default too).
 """
@@ -39,6 +48,25 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 RESTART_FIRST, RESTART_MAX = 1.0, 30.0
 #: seconds a daemon has to stop after ``quit``, then after SIGTERM
 STOP_TIMEOUT = 10.0
+#: seconds one query of a daemon (``get_server_list``, ``get_client_list``) may take
+QUERY_TIMEOUT = 3.0
+
+
+def uid_of(pid: int, proc: str = "/proc") -> int | None:
+    """The real uid of process ``pid`` (``Uid:`` in ``/proc/PID/status``); None if gone."""
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _pids(text: str | None) -> list[int]:
+    """The pids a ``get_*_list`` answer lists, one a line (other lines are skipped)."""
+    return [int(w) for w in (text or "").split() if w.isdigit()]
 
 
 def pipe_directory(mps_dir: str, gpu_uuid: str) -> str:
@@ -96,6 +124,41 @@ class MPSDaemon:
             self.env["CUDA_MPS_PIPE_DIRECTORY"],
         )
         return True
+
+    async def query(self, command: str) -> str | None:
+        """One command to this GPU's daemon through the control program; its answer, or
+        None (not running, failed, or silent past :data:`QUERY_TIMEOUT`)."""
+        if self.state != "running":
+            return None
+        try:
+            client = await asyncio.create_subprocess_exec(
+                self.control,
+                env=self.env,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            log.warning("Cannot ask the MPS daemon of GPU %s: %s", self.gpu_uuid, exc)
+            return None
+        try:
+            out, _ = await asyncio.wait_for(
+                client.communicate(command.encode() + b"\n"), QUERY_TIMEOUT
+            )
+        except asyncio.TimeoutError:
+            client.kill()
+            await client.wait()
+            log.warning("The MPS daemon of GPU %s did not answer %r", self.gpu_uuid, command)
+            return None
+        return out.decode(errors="replace") if client.returncode == 0 else None
+
+    async def server_uid(self, proc: str = "/proc") -> int | None:
+        """The uid this GPU's MPS server serves clients of now; None: no server, or one
+        without clients (it gives way to another uid's first client at once)."""
+        for server in _pids(await self.query("get_server_list")):
+            if _pids(await self.query(f"get_client_list {server}")):
+                return uid_of(server, proc)
+        return None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the daemon running until ``stop``; then stop it."""
@@ -165,6 +228,12 @@ class MPSSupervisor:
         """GPU uuid -> ``running`` | ``down``, for the heartbeat."""
         return {d.gpu_uuid: d.state for d in self.daemons}
 
+    async def server_uids(self) -> dict[str, int | None]:
+        """GPU uuid -> the uid its MPS server serves clients of (None: none), for the
+        heartbeat's ``mps_uid``."""
+        uids = await asyncio.gather(*(d.server_uid() for d in self.daemons))
+        return {d.gpu_uuid: uid for d, uid in zip(self.daemons, uids, strict=True)}
+
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(d.run(stop) for d in self.daemons))
 
@@ -177,4 +246,5 @@ __all__ = [
     "MPSSupervisor",
     "log_directory",
     "pipe_directory",
+    "uid_of",
 ]

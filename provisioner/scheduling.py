@@ -27,6 +27,10 @@ Key rules (see DESIGN.md "Semantics"):
   the fewest leases must end before it fits (counting the largest leases first; ties:
   the least allocated), not merely the emptiest: twenty small leases take longer to
   all end than one (``Policy.reservation``; "emptiest" is kept for the simulator).
+* MPS serves one Unix user per GPU at a time (a second user's client hangs until the
+  first user's clients are gone): an ``enforcement=mps`` request (``mps_uid`` set) is
+  placed only on a GPU whose MPS server serves its uid or none (:func:`mps_blocked`),
+  else it waits, and the student reads why (:func:`why_waiting`).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked.
@@ -99,6 +103,9 @@ class Ask:
     node: str | None = None
     gpu_uuids: tuple[str, ...] | None = None
     group: str | None = None
+    #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reports it (None: not
+    #: an MPS kernel); a placement hint (:func:`mps_blocked`), never an identity
+    mps_uid: int | None = None
 
 
 # -- decisions -----------------------------------------------------------------
@@ -248,6 +255,30 @@ def overuse_reason(used_mb: int, lease: Lease, policy: Policy) -> str:
 
 def _mib(mb: int) -> str:
     return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
+
+
+# -- MPS: one Unix user per GPU at a time ---------------------------------------
+
+
+def mps_owners(state: PoolState) -> dict[str, set[int]]:
+    """GPU uuid -> the uids whose MPS clients use, or may use at any moment, its MPS server:
+    the uid its node agent reports the server serving (``state.mps_uid``), and those of
+    the active ``enforcement=mps`` leases there (a granted kernel may not have touched
+    CUDA yet; a kernel whose lease ended may still run, which the report shows)."""
+    owners: dict[str, set[int]] = {u: {uid} for u, uid in state.mps_uid.items()}
+    for lease in state.leases.values():
+        if lease.mps_uid is not None:
+            owners.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
+    return owners
+
+
+def mps_blocked(owners: dict[str, set[int]], uid: int | None) -> set[str]:
+    """The GPUs an MPS kernel of ``uid`` must not be placed on: their MPS server serves
+    (or is about to serve) another uid, and a client of ``uid`` would hang there until
+    that uid's clients are all gone. None for a kernel that does not use MPS."""
+    if uid is None:
+        return set()
+    return {gpu for gpu, uids in owners.items() if uids - {uid}}
 
 
 # -- placement ----------------------------------------------------------------
@@ -524,6 +555,11 @@ def drain(
     held = dict(state.held_by_user)
     grants: list[Grant] = []
     done: set[str] = set()
+    # MPS owners only when an MPS request waits: this drain's grants join them
+    mps = any(r.mps_uid is not None for r in state.queue.values()) or (
+        extra is not None and extra.mps_uid is not None
+    )
+    owners = mps_owners(state) if mps else {}
     while True:
         reserved: set[str] = set()
         granted = len(grants)
@@ -531,11 +567,20 @@ def drain(
             if req.id in done:
                 continue
             ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
-            gpu = place(ok, alloc, req.fraction_ppm, policy, exclude=reserved)
+            blocked = mps_blocked(owners, req.mps_uid) if mps else None
+            gpu = place(
+                ok,
+                alloc,
+                req.fraction_ppm,
+                policy,
+                exclude=reserved | blocked if blocked else reserved,
+            )
             if gpu is not None:
                 alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
                 sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
                 held[req.user] = held.get(req.user, 0) + req.fraction_ppm
+                if req.mps_uid is not None:
+                    owners.setdefault(gpu.uuid, set()).add(req.mps_uid)
                 done.add(req.id)
                 # the lease keeps the request's id: a client that gave up waiting and
                 # withdraws its request by that id (DELETE) releases the lease if it was
@@ -606,6 +651,7 @@ def new_lease(req: Request | Ask, gpu: GPU, now: float, policy: Policy, lease_id
         group=req.group,
         last_activity=now,
         groups=tuple(sorted(req.groups)),
+        mps_uid=req.mps_uid,
     )
 
 
@@ -636,23 +682,27 @@ def decide_acquire(
         return AcquireDecision(Existing(existing))
     waiting = state.queue.get((ask.user, ask.kernel_id))
     if waiting is not None:
-        touched = replace(waiting, last_polled_at=now)
+        # a restarted broker forgot the uid (memory only): each repeat brings it again
+        uid = waiting.mps_uid if ask.mps_uid is None else ask.mps_uid
+        touched = replace(waiting, last_polled_at=now, mps_uid=uid)
         ok = usable_gpus(state, waiting.fraction_ppm, policy, waiting.node, waiting.gpu_uuids)
+        blocked = mps_blocked(mps_owners(state), uid) if uid is not None else set()
         return AcquireDecision(
             Queued(
                 touched,
                 position_of(state, waiting.key, now, policy),
                 new=False,
-                reason=why_waiting(state, ok, waiting.fraction_ppm, policy, waiting.node),
+                reason=why_waiting(state, ok, waiting.fraction_ppm, policy, waiting.node, blocked),
             )
         )
 
     check_course(ask)
     ok = check_can_ever_fit(state, ask, policy)
     admit(state, ask, quota, used_fraction_hours, policy)
+    blocked = mps_blocked(mps_owners(state), ask.mps_uid) if ask.mps_uid is not None else set()
 
     if not state.queue:
-        gpu = place(ok, state.allocated, ask.fraction_ppm, policy)
+        gpu = place(ok, state.allocated, ask.fraction_ppm, policy, exclude=blocked)
         if gpu is not None:
             grant = Grant(new_lease(ask, gpu, now, policy, new_id()))
             return AcquireDecision(grant, [grant])
@@ -668,6 +718,7 @@ def decide_acquire(
         node=ask.node,
         gpu_uuids=ask.gpu_uuids,
         priority=quota.priority or 0,
+        mps_uid=ask.mps_uid,
     )
     grants = drain(state, now, policy, extra=req)
     mine = next((g for g in grants if g.request is req), None)
@@ -680,7 +731,7 @@ def decide_acquire(
             req,
             position,
             new=True,
-            reason=why_waiting(state, ok, req.fraction_ppm, policy, req.node),
+            reason=why_waiting(state, ok, req.fraction_ppm, policy, req.node, blocked),
         ),
         grants,
     )
@@ -692,6 +743,7 @@ def why_waiting(
     ppm: int = 0,
     policy: Policy | None = None,
     node: str | None = None,
+    mps_serving: set[str] | frozenset[str] = frozenset(),
 ) -> str:
     """Sentences for a student whose request (of ``ppm``) waits: how full its GPUs are.
 
@@ -700,7 +752,9 @@ def why_waiting(
     now (some usable GPU has room for at least the smallest fraction that works there,
     but less than ``ppm``), it says how much is free; otherwise it gives no such advice
     (a student on the smallest kernel that works has nothing smaller to pick). A request
-    bound to ``node`` (its server's node) that another node has room for says so.
+    bound to ``node`` (its server's node) that another node has room for says so. The
+    GPUs in ``mps_serving`` (an MPS kernel's, :func:`mps_blocked`) are named first: their
+    MPS server serves another user (never named) until that user's kernels end.
     """
     if not ok:
         return "No GPU can take this request right now."
@@ -710,6 +764,22 @@ def why_waiting(
     def title(g: GPU) -> str:
         where = f" on node {g.node}" if len(nodes) > 1 else ""
         return f"GPU {g.index} ({g.name}){where}"
+
+    if mps_serving:
+        serving = [g for g in ok if g.uuid in mps_serving]
+        rest = [g for g in ok if g.uuid not in mps_serving]
+        if serving:
+            names = [title(g) for g in serving[:3]] + (["others"] if len(serving) > 3 else [])
+            owner = (
+                f"The MPS server of {names[0]} is"
+                if len(names) == 1
+                else f"The MPS servers of {', '.join(names[:-1])} and {names[-1]} are"
+            )
+            text = (
+                f"{owner} serving another user's kernels, and MPS serves one user per GPU at "
+                "a time: your MPS kernel waits until those kernels end."
+            )
+            return text if not rest else f"{text} {why_waiting(state, rest, ppm, policy, node)}"
 
     parts = []
     for g in ok[:4]:
@@ -834,8 +904,12 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     for leases in idle_by_gpu.values():
         leases.sort(key=lambda x: -idle_for(x, now))
     cap = policy.capacity_ppm
+    owners = mps_owners(state) if any(r.mps_uid is not None for r in state.queue.values()) else {}
     for req in queue_order(state, now, policy):
         ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+        if req.mps_uid is not None:  # revoking idle leases does not free a GPU's MPS server
+            blocked = mps_blocked(owners, req.mps_uid)
+            ok = [g for g in ok if g.uuid not in blocked]
         if place(ok, alloc, req.fraction_ppm, policy) is not None:
             gpu = place(ok, alloc, req.fraction_ppm, policy)
             assert gpu is not None

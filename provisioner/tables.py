@@ -154,7 +154,9 @@ def format_top(
     *,
     width: int = 20,
 ) -> str:
-    """``gpu-lease top``: each GPU with its bar and leases, then the queue."""
+    """``gpu-lease top``: each GPU with its bar and leases, then the queue. A GPU whose MPS
+    server serves clients says whose uid (MPS serves one uid per GPU at a time: an
+    enforcement=mps kernel of another uid waits for that GPU)."""
     by_gpu: dict[str, list[Mapping[str, Any]]] = {}
     for lease in leases:
         by_gpu.setdefault(str((lease.get("gpu") or {}).get("uuid")), []).append(lease)
@@ -164,9 +166,11 @@ def format_top(
         total_mb = int(gpu.get("memory_mb") or 0)
         used_mb = int(gpu.get("allocated_mb", alloc * total_mb))
         count = int(gpu.get("leases", 0))
+        mps_uid = gpu.get("mps_uid")
         out.append(
             f"{gpu_title(gpu)}  {bar(alloc, width)} {percent(alloc)} allocated  "
             f"{used_mb}/{total_mb} MiB  {count} lease{'' if count == 1 else 's'}"
+            + ("" if mps_uid is None else f"  MPS serves uid {mps_uid}")
         )
         mine = sorted(by_gpu.pop(str(gpu.get("uuid")), []), key=lambda x: x.get("created_at", 0))
         if mine:

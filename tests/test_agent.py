@@ -6,6 +6,7 @@ on its ``PYTHONPATH``) that reports the GPUs and processes a JSON file declares.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner.devtools.testing import wait_for
+from provisioner.devtools.testing import wait_for, wait_for_async
+from provisioner.mps import MPSDaemon, pipe_directory
 
 from .test_nodes import NodeBroker, node_state, pool
 
@@ -432,3 +434,42 @@ def test_agent_runs_restarts_and_stops_an_mps_daemon_per_gpu(
                 os.kill(pid, 0)
     finally:
         agent.stop()
+
+
+async def test_the_agent_learns_whom_each_gpus_mps_server_serves(tmp_path: Path) -> None:
+    """issue 26: ``get_server_list``, ``get_client_list PID`` and the server's uid from
+    /proc: the uid while the server has clients, None before the first and after the last
+    (an idle server gives way to the next uid at once)."""
+    daemon = MPSDaemon("GPU-x", str(tmp_path), str(FAKE_MPS))
+    pipe = pipe_directory(str(tmp_path), "GPU-x")
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(daemon.run(stop))
+    client: asyncio.subprocess.Process | None = None
+    try:
+        await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
+        assert await daemon.server_uid() is None  # no server yet
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
+            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert client.stdout is not None and client.stdin is not None
+        assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"  # admitted
+        assert await daemon.server_uid() == os.getuid()
+        client.stdin.close()
+        assert await asyncio.wait_for(client.wait(), 20) == 0
+        for _ in range(100):  # the daemon notices the client's end within a step
+            if await daemon.server_uid() is None:
+                break
+            await asyncio.sleep(0.05)
+        assert await daemon.server_uid() is None
+    finally:
+        if client is not None and client.returncode is None:
+            client.kill()
+            await client.wait()
+        stop.set()
+        await running
+    assert daemon.state == "down"

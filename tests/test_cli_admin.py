@@ -151,6 +151,14 @@ def test_format_top() -> None:
     ]
 
 
+def test_format_top_says_whose_uid_a_gpus_mps_server_serves() -> None:
+    """MPS serves one Unix user per GPU at a time: top names the uid it serves now."""
+    text = tables.format_top([{**GPU0, "mps_uid": 1001}, {**GPU1, "mps_uid": None}], [], [], NOW)
+    first, second = (line for line in text.splitlines() if line.startswith("GPU"))
+    assert first.endswith("2 leases  MPS serves uid 1001"), first
+    assert "MPS" not in second
+
+
 def test_format_top_empty_pool_and_lost_gpu() -> None:
     assert tables.format_top([], [], [], NOW) == "No GPUs in the pool.\n\nQueue: empty"
     text = tables.format_top([], [lease("alice", "k", 0.5)], [], NOW)

@@ -495,3 +495,35 @@ def test_magic_says_which_layers_hold_the_cap(
         assert words in text, text
     if "used_mb" not in state:
         assert "in use:" not in text
+
+
+@pytest.mark.parametrize(
+    "enforcement, state, words",
+    [
+        ("mps", {"mps": "running"}, "serves no one yet (it starts for your user"),
+        ("mps", {"mps": "running", "mps_server_uid": os.getuid()}, "serves your user (uid "),
+        (
+            "mps",
+            {"mps": "running", "mps_server_uid": os.getuid() + 1},
+            f"serves another user (uid {os.getuid() + 1}): MPS serves one user per GPU at a "
+            "time, so this kernel's CUDA calls wait",
+        ),
+        ("mps", {}, None),  # no agent reports an MPS daemon: the layers say so
+        ("cooperative", {"mps": "running", "mps_server_uid": 7}, None),  # not an MPS kernel
+    ],
+)
+def test_magic_says_whom_the_gpus_mps_server_serves(
+    magic, monkeypatch, tmp_path, enforcement, state, words
+):
+    """issue 26: %gpu in an MPS kernel says whose uid the GPU's MPS server serves (the
+    broker's lease answer, through the state file)."""
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps({"state": "active", "expires_at": 1090.4, **state}))
+    env = lease_environment(LEASE, enforcement=enforcement, state_file=str(path))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    text = magic.format_info(magic.lease_info(), now=1000.0)
+    if words is None:
+        assert "MPS server:" not in text, text
+    else:
+        assert f"  MPS server: {words}" in text, text

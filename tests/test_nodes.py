@@ -307,3 +307,46 @@ def test_registration_validation_keeps_gpus_distinct_and_positive(
     assert len({g.uuid for g in out}) == len(out) == len({g.index for g in out})
     assert all(0 < g.memory_mb <= MAX_GPU_MEMORY_MB and g.node == "n" for g in out)
     assert enforce == "report"
+
+
+def test_mps_uids_in_heartbeats_place_mps_kernels_and_a_change_drains_the_queue(
+    nb: NodeBroker,
+) -> None:
+    """issue 26: the agent reports whom each GPU's MPS server serves; an enforcement=mps
+    acquire (``mps_uid``) goes where it serves the same uid or no one, or waits with the
+    reason; the report that frees the GPU grants it."""
+    a0, a1 = "GPU-gpu-a-0", "GPU-gpu-a-1"
+    with nb.http("agent:gpu-a") as a, nb.http("alice") as u, nb.http("bob") as b:
+        assert register(a, "gpu-a", gpus_of("gpu-a")).status_code == 200
+        beat = {"usage": [], "mps": {a0: "running", a1: "running"}, "mps_uid": {a0: 1000}}
+        assert a.post("/nodes/gpu-a/heartbeat", json=beat).status_code == 200
+        assert {g: pool(u)[g]["mps_uid"] for g in (a0, a1)} == {a0: 1000, a1: None}
+        for bad, status in (
+            ({"mps_uid": {"GPU-gpu-b-0": 1}}, 403),
+            ({"mps_uid": {a0: -1}}, 400),
+            ({"mps_uid": "1000"}, 400),
+        ):
+            assert a.post("/nodes/gpu-a/heartbeat", json=bad).status_code == status, bad
+        assert pool(u)[a0]["mps_uid"] == 1000  # a refused report changed nothing
+        # bob's MPS kernel goes to the GPU whose server serves no one
+        ask = {"kernel_id": "k", "fraction": 0.25, "node": "gpu-a", "mps_uid": 1001}
+        r = b.post("/leases", json=ask)
+        assert r.status_code == 201 and r.json()["gpu"]["uuid"] == a1, r.text
+        assert r.json()["mps_uid"] == 1001 and r.json()["mps_server_uid"] is None
+        # alice's MPS kernel may use GPU 0 only, whose server serves uid 1000's clients
+        mine = {"kernel_id": "k", "fraction": 0.25, "gpu_uuids": [a0], "mps_uid": 1002}
+        r = u.post("/leases", json=mine)
+        assert r.status_code == 202, r.text
+        assert r.json()["reason"].startswith(
+            "The MPS server of GPU 0 (T4) on node gpu-a is serving another user's kernels"
+        ), r.json()
+        # a cooperative kernel does not use MPS: placed as before (not on GPU 0, which
+        # alice's waiting kernel reserves, as any queue head does)
+        coop = {"kernel_id": "c", "fraction": 0.25, "node": "gpu-a"}
+        r = b.post("/leases", json=coop)
+        assert r.status_code == 201 and r.json()["mps_uid"] is None, r.text
+        # the server's clients are gone: the heartbeat's drain grants alice's kernel
+        beat["mps_uid"] = {a0: None, a1: 1001}
+        assert a.post("/nodes/gpu-a/heartbeat", json=beat).status_code == 200
+        r = u.post("/leases", json=mine)
+        assert r.status_code == 200 and r.json()["gpu"]["uuid"] == a0, r.text

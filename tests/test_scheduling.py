@@ -11,6 +11,7 @@ from provisioner.errors import CannotFit, Conflict, Forbidden, InvalidRequest, Q
 from provisioner.model import (
     GPU,
     PPM,
+    Changes,
     PoolState,
     Quota,
     QuotaBook,
@@ -447,3 +448,126 @@ def test_a_repeated_poll_says_how_full_the_gpus_are():
     again = acquire(st, Ask("a", "k", 20_000), now=2)
     assert isinstance(again, Queued) and not again.new
     assert "V100" in again.reason and "100% allocated" in again.reason
+
+
+# -- MPS serves one Unix user per GPU at a time (issue 26) ----------------------------------
+ANN, BOB = 1000, 1001  # the uids their provisioners report
+
+
+def mps_pool(reported: int | None, lease_uids: list[int | None]) -> PoolState:
+    """One V100: its agent reports its MPS server serving ``reported`` (None: no one), and
+    a lease of 0.1 is held for each of ``lease_uids`` (None: a cooperative kernel)."""
+    st = pool(V100)
+    if reported is not None:
+        st.mps_uid[V100.uuid] = reported
+    for i, uid in enumerate(lease_uids):
+        assert isinstance(acquire(st, Ask(f"u{i}", "k", 100_000, mps_uid=uid)), Grant)
+    return st
+
+
+@pytest.mark.parametrize(
+    "reported, lease_uids, uid, granted",
+    [
+        (None, [], BOB, True),  # no server: it starts for bob
+        (BOB, [], BOB, True),  # it serves bob already
+        (ANN, [], BOB, False),  # it serves ann's clients: bob's would hang
+        (None, [ANN], BOB, False),  # ann's granted MPS kernel may connect any moment
+        (None, [BOB, None], BOB, True),  # bob's own and a cooperative kernel
+        (ANN, [ANN], None, True),  # a cooperative kernel does not use MPS
+        (None, [None], BOB, True),  # cooperative kernels do not hold the server
+    ],
+)
+def test_an_mps_kernel_is_placed_only_where_the_mps_server_serves_its_uid_or_none(
+    reported, lease_uids, uid, granted
+):
+    st = mps_pool(reported, lease_uids)
+    out = acquire(st, Ask("bob", "k", 100_000, mps_uid=uid), now=1)
+    assert isinstance(out, Grant) is granted
+    if not granted:
+        assert isinstance(out, Queued)
+        assert out.reason == (
+            "The MPS server of GPU 0 (V100) is serving another user's kernels, and MPS serves one "
+            "user per GPU at a time: your MPS kernel waits until those kernels end."
+        )
+        assert "ann" not in out.reason and str(ANN) not in out.reason  # never who
+    else:
+        assert out.lease.mps_uid == uid
+    core.check_invariants(st, Policy())
+
+
+def test_an_mps_kernel_goes_to_another_gpu_rather_than_wait():
+    st = pool(*A100s)
+    acquire(st, Ask("ann", "k", 500_000, mps_uid=ANN))  # best-fit would put bob beside it
+    out = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=1)
+    assert isinstance(out, Grant) and out.lease.gpu_uuid != st.lease_for_kernel("ann", "k").gpu_uuid
+    again = acquire(st, Ask("ann", "k2", 100_000, mps_uid=ANN), now=2)  # ann's own GPU, best-fit
+    assert isinstance(again, Grant) and again.lease.gpu_uuid == "GPU-a0"
+
+
+def test_the_waiting_mps_kernel_is_granted_when_the_other_users_kernels_end():
+    st = mps_pool(ANN, [ANN])
+    policy = Policy()
+    assert isinstance(acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=1), Queued)
+    # ann's lease ends, but her kernel's client is still reported: bob still waits
+    (ann,) = st.leases.values()
+    changes = core.end(st, [(ann, "released", None)], 2, policy)
+    assert changes.granted == [] and ("bob", "k") in st.queue
+    # the agent's next report: the server has no clients (None); the service drains
+    st.mps_uid.clear()
+    changes = Changes(3)
+    assert core.grant_waiting(st, 3, policy, changes) == 1
+    assert st.lease_for_kernel("bob", "k").mps_uid == BOB
+
+
+def test_one_drain_does_not_place_two_users_mps_kernels_on_one_gpu():
+    st = pool(V100)
+    policy = Policy()
+    hog = acquire(st, Ask("hog", "k", PPM))
+    assert isinstance(acquire(st, Ask("ann", "k", 100_000, mps_uid=ANN), now=1), Queued)
+    assert isinstance(acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=2), Queued)
+    changes = core.end(st, [(hog.lease, "released", None)], 3, policy)
+    assert [g.lease.user for g in changes.granted] == ["ann"]
+    reason = core.decide_acquire(
+        st, Ask("bob", "k", 100_000, mps_uid=BOB), Quota(), 4, policy, _IDS
+    ).outcome.reason
+    assert reason.startswith("The MPS server of GPU 0 (V100) is serving another user's kernels")
+
+
+def test_the_first_users_stream_of_mps_kernels_does_not_starve_the_second():
+    """Bob waits first in the queue and reserves the GPU: ann's new MPS kernels wait behind
+    him, so when her kernels end he is served, not overtaken forever."""
+    st = mps_pool(None, [])
+    policy = Policy()
+    new_id = ids()
+    acquire(st, Ask("ann", "k0", 100_000, mps_uid=ANN), new_id=new_id)
+    assert isinstance(
+        acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=1, new_id=new_id), Queued
+    )
+    for t in range(2, 6):
+        acquire(st, Ask("ann", f"k{t}", 100_000, mps_uid=ANN), now=t, new_id=new_id)
+    assert [x.kernel_id for x in st.leases.values()] == ["k0"]  # ann's new ones wait too
+    core.end(st, [(st.lease_for_kernel("ann", "k0"), "released", None)], 6, policy)
+    assert st.lease_for_kernel("bob", "k") is not None
+
+
+def test_the_reason_names_each_gpu_whose_server_serves_another_user_and_how_full_the_rest_are():
+    st = pool(*A100s)
+    st.mps_uid.update({"GPU-a0": ANN, "GPU-a1": ANN})
+    acquire(st, Ask("hog", "k", PPM, gpu_uuids=("GPU-a2",)))
+    out = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=1)
+    assert isinstance(out, Queued)
+    assert out.reason.startswith(
+        "The MPS servers of GPU 0 (A100) and GPU 1 (A100) are serving another user's kernels"
+    ), out.reason
+    assert "GPU 2 (A100) is 100% allocated" in out.reason, out.reason
+
+
+def test_a_repeated_acquire_brings_back_the_uid_a_restarted_broker_forgot():
+    st = pool(V100)
+    st.mps_uid[V100.uuid] = ANN
+    acquire(st, Ask("hog", "k", PPM))
+    first = acquire(st, Ask("bob", "k", 100_000), now=1)  # as reloaded: no uid in memory
+    assert isinstance(first, Queued) and first.request.mps_uid is None
+    again = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=2)
+    assert isinstance(again, Queued) and st.queue[("bob", "k")].mps_uid == BOB
+    assert "MPS server of GPU 0 (V100) is serving another user's kernels" in again.reason

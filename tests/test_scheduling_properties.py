@@ -3,7 +3,10 @@
 Random interleavings of acquire (new and repeated), release, renew, clock advance,
 expiry, stale-request drops, idle reclaim and queue drains, checking after every
 step: capacity per GPU, bookkeeping, idempotency of acquire, quotas, and that the
-drain leaves no waiting head that could have been placed.
+drain leaves no waiting head that could have been placed; and, with MPS kernels
+(``mps_uid``) and agents' reports of whom each GPU's MPS server serves, that no GPU
+holds MPS leases of two uids (one would hang) and none is placed where another uid is
+served.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from provisioner import scheduling as core
 from provisioner.errors import GPULeaseError
-from provisioner.model import GPU, PoolState, Quota, QuotaBook
+from provisioner.model import GPU, Changes, PoolState, Quota, QuotaBook
 from provisioner.scheduling import Ask, Existing, Grant, Policy, Queued
 
 GPUS = [
@@ -38,6 +41,8 @@ GROUPS = {
     "cyd": frozenset(),
     "dee": frozenset(),
 }
+#: each user's Unix uid, which an MPS kernel's provisioner reports
+UIDS = {user: 1000 + i for i, user in enumerate(USERS)}
 
 
 class Broker(RuleBasedStateMachine):
@@ -56,9 +61,11 @@ class Broker(RuleBasedStateMachine):
         kernel=st.sampled_from(KERNELS),
         ppm=st.sampled_from(FRACTIONS),
         node=st.sampled_from([None, None, "a", "b"]),
+        mps=st.booleans(),
     )
-    def acquire(self, user, kernel, ppm, node):
-        ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node)
+    def acquire(self, user, kernel, ppm, node, mps=False):
+        uid = UIDS[user] if mps else None
+        ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node, mps_uid=uid)
         quota = core.effective_quota(BOOK, user, GROUPS[user])
         before = (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
         try:
@@ -71,6 +78,9 @@ class Broker(RuleBasedStateMachine):
                 set(self.state.queue),
             )
             return
+        if isinstance(d.outcome, Grant) and uid is not None:  # never where another uid is served
+            owners = core.mps_owners(self.state)[d.outcome.lease.gpu_uuid]
+            assert owners == {uid}, owners
         # idempotency: asking again at once yields the same lease or the same queue place
         again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         assert again.grants == []
@@ -104,6 +114,18 @@ class Broker(RuleBasedStateMachine):
                 lease, self.now, self.policy, execution_state=state, last_activity=self.now
             )
         )
+
+    @rule(gpu=st.sampled_from([g.uuid for g in GPUS]), user=st.sampled_from([None, *USERS]))
+    def mps_report(self, gpu, user):
+        """A node agent reports whom a GPU's MPS server serves (None: no one); a change
+        drains the queue, as the service does."""
+        before = dict(self.state.mps_uid)
+        if user is None:
+            self.state.mps_uid.pop(gpu, None)
+        else:
+            self.state.mps_uid[gpu] = UIDS[user]
+        if self.state.mps_uid != before:
+            core.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
 
     @rule(dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]))
     def advance(self, dt):
@@ -141,7 +163,18 @@ class Broker(RuleBasedStateMachine):
             ok = core.usable_gpus(
                 self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
             )
-            assert core.place(ok, self.state.allocated, head.fraction_ppm, self.policy) is None
+            blocked = core.mps_blocked(core.mps_owners(self.state), head.mps_uid)
+            placed = core.place(ok, self.state.allocated, head.fraction_ppm, self.policy, blocked)
+            assert placed is None
+
+    @invariant()
+    def one_mps_uid_per_gpu(self):
+        """No GPU holds MPS leases of two uids: a client of the second would hang."""
+        uids: dict[str, set[int]] = {}
+        for lease in self.state.leases.values():
+            if lease.mps_uid is not None:
+                uids.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
+        assert all(len(u) == 1 for u in uids.values()), uids
 
     @invariant()
     def leases_match_gpu_memory(self):

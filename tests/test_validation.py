@@ -14,6 +14,7 @@ from provisioner.broker.validation import (
     parse_flag,
     parse_heartbeat,
     parse_json_body,
+    parse_mps_uids,
     parse_quota,
     parse_since,
 )
@@ -151,6 +152,10 @@ _DROP = object()
         (_acq(wait=301), "between 0 and 300"),
         (_acq(wait="5"), "must be a number"),
         (_acq(wait=False), "must be a number"),
+        (_acq(mps_uid=-1), "'mps_uid' must be"),
+        (_acq(mps_uid=2**32 - 1), "'mps_uid' must be"),
+        (_acq(mps_uid="1000"), "'mps_uid' must be"),
+        (_acq(mps_uid=True), "'mps_uid' must be"),
         (_acq(user="bob"), "Unknown field"),
         (_acq(extra=1, more=2), "'extra', 'more'"),
     ],
@@ -333,3 +338,41 @@ def test_messages_never_echo_huge_values() -> None:
         parse_acquire(_acq(fraction=10**300), ALICE)
     assert len(info.value.message) < 300
     assert json.dumps(info.value.to_json())
+
+
+# -- MPS uids (issue 26) -----------------------------------------------------------------
+
+
+def test_acquire_carries_an_mps_kernels_uid_as_a_hint() -> None:
+    ask, _ = parse_acquire(_acq(mps_uid=1001), ALICE)
+    assert ask.mps_uid == 1001 and ask.user == ALICE.user
+    assert parse_acquire(_acq(mps_uid=0), ALICE)[0].mps_uid == 0  # root is a uid too
+    assert parse_acquire(_acq(), ALICE)[0].mps_uid is None
+    assert parse_acquire(_acq(mps_uid=None), ALICE)[0].mps_uid is None
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ({}, {}),
+        ({"mps_uid": None}, {}),
+        ({"mps_uid": {"GPU-1": 1000, "GPU-2": None}}, {"GPU-1": 1000, "GPU-2": None}),
+    ],
+)
+def test_node_heartbeat_mps_uids(body: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert parse_mps_uids(body) == expected
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"mps_uid": [1000]}, "'mps_uid' must be a JSON object"),
+        ({"mps_uid": {"GPU-1": -1}}, "'mps_uid' must be"),
+        ({"mps_uid": {"GPU-1": "root"}}, "'mps_uid' must be"),
+        ({"mps_uid": {"": 1}}, "must not be empty"),
+        ({"mps_uid": {f"GPU-{n}": 1 for n in range(65)}}, "at most 64"),
+    ],
+)
+def test_node_heartbeat_mps_uids_refused(body: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidRequest, match=words):
+        parse_mps_uids(body)

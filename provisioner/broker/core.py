@@ -422,12 +422,18 @@ class ServiceCore:
         fresh = []
         for lease in leases:
             known = mine.get(lease.id)
-            fresh.append(
-                known if known is not None and known.renewed_at > lease.renewed_at else lease
-            )
+            if known is not None and known.renewed_at > lease.renewed_at:
+                lease = known
+            elif known is not None:  # memory only: see Lease.mps_uid
+                lease.mps_uid = known.mps_uid
+            fresh.append(lease)
+        waiting = {r.id: r for r in self.state.queue.values()}
         for req in queue:
             req.last_polled_at = polled.get(req.id, now)
+            if req.id in waiting:
+                req.mps_uid = waiting[req.id].mps_uid
         self.state = PoolState.build(pool, fresh, queue)
+        self.state.mps_uid = self.mps_uids()
         self.etas = None
         self.close_gpus(now)
 
@@ -486,6 +492,10 @@ class ServiceCore:
             for g in node.gpus:
                 pool.setdefault(g.uuid, g)
         return list(pool.values())
+
+    def mps_uids(self) -> dict[str, int]:
+        """GPU uuid -> the uid its MPS server serves, as the nodes' agents last reported."""
+        return {u: uid for n in self.nodes.values() for u, uid in n.mps_uid.items()}
 
     def close_gpus(self, now: float) -> None:
         self.state.closed = (

@@ -145,6 +145,7 @@ def gpu_json(h: GPUHolding, policy: Policy) -> dict[str, Any]:
         "min_fraction": ppm_to_fraction(min_ppm_for(g.memory_mb, policy.context_overhead_mb)),
         "context_overhead_mb": policy.context_overhead_mb,
         "leases": h.leases,
+        "mps_uid": h.mps_uid,
     }
 
 
@@ -346,7 +347,12 @@ class APIHandler(web.RequestHandler):
     async def lease_json(self, lease: Lease) -> dict[str, Any]:
         gpu, usage = await resolved(self.service.queries.lease_facts(lease))
         body = lease.to_json(gpu)
-        body.update(used_mb=usage.used_mb, enforcement=usage.enforcement, mps=usage.mps)
+        body.update(
+            used_mb=usage.used_mb,
+            enforcement=usage.enforcement,
+            mps=usage.mps,
+            mps_server_uid=usage.mps_server_uid,
+        )
         return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
@@ -669,14 +675,17 @@ class NodeHandler(APIHandler):
 
 
 class NodeHeartbeatHandler(APIHandler):
-    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at, mps}``: the node's agent is alive."""
+    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at, mps, mps_uid}``: the node's agent
+    is alive."""
 
     agent_allowed = True
 
     @api
     async def post(self, node: str) -> None:
-        usage, at, mps = validation.parse_node_heartbeat(self.json_body())
-        beat = await self.service.nodes.node_heartbeat(self.ident, node, usage, at, mps)
+        body = self.json_body()
+        usage, at, mps = validation.parse_node_heartbeat(body)
+        mps_uid = validation.parse_mps_uids(body)
+        beat = await self.service.nodes.node_heartbeat(self.ident, node, usage, at, mps, mps_uid)
         self.write_json(heartbeat_json(beat))
 
 

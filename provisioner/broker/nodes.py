@@ -118,9 +118,11 @@ class NodeService:
         usage: list[tuple[int, str, int]],
         at: float | None = None,
         mps: dict[str, str] | None = None,
+        mps_uid: dict[str, int | None] | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
-        and (agents with ``--mps``) its GPUs' MPS daemon states.
+        and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
+        server serves (a change may let a waiting MPS kernel be placed: the queue drains).
 
         Samples or MPS states of a GPU this node did not register are refused (403), memory
         above the GPU's size is refused (400); nothing is changed then. A report never frees or
@@ -148,7 +150,7 @@ class NodeService:
                     f"Process {pid} cannot use {used} MiB of GPU {uuid}, which has "
                     f"{gpu.memory_mb} MiB; report what NVML measures."
                 )
-        for uuid in mps or {}:
+        for uuid in {**(mps or {}), **(mps_uid or {})}:
             if uuid not in mine:
                 raise Forbidden(
                     f"GPU {uuid} is not one of node {name!r}'s registered GPUs; an agent "
@@ -160,6 +162,10 @@ class NodeService:
         node.last_seen = now
         node.usage = list(usage)
         node.mps = dict(mps or {})
+        node.mps_uid = {u: uid for u, uid in (mps_uid or {}).items() if uid is not None}
+        served = self.core.mps_uids()
+        mps_changed = served != self.core.state.mps_uid
+        self.core.state.mps_uid = served
         ends, kill = self._account_usage(node, usage, now)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
@@ -171,7 +177,7 @@ class NodeService:
                 )
             )
             self._log_overuse(node, ends, kill)
-        elif was == "lost":
+        elif was == "lost" or mps_changed:
             await self.core.grant_waiting()
         watch = sorted(
             {x.pid for x in self.core.state.leases.values() if x.pid and x.gpu_uuid in mine}

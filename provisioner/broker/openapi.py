@@ -47,6 +47,17 @@ _MPS_STATES: dict[str, Any] = {
     "additionalProperties": {"type": "string", "enum": ["running", "down"]},
     "description": "GPU uuid -> state of its MPS control daemon (agents with --mps).",
 }
+#: a Unix uid (uid_t is 32 bits; (uid_t)-1 means "none")
+_UID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": 2**32 - 2}
+_MPS_UIDS: dict[str, Any] = {
+    "type": "object",
+    "maxProperties": 64,
+    "additionalProperties": _nullable(_UID),
+    "description": "GPU uuid -> the Unix uid its MPS server serves clients of now (null: no "
+    "server, or one without clients; agents with --mps). MPS serves one uid per GPU at a "
+    "time: the broker places an enforcement=mps kernel only where it serves the kernel's "
+    "uid or none.",
+}
 
 _QUOTA_PROPS: dict[str, Any] = {
     "max_fraction": _nullable(
@@ -155,6 +166,14 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "MiB every kernel's CUDA context takes outside its cap.",
             },
             "leases": {"type": "integer", "minimum": 0},
+            "mps_uid": _nullable(
+                {
+                    **_UID,
+                    "description": "The Unix uid this GPU's MPS server serves clients of, "
+                    "as its node agent (--mps) last reported it (null: none). An "
+                    "enforcement=mps kernel of another uid waits until those clients end.",
+                }
+            ),
         },
     },
     "GPUList": {
@@ -188,6 +207,14 @@ _SCHEMAS: dict[str, Any] = {
                 "maximum": 300,
                 "default": 0,
                 "description": "Seconds to hold the answer while queued (long-poll).",
+            },
+            "mps_uid": {
+                **_UID,
+                "description": "Sent by enforcement=mps kernels only: the Unix uid the kernel "
+                "runs as (the provisioner's). MPS serves one uid per GPU at a time, so the "
+                "broker places such a kernel only on a GPU whose MPS server serves this uid "
+                "or none (else it waits, with a reason). A placement hint, never an "
+                "identity: the token says who the caller is.",
             },
         },
     },
@@ -232,6 +259,21 @@ _SCHEMAS: dict[str, Any] = {
                     "description": "The MPS control daemon of the lease's GPU, as its node "
                     "agent (--mps) last reported it (null: no agent runs one). A kernel "
                     "with enforcement=mps is capped by the driver only while it runs.",
+                }
+            ),
+            "mps_uid": _nullable(
+                {
+                    **_UID,
+                    "description": "The uid the kernel's provisioner reported for an "
+                    "enforcement=mps kernel (null: not an MPS kernel, or reported to a broker "
+                    "that restarted since: it is kept in memory only).",
+                }
+            ),
+            "mps_server_uid": _nullable(
+                {
+                    **_UID,
+                    "description": "The uid the MPS server of the lease's GPU serves clients "
+                    "of now, as its node agent (--mps) last reported it (null: none).",
                 }
             ),
             "execution_state": _nullable({"type": "string"}),
@@ -508,6 +550,7 @@ _SCHEMAS: dict[str, Any] = {
             "usage": {"type": "array", "maxItems": 4096, "items": _ref("UsageSample")},
             "at": {**_TIME, "minimum": 0, "maximum": 100000000000},
             "mps": _MPS_STATES,
+            "mps_uid": _MPS_UIDS,
         },
     },
     "NodeBeat": {
@@ -550,6 +593,7 @@ _SCHEMAS: dict[str, Any] = {
             "usage": {"type": "array", "items": _ref("UsageSample")},
             "unleased": {"type": "array", "items": _ref("UsageSample")},
             "mps": _MPS_STATES,
+            "mps_uid": _MPS_UIDS,
         },
     },
     "NodeList": {

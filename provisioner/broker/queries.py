@@ -27,6 +27,8 @@ class GPUHolding:
     gpu: GPU
     allocated_ppm: int
     leases: int
+    #: the uid its MPS server serves clients of now (its agent's report; None: none)
+    mps_uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,13 @@ class History:
 class LeaseUsage:
     """``used_mb``: GPU memory its kernel's processes used at the node's last heartbeat (None
     without an agent); ``enforcement``: the layer that holds the cap (``cooperative`` or
-    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one."""
+    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one;
+    ``mps_server_uid``: the uid the GPU's MPS server serves clients of now (None: none)."""
 
     used_mb: int | None
     enforcement: str
     mps: str | None
+    mps_server_uid: int | None = None
 
 
 class QueryService:
@@ -131,7 +135,12 @@ class QueryService:
         await self.core.ready()
         st = self.core.state
         return [
-            GPUHolding(g, st.allocated.get(g.uuid, 0), st.lease_count.get(g.uuid, 0))
+            GPUHolding(
+                g,
+                st.allocated.get(g.uuid, 0),
+                st.lease_count.get(g.uuid, 0),
+                st.mps_uid.get(g.uuid),
+            )
             for g in st.ordered_gpus()
         ]
 
@@ -154,7 +163,10 @@ class QueryService:
         if node is None:
             return LeaseUsage(None, "cooperative", None)
         return LeaseUsage(
-            self.core.used_mb.get(lease.id), f"agent-{node.enforce}", node.mps.get(lease.gpu_uuid)
+            self.core.used_mb.get(lease.id),
+            f"agent-{node.enforce}",
+            node.mps.get(lease.gpu_uuid),
+            node.mps_uid.get(lease.gpu_uuid),
         )
 
     def _node_of(self, gpu_uuid: str) -> Node | None:

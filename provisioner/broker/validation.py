@@ -43,7 +43,9 @@ DEFAULT_USAGE_WINDOW_S = 7 * 86400
 #: the longest budget window (s): ten years
 MAX_WINDOW_S = 10 * 366 * 86400
 
-ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait")
+ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
+#: the largest Unix uid (``mps_uid``): uid_t is 32 bits, and (uid_t)-1 means "none"
+MAX_UID = 2**32 - 2
 HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
@@ -226,7 +228,8 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
 
     Fields: ``kernel_id`` (1..256 printable characters), ``fraction`` (a JSON number,
     ``0 < f <= 1``), optional ``node``, ``gpu_uuids`` (at most 64 strings),
-    ``group`` and ``wait`` (long-poll seconds, 0..300, default 0).
+    ``group``, ``wait`` (long-poll seconds, 0..300, default 0) and ``mps_uid`` (an
+    ``enforcement=mps`` kernel's Unix uid, 0..2**32-2: a placement hint).
     """
     check_fields(body, ACQUIRE_FIELDS, "acquire request")
     if "kernel_id" not in body:
@@ -254,6 +257,9 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
     wait = 0.0
     if body.get("wait") is not None:
         wait = _number(body["wait"], "wait", low=0.0, high=MAX_WAIT)
+    mps_uid = None
+    if body.get("mps_uid") is not None:
+        mps_uid = _int(body["mps_uid"], "mps_uid", low=0, high=MAX_UID)
     ask = Ask(
         user=ident.user,
         kernel_id=kernel_id,
@@ -263,6 +269,7 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
         node=node,
         gpu_uuids=uuids,
         group=group,
+        mps_uid=mps_uid,
     )
     return ask, wait
 
@@ -477,7 +484,7 @@ __all__ = [
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 ENFORCE_MODES = ("off", "report", "revoke", "kill")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps")
+NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "mps_uid")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 #: the most GPUs one node may register
 MAX_NODE_GPUS = 64
@@ -544,6 +551,7 @@ def parse_node_heartbeat(
 ) -> tuple[list[tuple[int, str, int]], float | None, dict[str, str] | None]:
     """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples,
     ``at``, and the MPS daemons' states (GPU uuid -> running | down; None: no ``--mps``).
+    Its ``mps_uid`` is read by :func:`parse_mps_uids`.
 
     ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it against
     the GPU's memory); one sample per ``(pid, gpu_uuid)``.
@@ -582,3 +590,22 @@ def parse_node_heartbeat(
                 )
             mps[gpu_uuid] = state
     return usage, at, mps
+
+
+def parse_mps_uids(body: dict[str, Any]) -> dict[str, int | None]:
+    """A node heartbeat's ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of
+    (null: no server, or one without clients); ``{}`` when absent (an agent without
+    ``--mps``, or older than this field). The body's other fields are checked by
+    :func:`parse_node_heartbeat`."""
+    raw = body.get("mps_uid")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'mps_uid' must be a JSON object, not a {_json_type(raw)}.")
+    if len(raw) > MAX_NODE_GPUS:
+        raise InvalidRequest(f"'mps_uid' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+    out: dict[str, int | None] = {}
+    for gpu_uuid, uid in raw.items():
+        _text(gpu_uuid, "mps_uid key", max_chars=MAX_UUID_CHARS)
+        out[gpu_uuid] = None if uid is None else _int(uid, "mps_uid", low=0, high=MAX_UID)
+    return out

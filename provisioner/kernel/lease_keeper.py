@@ -66,6 +66,9 @@ class LeaseAsk:
     queue_timeout: float = 600.0
     #: seconds between renewals; None: a third of the lease's TTL
     renew_interval: float | None = None
+    #: enforcement=mps kernels: the Unix uid the kernel runs as (a placement hint: MPS
+    #: serves one uid per GPU at a time); None for other kernels
+    mps_uid: int | None = None
 
 
 class KernelReport(NamedTuple):
@@ -145,6 +148,7 @@ class LeaseKeeper:
                 wait=ask.long_poll,
                 queue_timeout=ask.queue_timeout,
                 on_queued=self._on_queued,
+                mps_uid=ask.mps_uid,
             )
         )
         try:
@@ -315,6 +319,7 @@ class LeaseKeeper:
                     group=ask.group,
                     wait=0,
                     queue_timeout=0,
+                    mps_uid=ask.mps_uid,
                 )
             )
         except BrokerUnavailable as err:

@@ -414,6 +414,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             long_poll=self.long_poll,
             queue_timeout=self.queue_timeout,
             renew_interval=self.renew_interval,
+            # the kernel runs as this process's user: MPS serves one uid per GPU at a time
+            mps_uid=os.getuid() if self.enforcement == "mps" else None,
         )
 
     def _spec_name(self) -> str:

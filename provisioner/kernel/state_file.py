@@ -70,6 +70,7 @@ class StateFile:
             # caps (a node agent's mode, the GPU's MPS daemon) and what the agent measured
             "node_enforcement": lease.raw.get("enforcement"),
             "mps": lease.raw.get("mps"),
+            "mps_server_uid": lease.raw.get("mps_server_uid"),
             "used_mb": lease.raw.get("used_mb"),
             "updated_at": time.time(),
         }

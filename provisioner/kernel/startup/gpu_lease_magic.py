@@ -108,6 +108,7 @@ def lease_info():
         "reason": (state or {}).get("reason"),
         "state_note": state_note,
         "enforced_by": enforced_by(env.get("GPU_LEASE_ENFORCEMENT", "cooperative"), state),
+        "mps_server": mps_server(env.get("GPU_LEASE_ENFORCEMENT", "cooperative"), state),
         "agent_used_mb": (state or {}).get("used_mb"),
         "caps": caps_report(),
         "process_memory_mb": used_mb,
@@ -140,6 +141,30 @@ def enforced_by(enforcement, state):
     return layers
 
 
+def mps_server(enforcement, state, uid=None):
+    """Whom the GPU's MPS server serves, for an enforcement=mps kernel (else None).
+
+    MPS serves one Unix user per GPU at a time: the broker places an MPS kernel only where
+    it serves the kernel's user or nobody, but a process outside any lease can still take
+    it, and then this kernel's CUDA calls wait until that user's processes end.
+    """
+    if enforcement != "mps":
+        return None
+    state = state or {}
+    uid = os.getuid() if uid is None else uid
+    server = state.get("mps_server_uid")
+    if server is None:
+        if state.get("mps") != "running":
+            return None
+        return "serves no one yet (it starts for your user at your first CUDA call)"
+    if server == uid:
+        return f"serves your user (uid {server})"
+    return (
+        f"serves another user (uid {server}): MPS serves one user per GPU at a time, so "
+        "this kernel's CUDA calls wait until that user's GPU processes end"
+    )
+
+
 def format_info(info, now=None):
     """The text ``%gpu`` prints for ``info`` (from :func:`lease_info`)."""
     if not info.get("lease"):
@@ -155,6 +180,8 @@ def format_info(info, now=None):
     ]
     for n, layer in enumerate(info.get("enforced_by") or []):
         lines.append(f"  {'held by:' if n == 0 else '':<11} {layer}")
+    if info.get("mps_server"):
+        lines.append(f"  MPS server: {info['mps_server']}")
     if info.get("agent_used_mb") is not None:
         lines.append(f"  in use:     {info['agent_used_mb']} MiB (the node agent's last sample)")
     if info.get("state"):

@@ -5,10 +5,17 @@ memory in the stand-in NVML's state file (``FAKE_NVML_FILE``, ``tests/fake_nvml`
 ``STANDIN_CONTEXT_MB`` (its CUDA context) plus what its pool holds. It honours
 ``CUPY_GPU_MEMORY_LIMIT`` as the real CuPy does, unless ``STANDIN_IGNORE_LIMIT=1`` (a
 framework whose cap does not hold, which the doctor must catch).
+
+Without ``FAKE_NVML_FILE`` nothing is reported. With ``CUDA_MPS_PIPE_DIRECTORY`` naming a
+pipe directory where the stand-in MPS control daemon runs (``tests/fake_mps``), the first
+allocation connects to it as the real CUDA context creation does, and **waits** there
+while the GPU's MPS server serves another Unix user's clients (the hang MPS is known for).
+A pipe directory without a daemon is ignored, as the real driver runs without MPS then.
 """
 
 import json
 import os
+import time
 
 __version__ = "0.0-standin"
 MiB = 1024 * 1024
@@ -21,6 +28,22 @@ _limit = (
     else int(os.environ.get("CUPY_GPU_MEMORY_LIMIT", "0"))
 )
 _held = 0
+_connected = False
+
+
+def _mps_connect():
+    """Become a client of the GPU's MPS server (once); block until the daemon admits us."""
+    global _connected
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    clients = os.path.join(pipe, "clients") if pipe else ""
+    if _connected or not pipe or not os.path.isdir(clients):
+        return
+    knock = os.path.join(clients, f"{os.getpid()}.wait")
+    open(knock, "w").close()
+    admitted = os.path.join(clients, f"{os.getpid()}.ok")
+    while not os.path.exists(admitted):
+        time.sleep(0.05)
+    _connected = True
 
 
 class OutOfMemoryError(MemoryError):
@@ -28,7 +51,9 @@ class OutOfMemoryError(MemoryError):
 
 
 def _report():
-    path = os.environ["FAKE_NVML_FILE"]
+    path = os.environ.get("FAKE_NVML_FILE")
+    if not path:
+        return
     uuid = os.environ["CUDA_VISIBLE_DEVICES"]
     with open(path) as f:
         state = json.load(f)
@@ -50,6 +75,7 @@ class ndarray:
                 f"Out of memory allocating {nbytes:,} bytes (allocated so far: {_held:,} bytes, "
                 f"limit set to: {_limit:,} bytes)."
             )
+        _mps_connect()
         _held += nbytes
         self.nbytes = nbytes
         _report()
