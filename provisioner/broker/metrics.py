@@ -89,13 +89,20 @@ class ServiceView(Protocol):
     def policy(self) -> Policy: ...
 
 
-def _node_view(service: ServiceView) -> tuple[dict[str, int], dict[str, int], int]:
-    """Node states, per-GPU used MiB and the unleased GPU processes, where the service has
-    node agents (else none)."""
+def _node_view(
+    service: ServiceView,
+) -> tuple[dict[str, int], dict[str, int], int, dict[str, int]]:
+    """Node states, per-GPU used MiB, the unleased GPU processes and per-lease used MiB,
+    where the service has node agents (else none)."""
     nodes = getattr(service, "nodes", None)
     if nodes is None:
-        return {}, {}, 0
-    return nodes.node_states(), nodes.gpu_used_mb(), nodes.unleased_processes()
+        return {}, {}, 0, {}
+    return (
+        nodes.node_states(),
+        nodes.gpu_used_mb(),
+        nodes.unleased_processes(),
+        nodes.lease_used_mb(),
+    )
 
 
 class _PoolCollector(Collector):
@@ -156,7 +163,7 @@ class _PoolCollector(Collector):
             "(only GPUs of nodes with an agent).",
             labels=labels,
         )
-        node_states, used_mb, unleased = _node_view(service)
+        node_states, used_mb, unleased, lease_used = _node_view(service)
         for gpu in list(state.ordered_gpus()):
             if gpu.uuid in used_mb:
                 used.add_metric([gpu.uuid, gpu.node, gpu.name], used_mb[gpu.uuid] * MIB)
@@ -172,7 +179,6 @@ class _PoolCollector(Collector):
             "GPU processes on nodes with an agent that belong to no lease.",
             unleased,
         )
-        lease_used: dict[str, int] = dict(getattr(service, "used_mb", {}))
         if self._per_user and lease_used:
             by_lease = GaugeMetricFamily(
                 "gpu_lease_lease_used_memory_bytes",

@@ -280,6 +280,10 @@ class NodeService:
         """GPU processes the agents last reported that belong to no lease (for /metrics)."""
         return sum(len(node.unleased) for node in self.core.nodes.values())
 
+    def lease_used_mb(self) -> dict[str, int]:
+        """Lease id -> MiB its kernel's processes use, from the last heartbeats (for /metrics)."""
+        return dict(self.core.used_mb)
+
     def gpu_used_mb(self) -> dict[str, int]:
         """GPU uuid -> MiB its processes use, from each node's last heartbeat (for /metrics)."""
         out: dict[str, int] = {}
