@@ -120,7 +120,6 @@ def run_suite(dist: str, env: dict[str, str], pytest_args: list[str], log: Path)
     print(f"upstream: {dist} {source.name[len(dist) + 1 :]}: {' '.join(command[3:])}", flush=True)
     started = time.monotonic()
     with open(log, "wb") as out:
-        env = {**env, "PYTHONTRACEMALLOC": os.environ.get("KF_TM", "0")}
         code = subprocess.run(command, cwd=source, env=env, stdout=out, stderr=subprocess.STDOUT)
     lines = log.read_text(errors="replace").splitlines()
     summary = next((x for x in reversed(lines) if x.startswith("=") or " in " in x), "")
