@@ -116,6 +116,8 @@ def run_suite(dist: str, env: dict[str, str], pytest_args: list[str], log: Path)
         # tornado 6.6 deprecates: 5 failures with or without our provisioner
         "-W",
         "ignore:The method, uri, and version arguments to HTTPServerRequest:DeprecationWarning",
+        "-W",
+        "ignore:The start_line argument to HTTPServerRequest:DeprecationWarning",
         "-q",
         "--color=no",
         *SUITES[dist],
