@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool slurm
+.PHONY: install demo demo-install test lint typecheck unit upstream bench clean chromium promtool slurm
 
 install: $(STAMP) $(CHP) chromium promtool slurm
 
@@ -84,7 +84,12 @@ unit: $(STAMP)
 	GPU_LEASE_TEST_HTTP_PROCESSES=1 GPU_LEASE_HTTP_PROCESSES=1 \
 		$(BIN)/python -m pytest $(SPLIT_TESTS)
 
-test: install lint typecheck unit
+# jupyter_client's and jupyter_server's own kernel and session tests, from the sdists of
+# the installed versions (fetched once into .upstream/), with our provisioner as the default
+upstream: $(STAMP)
+	$(BIN)/python tests/upstream/run_upstream.py
+
+test: install lint typecheck unit upstream
 
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
@@ -92,4 +97,4 @@ bench: install
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache .demo \
-		lib provisioner/labextension tsconfig.tsbuildinfo
+		lib provisioner/labextension tsconfig.tsbuildinfo .upstream

@@ -297,9 +297,11 @@ class BrokerClient:
     async def aclose(self) -> None:
         """Close the connection pools. Called by ``async with`` or by the owner at shutdown.
 
-        The running loop's pool is closed now; another thread's running loop closes its
-        own (awaited here, at most ``timeout`` seconds); a loop that is not running closes
-        its pool the next time it runs.
+        The running loop's pool is closed now. Another loop's pool is handed to that loop,
+        which closes it when it runs next, and is never waited for: that loop may be blocked
+        on this very call (jupyter_core's ``run_sync`` runs a synchronous manager's call on
+        a nested runner loop while the outer one waits for it), though it says it is
+        running. A pool of ``keep_alive=False`` holds no connection between calls anyway.
         """
         loop = asyncio.get_running_loop()
         with self._https_lock:
@@ -307,10 +309,6 @@ class BrokerClient:
         for other, http in https.items():
             if other is loop:
                 await http.aclose()
-            elif other.is_running():
-                done = asyncio.run_coroutine_threadsafe(http.aclose(), other)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.wrap_future(done), self.timeout)
             elif not other.is_closed():
                 with contextlib.suppress(RuntimeError):  # closed meanwhile
                     other.call_soon_threadsafe(_close_there, http)

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -662,6 +663,103 @@ def test_two_blocking_managers_in_two_threads(server_env: Broker, tmp_path: Path
         shut_down(*kms)
     assert leases(broker) == []
     assert {lease_state(broker, x) for x in held.values()} == {"released"}
+
+
+def kernel_in_a_child(name: str, runtime: str) -> tuple[str, str]:
+    """In a forked child: a blocking kernel's start and shutdown; its (kernel id, lease id)."""
+    km = KernelManager(kernel_name=name, connection_file=f"{runtime}/kernel-{uuid.uuid4()}.json")
+    km.start_kernel()  # post_launch starts the renewals on the child's own background loop
+    try:
+        lease = km.provisioner.lease_keeper.lease  # type: ignore[union-attr]
+        assert lease is not None
+        return str(km.kernel_id), lease.id
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+@pytest.mark.slow
+def test_blocking_manager_in_a_forked_child(server_env: Broker, tmp_path: Path) -> None:
+    """A child forked while the renewal thread runs (``ProcessPoolExecutor``) has no such
+    thread: it starts its own, and the parent's renewals go on undisturbed."""
+    broker = server_env
+    km = blocking("gpu-0.02", tmp_path)
+    km.start_kernel()  # the background renewal loop runs in this process from now on
+    try:
+        lease = lease_of(broker, km.kernel_id)
+        assert lease is not None
+        fork = __import__("multiprocessing").get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=fork) as pool:
+            started = time.monotonic()
+            child_kernel, child_lease = pool.submit(
+                kernel_in_a_child, "gpu-0.02", str(tmp_path / "runtime")
+            ).result(timeout=60)
+            assert time.monotonic() - started < 8  # not the 10 s timeout of a loop not there
+        assert lease_state(broker, child_lease) == "released"
+        assert lease_of(broker, child_kernel) is None
+        renewed = wait_for(
+            lambda: (x := lease_of(broker, km.kernel_id)) and x["renewed_at"] > started and x,
+            timeout=10,
+            what="the parent's renewals after the fork",
+        )
+        assert renewed["id"] == lease["id"]
+        km.shutdown_kernel()
+    finally:
+        shut_down(km)
+    assert leases(broker) == []
+
+
+@pytest.mark.slow
+def test_sync_mapping_kernel_manager_shuts_down_at_once(
+    server_env: Broker, specs: Specs, tmp_path: Path
+) -> None:
+    """jupyter_server's synchronous ``MappingKernelManager`` inside the server's running
+    loop: each blocking call runs on a runner loop, and a call inside it on a nested one
+    while the outer one waits. The release must not wait on the outer loop (it used to,
+    for its whole 10 s timeout)."""
+    from jupyter_server.services.kernels.kernelmanager import MappingKernelManager
+
+    broker = server_env
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(exist_ok=True)
+
+    async def serve() -> tuple[list[str], float]:
+        mkm = MappingKernelManager(root_dir=str(tmp_path), connection_dir=str(runtime))
+        kernel_ids = [await mkm.start_kernel(kernel_name="gpu-0.02") for _ in range(2)]
+        held = [lease_of(broker, x) for x in kernel_ids]
+        assert all(held), held
+        started = time.monotonic()
+        for kernel_id in kernel_ids:  # as jupyter_server's DELETE /api/kernels/{id}
+            await mkm.shutdown_kernel(kernel_id)
+        return [x["id"] for x in held if x], time.monotonic() - started
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The synchronous MappingKernelManager", Warning)
+        held, took = asyncio.run(serve())
+    assert took < 5, f"two kernel shutdowns took {took:.1f} s"  # not a 10 s stall each
+    assert leases(broker) == []
+    assert {lease_state(broker, x) for x in held} == {"released"}
+
+
+@pytest.mark.slow
+async def test_death_during_shutdown_releases_once(server_env: Broker, tmp_path: Path) -> None:
+    """The restarter gives up and the owner shuts the kernel down at that very moment (as
+    jupyter_client's own test_async_restarter_gives_up does): the shutdown waits for the
+    release the death started, rather than closing the broker clients under it."""
+    broker = server_env
+    config = Config({"KernelRestarter": {"time_to_dead": 0.3, "restart_limit": 0}})
+    km = await start("gpu-0.02", tmp_path, AsyncIOLoopKernelManager, config=config)
+    died: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    km.add_restart_callback(lambda: died.done() or died.set_result(True), "dead")
+    lease = lease_of(broker, km.kernel_id)
+    assert lease is not None
+    os.kill(km.provisioner.pid, signal.SIGKILL)  # type: ignore[union-attr]
+    await asyncio.wait_for(died, 30)
+    await km.shutdown_kernel(now=True)  # while the death's release is in flight
+    # the death's release is over, not left to a loop that is about to close
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert [t.get_coro() for t in others if not t.done()] == []
+    assert lease_state(broker, lease["id"]) == "released"
+    assert leases(broker) == []
 
 
 # -- through jupyter_server ------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ..errors import (
 from ..kernelspecs import format_fraction
 from .broker_clients import BrokerClients
 from .lease import GrantedLease, short_id
-from .loops import BackgroundLoop, cancel_and_wait
+from .loops import BackgroundLoop, cancel_and_wait, wait_done
 from .state_file import StateFile
 from .status import LeaseBoard
 
@@ -124,6 +124,8 @@ class LeaseKeeper:
         self._ask: LeaseAsk | None = None
         self._acquiring: asyncio.Task[dict[str, Any]] | None = None
         self._stopped_waiting = False
+        #: done when the :meth:`end` under way is (a second caller waits for the first)
+        self._ending: asyncio.Future[None] | None = None
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -267,34 +269,29 @@ class LeaseKeeper:
                     last_activity=report.last_activity,
                 )
             )
-        except BrokerUnavailable as exc:
-            self.log.warning(
-                "Could not renew GPU lease %s of kernel %s; the kernel keeps running and the "
-                "renewal is retried in %g s: %s",
-                lease.short_id,
-                self._kernel_id,
-                self.interval(),
-                exc,
-            )
-            return True
-        except (LeaseExpired, LeaseNotFound) as exc:
-            return await self._recover(exc)
-        except LeaseGone as exc:
-            await self._lost(exc.details.get("state") or "revoked", _reason(exc))
-            return False
         except GPULeaseError as exc:
-            self.log.warning(
-                "Renewing GPU lease %s of kernel %s failed; retrying in %g s: %s",
-                lease.short_id,
-                self._kernel_id,
-                self.interval(),
-                exc,
-            )
-            return True
+            if self.lease is not lease:  # ended meanwhile: cancelled on a loop that was blocked
+                return False
+            return await self._renewal_failed(lease, exc)
         if self.lease is not None and self.lease.id == fresh.id:
             self.lease = fresh
             self._write_state(fresh)
             self._show(fresh)
+        return True
+
+    async def _renewal_failed(self, lease: GrantedLease, exc: GPULeaseError) -> bool:
+        """What a failed renewal of ``lease`` means; False when the lease has ended."""
+        if isinstance(exc, (LeaseExpired, LeaseNotFound)):
+            return await self._recover(exc)
+        if isinstance(exc, LeaseGone):
+            await self._lost(exc.details.get("state") or "revoked", _reason(exc))
+            return False
+        if isinstance(exc, BrokerUnavailable):
+            problem = "Could not renew GPU lease %s of kernel %s; the kernel keeps running and "
+            problem += "the renewal is retried in %g s: %s"
+        else:
+            problem = "Renewing GPU lease %s of kernel %s failed; retrying in %g s: %s"
+        self.log.warning(problem, lease.short_id, self._kernel_id, self.interval(), exc)
         return True
 
     async def _recover(self, exc: GPULeaseError) -> bool:
@@ -376,7 +373,21 @@ class LeaseKeeper:
         """Stop renewing, release the lease (errors logged), close the clients. Idempotent.
 
         ``why`` completes the log line ("Released GPU lease ... of kernel ...: <why>.").
+        A second call while one is under way (the kernel died while being shut down) waits
+        for the first, where waiting is safe (:func:`.loops.wait_done`), and does nothing
+        more: it must not close the clients under the first one's release.
         """
+        ending = self._ending
+        if ending is not None and not ending.done():
+            await wait_done(ending)
+            return
+        self._ending = ending = asyncio.get_running_loop().create_future()
+        try:
+            await self._end(why)
+        finally:
+            ending.set_result(None)
+
+    async def _end(self, why: str) -> None:
         task, self.renew_task = self.renew_task, None
         if task is not None and task is not asyncio.current_task():
             await cancel_and_wait(task)
