@@ -8,7 +8,8 @@ The hub runs as root and submits each job as its student's own Unix account (bat
 accounts (``useradd``, a random suffix, homes 0700; removed at the end after their jobs
 and processes are gone) and checks by uid in ``/proc`` that each job's processes, its
 server and its kernels are the student's, in runtime and temporary directories of the
-student's alone (0700). Where students cannot run this Python, everything runs on the
+student's alone (0700); a hub user with no account gets no job, and a message saying
+what to do. Where students cannot run this Python, everything runs on the
 environment tests/accounts.py builds.
 
 Students' servers run as Slurm jobs on both nodes; every lease is on a GPU of its kernel's
@@ -52,6 +53,7 @@ class Site:
         self.hub, self.cluster, self.tmp = hub, cluster, tmp
         self.students = students  # Unix accounts, made by the test
         self.python = python  # the hub's, and the jobs'
+        self.ghost = ""  # a hub user with no Unix account
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def start_agent(self, node: str, token: str) -> None:
@@ -100,6 +102,7 @@ def site() -> Iterator[Site]:
     needs_root("sudo")  # the hub submits as each student: sudo -E -u STUDENT sbatch
     suffix = secrets.token_hex(3)
     students = [f"gls{n}-{suffix}" for n in (1, 2, 3)]
+    ghost = f"glsx-{suffix}"  # in the course, with no Unix account
     made: list[str] = []
     with passable_dir("gpu-lease-slurm-") as tmp:
         cluster = SlurmCluster(tmp / "slurm")
@@ -108,7 +111,7 @@ def site() -> Iterator[Site]:
                 useradd(name)
                 made.append(name)
             python = student_python(tmp, students[0])
-            courses(tmp / "courses.toml", students)
+            courses(tmp / "courses.toml", [*students, ghost])
             cluster.start()
             tokens = agent_tokens(tmp / "agents.json", cluster.nodes)
             env = {
@@ -118,6 +121,7 @@ def site() -> Iterator[Site]:
             }
             with running_hub(tmp, env=env, gpus="agents", python=python) as hub:
                 s = Site(hub, cluster, tmp, students, python)
+                s.ghost = ghost
                 try:
                     for node, token in tokens.items():
                         s.start_agent(node, token)
@@ -234,6 +238,25 @@ def test_servers_are_slurm_jobs_and_kernels_lease_on_their_node(site: Site) -> N
     r = hub.start_kernel(user, "python3-gpu-0.5")
     assert r.status_code == 201, r.text
     assert site.lease_node(user, r.json()["id"]) == full_node
+
+
+def test_a_user_without_an_account_gets_no_job_and_is_told_why(site: Site) -> None:
+    hub, user = site.hub, site.ghost
+    r = hub.req("POST", f"{hub.url}/hub/api/users/{user}/server", hub.token(user))
+
+    def settled() -> bool:
+        model = hub.req("GET", f"{hub.url}/hub/api/users/{user}").json()
+        return not model.get("pending")
+
+    wait_for(settled, 60, f"{user}'s spawn to end", 0.3, hub.log)
+    model = hub.req("GET", f"{hub.url}/hub/api/users/{user}").json()
+    assert not model.get("servers"), model
+    said = f"{user} has no Unix account on the hub's host"
+    assert said in r.text or said in hub.log(), (r.status_code, r.text, hub.log())
+    assert "GPU_LEASE_SLURM_SUBMIT_AS_HUB=1" in hub.log()
+    assert not site.job_processes(user)
+    queued = site.cluster.queued_users()
+    assert queued and user not in queued, queued  # no job was submitted for it
 
 
 def test_everything_stops_with_no_process_left(site: Site) -> None:

@@ -140,6 +140,10 @@ class SlurmCluster:
         out = self._run("sinfo", "-h", "-N", "-o", "%N %t")
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
+    def queued_users(self) -> set[str]:
+        """The users of the jobs ``squeue`` lists (pending or running)."""
+        return set(self._run("squeue", "-h", "-o", "%u").split())
+
     def start(self, timeout: float = 60.0) -> None:
         env = {**os.environ, **self.env()}
         with open(self.dir / "slurmctld.out", "wb") as out:
