@@ -9,9 +9,9 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test lint typecheck unit upstream bench clean chromium promtool slurm
+.PHONY: install demo demo-install test lint typecheck unit upstream bench clean chromium promtool slurm sudo
 
-install: $(STAMP) $(CHP) chromium promtool slurm
+install: $(STAMP) $(CHP) chromium promtool slurm sudo
 
 # Debian's chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
 chromium:
@@ -30,6 +30,13 @@ promtool:
 slurm:
 	@if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm; \
+	fi
+
+# Debian's sudo: the Slurm test's root hub submits each student's job as the student
+# (batchspawner's `sudo -E -u USER sbatch`), as an HPC site's hub does
+sudo:
+	@if ! command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends sudo; \
 	fi
 
 # the package build (hatch-jupyter-builder) runs `npm install` and `npm run build:prod` when

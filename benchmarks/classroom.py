@@ -123,7 +123,8 @@ class SlurmSite:
         self.tmp = tmp
 
     def env(self) -> dict[str, str]:
-        return self.cluster.hub_env(self.tokens_file)
+        # the class's students have no Unix accounts: their jobs run as the hub's user
+        return self.cluster.hub_env(self.tokens_file, submit_as_hub=True)
 
     def start_agents(self, broker_url: str, admin_token: str) -> None:
         for node, token in self.tokens.items():

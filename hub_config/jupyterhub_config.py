@@ -82,6 +82,12 @@ def _port(name: str, default: int) -> int:
 STATE = Path(env("GPU_LEASE_STATE_DIR") or ROOT / ".demo").resolve()
 #: every student's server runs as the student's own Unix account (see "system accounts")
 SYSTEM_USERS = env("GPU_LEASE_SPAWNER") == "system-users"
+#: every student's server a Slurm job (hub_config/slurm_config.py)
+SLURM = env("GPU_LEASE_SPAWNER") == "slurm"
+#: the servers run as the students' own accounts: with system-users, and with Slurm (a
+#: root hub submits each job as its user, batchspawner's ``sudo -u``) unless the jobs of
+#: a test cluster's account-less students run as the hub's user
+ACCOUNTS = SYSTEM_USERS or (SLURM and env("GPU_LEASE_SLURM_SUBMIT_AS_HUB") != "1")
 #: the umask the students' servers get (the hub's own files are private: see below)
 SERVER_UMASK = 0o022
 if SYSTEM_USERS:
@@ -95,7 +101,7 @@ if SYSTEM_USERS:
     # the broker's, pid files) is theirs alone; the students' servers get SERVER_UMASK
     os.umask(0o077)
 STATE.mkdir(parents=True, exist_ok=True)
-if SYSTEM_USERS:  # students pass through (to their runtime dirs), never list or read it
+if ACCOUNTS:  # students pass through (to their runtime dirs), never list or read it
     STATE.chmod(0o711)
 HUB_IP = env("GPU_LEASE_HUB_IP") or "127.0.0.1"
 HUB_PORT = _port("GPU_LEASE_HUB_PORT", 8000)
@@ -437,10 +443,32 @@ def _account(name: str) -> Any:
     return pwd.getpwnam(name)
 
 
+def _private_dirs(spawner: Any) -> None:
+    """The ``pre_spawn_hook`` when servers run as the students' accounts (``ACCOUNTS``): the
+    server's runtime and temporary directories, ``<root>/<uid>``, made (or fixed) by the
+    hub before each start, owned by the account, 0700."""
+    name = spawner.user.name
+    try:
+        account = _account(name)
+    except KeyError:
+        also = (
+            "; on a test cluster whose students have no accounts, set "
+            "GPU_LEASE_SLURM_SUBMIT_AS_HUB=1 to run their jobs as the hub's user"
+            if SLURM
+            else ""
+        )
+        raise RuntimeError(
+            f"{name} has no Unix account on the hub's host, and each server runs as the "
+            f"account of its user's name: create it (useradd --create-home {name}){also}."
+        ) from None
+    for root in (RUNTIME_ROOT, TMP_DIR):
+        _private_dir(root / str(account.pw_uid), account.pw_uid, account.pw_gid)
+
+
 class SystemUserSpawner(GracefulSpawner):
     """Each server as the Unix account of the student's name (LocalProcessSpawner's setuid,
     home and shell), with the site's usual umask, and a runtime and temporary directory of
-    its own: ``<root>/<uid>``, owned by the account, 0700, made by the hub before each start.
+    its own (:func:`_private_dirs`).
     """
 
     def make_preexec_fn(self, name: str) -> Any:
@@ -451,12 +479,6 @@ class SystemUserSpawner(GracefulSpawner):
             become()
 
         return preexec
-
-    async def start(self) -> object:
-        account = _account(self.user.name)
-        for root in (RUNTIME_ROOT, TMP_DIR):
-            _private_dir(root / str(account.pw_uid), account.pw_uid, account.pw_gid)
-        return await super().start()
 
 
 c.JupyterHub.spawner_class = SystemUserSpawner if SYSTEM_USERS else GracefulLocalProcessSpawner
@@ -488,7 +510,7 @@ c.Spawner.args = [
 KERNEL_TRANSPORT = env("GPU_LEASE_KERNEL_TRANSPORT") or "ipc"
 if KERNEL_TRANSPORT == "ipc":
     c.Spawner.args.append("--KernelManager.transport=ipc")
-if os.getuid() == 0 and not SYSTEM_USERS:  # servers as root: only the one-account demo
+if os.getuid() == 0 and not ACCOUNTS:  # servers as root: only one-account hubs
     c.Spawner.args.append("--allow-root")
 # JupyterLab's settings defaults for every student: no "Would you like to get notified
 # about official Jupyter news?" toast on first login, and no requests from students'
@@ -529,13 +551,15 @@ if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix 
 # per-user directories are named by user id; `make demo` moves the runtime directory to
 # the system's temporary folder only when the state directory's path is too long for
 # that (GPU_LEASE_RUNTIME_DIR) and removes it when it stops.
-# With system accounts each account's directories are named by its uid, made by the hub
-# (SystemUserSpawner.start) and private to it; the roots are root's, 0711: a student
-# passes through to their own directory, and lists nobody's.
+# With the students' accounts (system-users, Slurm jobs submitted as their users) each
+# account's directories are named by its uid, made by the hub before each start
+# (_private_dirs) and private to it; the roots are root's, 0711: a student passes through
+# to their own directory, and lists nobody's.
 RUNTIME_ROOT = Path(env("GPU_LEASE_RUNTIME_DIR") or STATE / "rt")
 TMP_DIR = STATE / "tmp"
 TMP_DIR.mkdir(exist_ok=True)
-if SYSTEM_USERS:
+if ACCOUNTS:
+    c.Spawner.pre_spawn_hook = _private_dirs
     for _root in (RUNTIME_ROOT, TMP_DIR):
         _root.mkdir(parents=True, exist_ok=True)
         _root.chmod(0o711)
@@ -549,5 +573,5 @@ else:
 c.Spawner.environment = server_env
 
 # -- variants ------------------------------------------------------------------------------
-if env("GPU_LEASE_SPAWNER") == "slurm":  # every server a Slurm job (batchspawner)
+if SLURM:  # every server a Slurm job (batchspawner)
     load_subconfig(str(HERE / "slurm_config.py"))  # type: ignore[name-defined]  # noqa: F821

@@ -13,6 +13,13 @@ environment) stays as there. What an HPC site sets:
 - ``GPU_LEASE_SLURM_HOST``: the address the hub reaches the servers at when the compute
   nodes' names do not resolve on the hub's host (a one-machine test cluster: 127.0.0.1).
 
+The hub runs as root and submits each job as the student's own Unix account (batchspawner's
+``exec_prefix``, ``sudo -E -u USER``: ``sbatch``, ``squeue`` and ``scancel`` run as the
+user), so the job, its server and its kernels run as that account; each server's runtime
+and temporary directories are the account's, 0700 (``jupyterhub_config.py``,
+``_private_dirs``). ``GPU_LEASE_SLURM_SUBMIT_AS_HUB=1`` instead submits every job as the
+hub's own user: only for a test cluster whose students have no accounts (the benchmark's).
+
 Every server's kernels find their node in the job (``SLURMD_NODENAME``, and the GPUs Slurm
 gave the job) and lease GPUs of that node only (``provisioner/kernel/placement.py``).
 The servers reach the broker at ``GPU_LEASE_URL``: on a real cluster set
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,12 +41,17 @@ from traitlets import default
 c: Any = get_config()  # type: ignore[name-defined]  # noqa: F821 (JupyterHub's config loader)
 
 STATE = Path(os.environ.get("GPU_LEASE_STATE_DIR") or Path(__file__).parent.parent / ".demo")
+#: every job as the hub's own user (a test cluster whose students have no Unix accounts)
+SUBMIT_AS_HUB = os.environ.get("GPU_LEASE_SLURM_SUBMIT_AS_HUB") == "1"
+#: what ``sudo`` (Debian's sudoers: ``secure_path``, and its list of unsafe variables)
+#: resets or drops even with ``-E``; the job script sets them back to the hub's values
+SUDO_RESETS = ("PATH", "PYTHONPATH")
 
 
 class GPULeaseSlurmSpawner(SlurmSpawner):  # type: ignore[misc]
-    """batchspawner's SlurmSpawner; a user without a Unix account (students of a test
-    cluster) gets a home under the hub's state directory, and with a root hub the job is
-    submitted as the hub's user (no ``sudo -u`` to an account that does not exist)."""
+    """batchspawner's SlurmSpawner, each job submitted as its user (``sudo -E -u USER``);
+    with ``SUBMIT_AS_HUB``, as the hub's user, and a user without a Unix account (students
+    of a test cluster) gets a home under the hub's state directory."""
 
     def _home(self) -> str:
         home = STATE.resolve() / "home" / self.user.name
@@ -50,6 +63,8 @@ class GPULeaseSlurmSpawner(SlurmSpawner):  # type: ignore[misc]
         try:
             return str(pwd.getpwnam(self.user.name).pw_dir)
         except KeyError:  # no Unix account (a test cluster): a home in the state directory
+            if not SUBMIT_AS_HUB:
+                raise
             return self._home()
 
     def user_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -57,15 +72,27 @@ class GPULeaseSlurmSpawner(SlurmSpawner):  # type: ignore[misc]
         try:
             return dict(super().user_env(env))
         except KeyError:
+            if not SUBMIT_AS_HUB:
+                raise
             env.update(USER=self.user.name, HOME=self._home(), SHELL="/bin/bash")
             return env
+
+    @default("req_prologue")
+    def _prologue(self) -> str:
+        """With ``sudo``: the hub's ``PATH`` and ``PYTHONPATH`` for the job, as a server
+        started by the hub itself gets them (sudo resets the one, drops the other)."""
+        if SUBMIT_AS_HUB:
+            return ""
+        env = self.get_env()
+        return "\n".join(f"export {k}={shlex.quote(env[k])}" for k in SUDO_RESETS if env.get(k))
 
 
 c.JupyterHub.spawner_class = GPULeaseSlurmSpawner
 c.SlurmSpawner.req_partition = os.environ.get("GPU_LEASE_SLURM_PARTITION") or "gpu"
 c.SlurmSpawner.req_options = os.environ.get("GPU_LEASE_SLURM_OPTIONS") or ""
-if os.getuid() == 0 or os.environ.get("GPU_LEASE_SLURM_SUBMIT_AS_HUB") == "1":
+if SUBMIT_AS_HUB:
     c.SlurmSpawner.exec_prefix = ""
+# else batchspawner's default, "sudo -E -u {username}": the hub (root) submits as the user
 if os.environ.get("GPU_LEASE_SLURM_HOST"):
     c.SlurmSpawner.state_exechost_exp = os.environ["GPU_LEASE_SLURM_HOST"]
 BIN = Path(sys.executable).parent  # the hub's environment, installed on every node alike

@@ -12,11 +12,8 @@ or broker's secrets and databases; that A's token gets for B's lease exactly the
 answer for a lease that does not exist; and that every file has the owner and mode
 docs/reliability.md lists.
 
-The students must be able to run the hub's Python. A Python under a private directory
-(pyenv in ``/root``, mode 0700, as on this project's machines) cannot be: then the test
-runs everything on a virtual environment of Debian's ``python3.X`` (the same minor
-version) over this environment's site-packages, in a directory it makes (mode 0711)
-and removes. Nothing outside what the test makes changes mode.
+The students must be able to run the hub's Python: where they cannot run this one, the
+hub runs on the virtual environment tests/accounts.py builds (``student_python``).
 """
 
 from __future__ import annotations
@@ -28,12 +25,7 @@ import os
 import pwd
 import re
 import secrets
-import shutil
 import stat
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +34,16 @@ import psutil
 import pytest
 
 from provisioner.devtools.testing import load_example, write_private
+from tests.accounts import (
+    courses,
+    ids,
+    needs_root,
+    passable_dir,
+    status,
+    student_python,
+    useradd,
+    userdel,
+)
 from tests.test_hub import Hub, running_hub
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,83 +51,6 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(420)]
 
 SPEC = "python3-gpu-0.02"
-
-
-def _needs_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("makes Unix accounts and runs a root hub: run as root (make test in CI does)")
-    for tool in ("useradd", "userdel", "runuser"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool} (Debian's passwd and util-linux packages)")
-
-
-def _useradd(name: str, *, system: bool = False) -> pwd.struct_passwd:
-    if system:  # a service account: no home, no login
-        cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
-    else:  # Debian's useradd makes homes with UMASK's mode (0755) unless told
-        cmd = ["useradd", "--create-home", "--shell", "/bin/bash", "-K", "HOME_MODE=0700", name]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return pwd.getpwnam(name)
-
-
-def _userdel(name: str) -> None:
-    try:
-        uid = pwd.getpwnam(name).pw_uid
-    except KeyError:
-        return
-    for proc in psutil.process_iter(["uids"]):  # what the test's accounts still run
-        with contextlib.suppress(psutil.Error):
-            if proc.info["uids"] and proc.info["uids"].real == uid:
-                proc.kill()
-    subprocess.run(["userdel", "--remove", name], capture_output=True)
-
-
-def _runs_as(user: str, python: str) -> bool:
-    """Whether ``user`` can start ``python`` and import what a server and a kernel need."""
-    code = "import jupyterhub, ipykernel, jupyter_server, provisioner"
-    done = subprocess.run(
-        ["runuser", "-u", user, "--", python, "-c", code],
-        capture_output=True,
-        cwd="/",
-        timeout=120,
-    )
-    return done.returncode == 0
-
-
-def _student_python(base: Path, user: str) -> str:
-    """A Python every student can run: this one, else a venv of Debian's (see the docstring)."""
-    if _runs_as(user, sys.executable):
-        return sys.executable
-    system = Path(f"/usr/bin/python3.{sys.version_info.minor}")
-    if not system.exists():
-        pytest.skip(
-            f"students cannot run {sys.executable} (a directory on its path is private) and "
-            f"there is no {system} to build a shared environment on"
-        )
-    venv = base / "venv"
-    subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
-    purelib = sysconfig.get_paths()["purelib"]
-    site_packages = next((venv / "lib").glob("python3.*/site-packages"))
-    (site_packages / "gpu-lease-shared.pth").write_text(
-        f"import site; site.addsitedir({purelib!r})\n", encoding="utf-8"
-    )
-    python = str(venv / "bin" / "python")
-    if not _runs_as(user, python):
-        pytest.skip(f"students cannot import this environment's packages ({purelib})")
-    return python
-
-
-def _status(pid: int, key: str) -> list[str]:
-    """The fields of ``key`` in ``/proc/<pid>/status``."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return line.split()[1:]
-    raise AssertionError(f"no {key} line for process {pid}")
-
-
-def _ids(pid: int) -> set[int]:
-    """The real, effective, saved and file-system uids of process ``pid``."""
-    return {int(x) for x in _status(pid, "Uid")}
 
 
 @dataclass
@@ -162,15 +87,6 @@ class Site:
         return Path(self.hub.info["runtime_dir"])
 
 
-def _courses(path: Path, names: list[str]) -> None:
-    members = ", ".join(json.dumps(n) for n in names)
-    path.write_text(
-        "admins = []\n\n[quota.default]\nmax_fraction = 0.05\nmax_leases = 1\n\n"
-        f'[courses.acct]\ndescription = "accounts test"\nmembers = [{members}]\n',
-        encoding="utf-8",
-    )
-
-
 def _kernel(student: Student, server: psutil.Process) -> psutil.Process:
     for proc in server.children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -189,58 +105,54 @@ def _server(hub: Hub, user: str) -> psutil.Process:
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[Site]:
-    _needs_root()
+    needs_root()
     suffix = secrets.token_hex(3)
     names = [f"gla{x}-{suffix}" for x in "abc"]
     broker_name = f"glbroker-{suffix}"
-    base = Path(tempfile.mkdtemp(prefix="gpu-lease-accounts-"))
     made: list[str] = []
-    try:
-        base.chmod(0o711)  # students pass through to the Python and the kernelspecs below
-        students = []
-        for name in names:
-            students.append(Student(name, _useradd(name)))
-            made.append(name)
-        broker = _useradd(broker_name, system=True)
-        made.append(broker_name)
-        python = _student_python(base, names[0])
-        courses = base / "courses.toml"
-        _courses(courses, names)
-        courses.chmod(0o644)
-        # the node agents' tokens file, as a site keeps it: the broker's account's alone
-        agent_token = f"agent-{secrets.token_hex(16)}"
-        agent_tokens = base / "agent-tokens.json"
-        write_private(agent_tokens, json.dumps({agent_token: {"agent": True, "node": "n1"}}))
-        os.chown(agent_tokens, broker.pw_uid, broker.pw_gid)
-        env = {
-            "GPU_LEASE_SPAWNER": "system-users",
-            "GPU_LEASE_BROKER_USER": broker_name,
-            "GPU_LEASE_COURSES": str(courses),
-            "GPU_LEASE_AGENT_TOKENS": str(agent_tokens),
-        }
-        write_private(base / "demo.log", "")  # it prints the operator token: root's alone
-        with running_hub(base, env=env, python=python) as hub:
-            s = Site(hub, base, students, broker, agent_tokens, agent_token)
-            with concurrent.futures.ThreadPoolExecutor(3) as pool:
-                for done in [pool.submit(hub.spawn, x.name) for x in students]:
-                    done.result()
-            for x in students:
-                r = hub.start_kernel(x.name, SPEC)
-                assert r.status_code == 201, r.text
-                x.kernel_id = r.json()["id"]
-                x.token = hub.token(x.name)
-                (lease,) = hub.leases(x.name)
-                x.lease_id = lease["id"]
-                server = _server(hub, x.name)
-                x.server_pid = server.pid
-                kernel = _kernel(x, server)
-                x.kernel_pid = kernel.pid
-                x.env = kernel.environ()
-            yield s
-    finally:
-        for name in made:
-            _userdel(name)
-        shutil.rmtree(base, ignore_errors=True)
+    with passable_dir("gpu-lease-accounts-") as base:
+        try:
+            students = []
+            for name in names:
+                students.append(Student(name, useradd(name)))
+                made.append(name)
+            broker = useradd(broker_name, system=True)
+            made.append(broker_name)
+            python = student_python(base, names[0])
+            courses(base / "courses.toml", names)
+            # the node agents' tokens file, as a site keeps it: the broker's account's alone
+            agent_token = f"agent-{secrets.token_hex(16)}"
+            agent_tokens = base / "agent-tokens.json"
+            write_private(agent_tokens, json.dumps({agent_token: {"agent": True, "node": "n1"}}))
+            os.chown(agent_tokens, broker.pw_uid, broker.pw_gid)
+            env = {
+                "GPU_LEASE_SPAWNER": "system-users",
+                "GPU_LEASE_BROKER_USER": broker_name,
+                "GPU_LEASE_COURSES": str(base / "courses.toml"),
+                "GPU_LEASE_AGENT_TOKENS": str(agent_tokens),
+            }
+            write_private(base / "demo.log", "")  # it prints the operator token: root's alone
+            with running_hub(base, env=env, python=python) as hub:
+                s = Site(hub, base, students, broker, agent_tokens, agent_token)
+                with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                    for done in [pool.submit(hub.spawn, x.name) for x in students]:
+                        done.result()
+                for x in students:
+                    r = hub.start_kernel(x.name, SPEC)
+                    assert r.status_code == 201, r.text
+                    x.kernel_id = r.json()["id"]
+                    x.token = hub.token(x.name)
+                    (lease,) = hub.leases(x.name)
+                    x.lease_id = lease["id"]
+                    server = _server(hub, x.name)
+                    x.server_pid = server.pid
+                    kernel = _kernel(x, server)
+                    x.kernel_pid = kernel.pid
+                    x.env = kernel.environ()
+                yield s
+        finally:
+            for name in made:
+                userdel(name)
 
 
 def run_code(site: Site, student: Student, code: str) -> str:
@@ -260,10 +172,10 @@ def run_code(site: Site, student: Student, code: str) -> str:
 # -- tests ----------------------------------------------------------------------------------
 def test_every_server_and_kernel_runs_as_its_account(site: Site) -> None:
     for x in site.students:
-        assert _ids(x.server_pid) == {x.uid}, x.name
-        assert _ids(x.kernel_pid) == {x.uid}, x.name
+        assert ids(x.server_pid) == {x.uid}, x.name
+        assert ids(x.kernel_pid) == {x.uid}, x.name
         # the site's usual umask for the student's files; the hub's own is 0077
-        assert _status(x.server_pid, "Umask") == ["0022"], x.name
+        assert status(x.server_pid, "Umask") == ["0022"], x.name
         assert x.env["HOME"] == x.account.pw_dir
         assert "--allow-root" not in psutil.Process(x.server_pid).cmdline()
         out = run_code(site, x, "import os; print('uid', os.getuid(), os.geteuid())")
@@ -273,9 +185,9 @@ def test_every_server_and_kernel_runs_as_its_account(site: Site) -> None:
         for p in psutil.Process(site.hub.info["hub_pid"]).children()
         if "provisioner.broker.app" in p.cmdline()
     ]
-    assert brokers and all(_ids(p.pid) == {site.broker.pw_uid} for p in brokers)
-    assert all(_status(p.pid, "Umask") == ["0077"] for p in brokers)
-    assert _ids(site.hub.info["hub_pid"]) == {0}  # the hub: root, to become each student
+    assert brokers and all(ids(p.pid) == {site.broker.pw_uid} for p in brokers)
+    assert all(status(p.pid, "Umask") == ["0077"] for p in brokers)
+    assert ids(site.hub.info["hub_pid"]) == {0}  # the hub: root, to become each student
 
 
 PROBE = """

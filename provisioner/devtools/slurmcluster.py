@@ -3,7 +3,9 @@
 For the Slurm variant's tests and benchmarks (Debian's ``slurm-wlm``, which ``make install``
 installs). Every daemon listens on loopback on a free port, with ``AuthType=auth/none``
 (no munge), its state, spool, logs and pid files in one temporary directory, and runs as
-this user; jobs run as the user who submits them. A job takes one CPU, so each node runs
+this user; jobs run as the user who submits them (``slurmd``, as root, becomes the
+submitter's uid: the hub's ``sudo -u STUDENT sbatch`` makes the job the student's; the
+students must then read ``slurm.conf``, which is 0644 in a directory they can pass). A job takes one CPU, so each node runs
 ``cpus`` jobs at once (``oversubscribe``: Slurm's ``OverSubscribe`` of the partition).
 Nodes are all ``127.0.0.1``, so the hub reaches a job's server at 127.0.0.1
 (``GPU_LEASE_SLURM_HOST``). Use::
@@ -107,16 +109,21 @@ class SlurmCluster:
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
 
-    def hub_env(self, agent_tokens: Path) -> dict[str, str]:
+    def hub_env(self, agent_tokens: Path, *, submit_as_hub: bool = False) -> dict[str, str]:
         """The environment of a hub_config hub in its Slurm variant on this cluster, its
-        broker taking the agents' tokens from ``agent_tokens`` (see :func:`agent_tokens`)."""
-        return {
+        broker taking the agents' tokens from ``agent_tokens`` (see :func:`agent_tokens`).
+        The hub submits each job as its student's account (``sudo -u``), or, with
+        ``submit_as_hub`` (students without Unix accounts), as the hub's own user."""
+        env = {
             **self.env(),
             "GPU_LEASE_SPAWNER": "slurm",
             "GPU_LEASE_SLURM_HOST": "127.0.0.1",  # the nodes are this machine
             "GPU_LEASE_SLURM_PARTITION": self.partition,
             "GPU_LEASE_AGENT_TOKENS": str(agent_tokens),
         }
+        if submit_as_hub:
+            env["GPU_LEASE_SLURM_SUBMIT_AS_HUB"] = "1"
+        return env
 
     def _run(self, *cmd: str, timeout: float = 30.0) -> str:
         done = subprocess.run(
@@ -132,6 +139,10 @@ class SlurmCluster:
         """node -> its state as ``sinfo`` says it (idle, mixed, down*, ...)."""
         out = self._run("sinfo", "-h", "-N", "-o", "%N %t")
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    def queued_users(self) -> set[str]:
+        """The users of the jobs ``squeue`` lists (pending or running)."""
+        return set(self._run("squeue", "-h", "-o", "%u").split())
 
     def start(self, timeout: float = 60.0) -> None:
         env = {**os.environ, **self.env()}
