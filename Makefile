@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool slurm
+.PHONY: install demo demo-install test fast lint typecheck unit bench clean chromium promtool slurm
 
 install: $(STAMP) $(CHP) chromium promtool slurm
 
@@ -85,6 +85,11 @@ unit: $(STAMP)
 		$(BIN)/python -m pytest $(SPLIT_TESTS)
 
 test: install lint typecheck unit
+
+# the fast tier: every test not marked slow; it starts no process (tests/conftest.py fails
+# a test that does), so it runs in well under a minute. `make test` runs it with the rest.
+fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py

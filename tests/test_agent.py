@@ -23,6 +23,8 @@ from provisioner.devtools.testing import wait_for
 
 from .test_nodes import NodeBroker, node_state, pool
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAKE_NVML = HERE / "fake_nvml"
