@@ -49,6 +49,7 @@ TOP_LEVEL = {
     "_version": "base",
     "errors": "base",
     "model": "base",
+    "wire": "base",
     "client": "base",
     "inventory": "base",
     "__main__": "cli",
