@@ -114,7 +114,7 @@ def dotted(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {dotted(p) for p in ALL_MODULES}
+MODULE_NAMES = {dotted(p) for p in ALL_MODULES}
 
 
 def side(module: str) -> str:
@@ -127,7 +127,7 @@ def side(module: str) -> str:
     return TOP_LEVEL[parts[0]]
 
 
-def our_imports(path: Path) -> set[str]:
+def imports_of(path: Path) -> set[str]:
     """The modules of this package that ``path`` imports, at its top or inside a function."""
     package = dotted(path) if path.name == "__init__.py" else dotted(path).rpartition(".")[0]
     found: set[str] = set()
@@ -144,7 +144,7 @@ def our_imports(path: Path) -> set[str]:
                 continue
             for alias in node.names:  # ``from . import x``: the module x if there is one
                 sub = f"{module}.{alias.name}"
-                found.add(sub if sub in MODULES else module)
+                found.add(sub if sub in MODULE_NAMES else module)
     return found
 
 
@@ -152,14 +152,14 @@ def test_every_module_at_the_top_has_a_side() -> None:
     top = {p.stem for p in PACKAGE.glob("*.py")}
     assert top <= set(TOP_LEVEL), f"classify {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL"
     assert set(TOP_LEVEL.values()) | set(FOLDERS.values()) <= set(SIDES)
-    assert all(side(m) in SIDES for m in MODULES)
+    assert all(side(m) in SIDES for m in MODULE_NAMES)
 
 
-def test_our_imports_sees_relative_and_late_imports() -> None:
+def test_imports_of_sees_relative_and_late_imports() -> None:
     """The check below is only as good as this: both kinds of import are seen."""
-    assert "provisioner.kernel.status" in our_imports(PACKAGE / "lab" / "board.py")
-    assert "provisioner.broker.app" in our_imports(PACKAGE / "cli.py")  # inside a function
-    assert "provisioner.errors" in our_imports(PACKAGE / "broker" / "handlers.py")
+    assert "provisioner.kernel.status" in imports_of(PACKAGE / "lab" / "board.py")
+    assert "provisioner.broker.app" in imports_of(PACKAGE / "cli.py")  # inside a function
+    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "handlers.py")
 
 
 @pytest.mark.parametrize("path", ALL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -168,7 +168,7 @@ def test_each_side_imports_only_the_base_and_itself(path: Path) -> None:
     name = str(path.relative_to(PACKAGE))
     wrong = sorted(
         f"{m} ({side(m)})"
-        for m in our_imports(path)
+        for m in imports_of(path)
         if side(m) not in MAY_IMPORT[own]
         and (name, m.removeprefix("provisioner.")) not in ACROSS
         and (name, m.rpartition(".")[2]) not in NOT_YET
