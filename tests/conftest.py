@@ -73,6 +73,17 @@ def _refuse_processes(nodeid: str, mp: pytest.MonkeyPatch) -> None:
             mp.setattr(owner, name, refuse)
 
 
+#: fixtures of this file that start a process: a test that uses one is ``slow`` by itself
+PROCESS_FIXTURES = {"broker", "chromium"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     with _process_guard(item):
