@@ -1,6 +1,6 @@
 """The broker client: the only HTTP caller on the kernel and CLI side.
 
-``BrokerClient`` speaks the broker's REST API v1 (see DESIGN.md) over an
+``BrokerClient`` speaks the broker's REST API v1 (docs/developers.md, "REST API") over an
 ``httpx.AsyncClient``. It is used by the kernel provisioner (acquire before
 launch, renew while the kernel lives, release at the end) and by the CLI
 (``gpu-lease top``, ``leases``, ``quota``, ``usage``).

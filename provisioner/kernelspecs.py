@@ -86,7 +86,7 @@ def build_kernelspec(
     enforcement: str | None = None,
     queue_timeout: float | None = None,
 ) -> dict[str, Any]:
-    """The kernel.json dict of a GPU kernelspec (the DESIGN shape; no URL, no secret).
+    """The kernel.json dict of a GPU kernelspec (as kernelspecs/ ships them; no URL, no secret).
 
     ``python`` is the kernel's interpreter: "python" means the server's own (jupyter_client
     substitutes ``sys.executable``); a path selects another environment, which needs

@@ -11,7 +11,7 @@ Two layers. *Decisions* (``decide_acquire``, ``drain``, ``expired``, ``idle_vict
 trace simulator and the property tests all mutate the state through these, so decide
 → apply is written once, here.
 
-Key rules (see DESIGN.md "Semantics"):
+Key rules (docs/developers.md, "The core's rules", sums them up for readers):
 
 * Capacity: on each GPU, the sum of active lease fractions (ppm) is at most
   ``Policy.capacity_ppm`` (1,000,000 minus the admin's reserve).

@@ -3,7 +3,7 @@
 The CLI (:mod:`provisioner.cli`) fetches JSON through :class:`~provisioner.client.BrokerClient`
 and hands it, with ``now`` (POSIX seconds), to these functions, which return the text
 to print. Nothing here does I/O or reads the clock, so tests call them with plain
-dicts shaped like the REST API's answers (see DESIGN.md, "REST API v1").
+dicts shaped like the REST API's answers (docs/developers.md, "REST API").
 """
 
 from __future__ import annotations

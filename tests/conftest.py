@@ -10,11 +10,13 @@ dropped afterwards; skipped if the server cannot be reached).
 
 from __future__ import annotations
 
+import _posixsubprocess
 import contextlib
 import os
 import shutil
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,76 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "broker_args(*args): extra command-line options for the broker fixture"
     )
+
+
+# -- the fast tier: a test not marked ``slow`` starts no process -------------------------
+#: every way a test could start a process: subprocess (also asyncio's subprocesses, and
+#: so jupyter_client's kernels, playwright's browsers), fork, posix_spawn, os.system and
+#: multiprocessing's spawn/forkserver (``_posixsubprocess.fork_exec``)
+PROCESS_STARTERS = [
+    (subprocess.Popen, "_execute_child"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+    (_posixsubprocess, "fork_exec"),
+]
+
+
+def _refuse_processes(nodeid: str, mp: pytest.MonkeyPatch) -> None:
+    for owner, name in PROCESS_STARTERS:
+        if hasattr(owner, name):
+
+            def refuse(*args: Any, _name: str = name, **kwargs: Any) -> Any:
+                raise AssertionError(
+                    f"{nodeid} started a process ({_name}) but is not marked slow: "
+                    "mark it @pytest.mark.slow (the fast tier, -m 'not slow', starts no "
+                    "process; docs/developers.md, Tests)"
+                )
+
+            mp.setattr(owner, name, refuse)
+
+
+#: fixtures of this file that start a process: a test that uses one is ``slow`` by itself
+PROCESS_FIXTURES = {"broker", "chromium"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    with _process_guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    with _process_guard(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    with _process_guard(item):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _process_guard(item: pytest.Item) -> Iterator[None]:
+    """While a test not marked ``slow`` runs (its fixtures' setup and teardown included),
+    starting a process fails it; in every run, so ``make test`` keeps the tier honest."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        _refuse_processes(item.nodeid, mp)
+        yield
 
 
 #: ``make test`` runs the broker's API tests a second time with this set to 1: every

@@ -25,6 +25,8 @@ from provisioner.mps import MPSDaemon, pipe_directory
 
 from .test_nodes import NodeBroker, node_state, pool
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 FAKE_NVML = HERE / "fake_nvml"

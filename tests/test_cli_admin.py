@@ -251,6 +251,7 @@ def cli(broker: Broker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     return call
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_top_admin_and_student(broker: Broker, cli: Any) -> None:
     acquire(broker, "alice", "aaaaaaaa-1111", 0.25)
@@ -273,6 +274,7 @@ def test_top_admin_and_student(broker: Broker, cli: Any) -> None:
     assert out.rstrip().endswith("Queue: empty")
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_leases(broker: Broker, cli: Any) -> None:
     mine = acquire(broker, "alice", "k-alice", 0.02)
@@ -293,6 +295,7 @@ def test_leases(broker: Broker, cli: Any) -> None:
     assert (code, out.strip()) == (0, "No active leases.")
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_quota_set_show_list_remove(cli: Any) -> None:
     code, out, err = cli(
@@ -329,6 +332,7 @@ def test_quota_set_show_list_remove(cli: Any) -> None:
     assert code == 0 and out.startswith("Set default quota:")
 
 
+@pytest.mark.slow
 @sqlite_only
 @pytest.mark.parametrize(
     "argv, message",
@@ -345,6 +349,7 @@ def test_quota_usage_errors(cli: Any, argv: list[str], message: str) -> None:
     assert err.startswith(f"error: {message}")
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_usage_and_csv(broker: Broker, cli: Any) -> None:
     lease = acquire(broker, "alice", "k1", 0.5)
@@ -362,6 +367,7 @@ def test_usage_and_csv(broker: Broker, cli: Any) -> None:
     assert code == 1 and err.startswith("error: 'since' must be an ISO 8601 date")
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_revoke(broker: Broker, cli: Any) -> None:
     lease = acquire(broker, "alice", "k-revoke-me", 0.25)
@@ -397,6 +403,7 @@ def test_lease_ids_never_begin_with_a_dash() -> None:
     assert any(x.startswith("_") for x in ids)  # the other 63 first characters still occur
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_errors_without_url_or_token(
     broker: Broker, cli: Any, monkeypatch: pytest.MonkeyPatch
@@ -419,6 +426,7 @@ def test_no_url_message(
 
 
 # -- issue 13: what top/leases print works in revoke; leases as admin; closed pipes ---------------
+@pytest.mark.slow
 @pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
 @pytest.mark.broker_args("--gpus", "2x81920:H100")
 def test_revoke_takes_the_ids_top_and_leases_print(broker: Broker, cli: Any) -> None:
@@ -449,6 +457,7 @@ def test_revoke_takes_the_ids_top_and_leases_print(broker: Broker, cli: Any) -> 
     assert code == 1 and "no-such-lease" in err
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_leases_tells_an_admin_how_to_see_everyones(broker: Broker, cli: Any) -> None:
     for i in range(3):
@@ -463,6 +472,7 @@ def test_leases_tells_an_admin_how_to_see_everyones(broker: Broker, cli: Any) ->
     assert (code, out.strip()) == (0, "No active leases.")
 
 
+@pytest.mark.slow
 @sqlite_only
 @pytest.mark.parametrize("argv", [["usage", "--since", "1h"], ["leases", "--all"], ["top"]])
 def test_a_closed_pipe_ends_quietly(broker: Broker, argv: list[str]) -> None:
@@ -490,6 +500,7 @@ def test_a_closed_pipe_ends_quietly(broker: Broker, argv: list[str]) -> None:
     assert err == "", err
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_quota_show_user_names_each_values_source(broker: Broker, cli: Any) -> None:
     """issue 13: `quota set --user student05` then "effective" ignored the course."""
@@ -531,6 +542,7 @@ def test_quota_show_user_names_each_values_source(broker: Broker, cli: Any) -> N
     assert code == 1 and err == "error: You may read only your own quota.\n"
 
 
+@pytest.mark.slow
 @sqlite_only
 def test_kernelspec_install_checks_the_fraction_with_the_broker(
     broker: Broker, cli: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch

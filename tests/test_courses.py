@@ -145,6 +145,7 @@ async def test_kernel_manager_forgets_refused_starts(tmp_path: Path) -> None:
     await km.shutdown_all()  # the stock manager raises 404 here: "Kernel does not exist"
 
 
+@pytest.mark.slow
 def test_server_introduces_its_token_to_the_broker_at_start(
     broker: Broker, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

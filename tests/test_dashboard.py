@@ -61,6 +61,7 @@ def acquire(broker: Broker, user: str, kernel_id: str, fraction: float) -> dict[
 
 
 # -- without a browser ----------------------------------------------------------------------
+@pytest.mark.slow
 @sqlite_only
 def test_page_or_index_by_accept(broker: Broker) -> None:
     page = httpx.get(f"{broker.url}/", headers=HTML)
@@ -220,6 +221,7 @@ async def test_hub_user_without_access_scope_is_refused(hub_broker: HubBroker) -
         assert "access:services!service=gpu-lease" in r.json()["message"]
 
 
+@pytest.mark.slow
 def test_real_broker_with_auth_hub_redirects_to_hub(tmp_path: Path) -> None:
     """``gpu-lease broker --auth hub`` as JupyterHub starts a managed service with a URL."""
     port = free_port()
@@ -433,6 +435,7 @@ def test_browser_history_plots_course_view_and_revoke(chromium: Any, tmp_path: P
         broker.stop()
 
 
+@pytest.mark.slow
 def test_dashboard_assets_are_packaged() -> None:
     here = ROOT / "provisioner" / "broker"
     assert (here / "templates" / "dashboard.html").is_file()

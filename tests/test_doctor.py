@@ -62,6 +62,7 @@ def by_name(out: str) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in json.loads(out)["checks"]}
 
 
+@pytest.mark.slow
 def test_with_nvml_it_lists_the_driver_and_every_gpu(tmp_path: Path) -> None:
     state = tmp_path / "nvml.json"
     state.write_text(
@@ -105,6 +106,7 @@ def nvml_state(tmp_path: Path) -> Path:
     return state
 
 
+@pytest.mark.slow
 def test_a_cap_that_holds_and_a_small_context_pass(tmp_path: Path) -> None:
     """The stand-in CuPy honours CUPY_GPU_MEMORY_LIMIT, which the probe got as a kernel does."""
     result = doctor("--json", "--processes", "3", fake_nvml=nvml_state(tmp_path), standin=True)
@@ -123,6 +125,7 @@ def test_a_cap_that_holds_and_a_small_context_pass(tmp_path: Path) -> None:
     assert 300 < cupy["peak_mb"] <= 1024 + 300
 
 
+@pytest.mark.slow
 def test_a_cap_that_does_not_hold_and_a_large_context_fail(tmp_path: Path) -> None:
     state = nvml_state(tmp_path)
     env = {"STANDIN_IGNORE_LIMIT": "1", "STANDIN_CONTEXT_MB": "700"}
@@ -161,6 +164,7 @@ def test_a_cap_that_does_not_hold_and_a_large_context_fail(tmp_path: Path) -> No
     assert checks["cap_escape"]["data"]["cap_mb"] == 256
 
 
+@pytest.mark.slow
 def test_without_a_driver_it_says_what_it_could_not_check() -> None:
     pytest.importorskip("pynvml", reason="nvidia-ml-py is a dependency of the package")
     result = doctor("--json")
@@ -179,6 +183,7 @@ def test_without_a_driver_it_says_what_it_could_not_check() -> None:
     assert checks["framework:tensorflow"]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_driver_with_no_gpus_is_not_a_pass(tmp_path: Path) -> None:
     state = tmp_path / "nvml.json"
     state.write_text(json.dumps({"gpus": []}))
@@ -187,6 +192,7 @@ def test_a_driver_with_no_gpus_is_not_a_pass(tmp_path: Path) -> None:
     assert checks["nvml"]["detail"] == "driver 550.54.15 reports 0 GPUs"
 
 
+@pytest.mark.slow
 def test_a_framework_that_cannot_start_is_a_failure_with_why(tmp_path: Path) -> None:
     """A framework that crashes at import is not a pass and not a cap that failed to hold."""
     broken = tmp_path / "broken"
@@ -206,6 +212,7 @@ def test_a_framework_that_cannot_start_is_a_failure_with_why(tmp_path: Path) -> 
     assert checks["context_overhead"]["status"] == "ok"  # CuPy's was measured
 
 
+@pytest.mark.slow
 def test_the_context_is_compared_with_the_brokers_setting(tmp_path: Path) -> None:
     """With GPU_LEASE_URL, doctor asks the broker (GET /api/v1/gpus) what it reserves."""
     state = nvml_state(tmp_path)
@@ -239,6 +246,7 @@ def test_exit_status(statuses: list[str], code: int) -> None:
     assert exit_status([Check(str(i), s, "") for i, s in enumerate(statuses)]) == code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [

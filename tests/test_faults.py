@@ -887,6 +887,7 @@ async def test_standby_takes_over(broker: Broker, tmp_path: Path) -> None:
     assert not standby.problems(), standby.problems()
 
 
+@pytest.mark.slow
 def test_ids_are_unguessable_and_a_forked_child_draws_its_own() -> None:
     """``new_id`` takes its bytes from ``os.urandom`` 4 KiB at a time (one system call per
     256 ids): ids stay unique 128-bit URL-safe strings that never begin with ``-``, and a

@@ -97,6 +97,7 @@ def probe(tmp_path: Path, imports: str = "", extra: str = "", args=(), env=None,
 
 
 # -- the launcher itself ------------------------------------------------------------
+@pytest.mark.slow
 def test_module_runs_as_main_with_args_and_no_shadowing(tmp_path):
     out, _ = probe(tmp_path, args=("-f", "/tmp/conn.json", "--ext=x"))
     assert out["name"] == "__main__"
@@ -107,6 +108,7 @@ def test_module_runs_as_main_with_args_and_no_shadowing(tmp_path):
     assert out["frameworks"] == [] and out["report"] == {}
 
 
+@pytest.mark.slow
 def test_same_modules_as_plain_python_m(tmp_path):
     """Importing json (or anything without a framework) costs nothing: no extra module."""
     write(tmp_path / "modlist.py", "import json, sys\nprint(json.dumps(sorted(sys.modules)))\n")
@@ -120,6 +122,7 @@ def test_same_modules_as_plain_python_m(tmp_path):
     assert not set(FRAMEWORKS) & set(json.loads(wrapped.stdout))
 
 
+@pytest.mark.slow
 def test_only_our_names_are_served_from_the_startup_folder(tmp_path):
     out, _ = probe(
         tmp_path,
@@ -133,6 +136,7 @@ def test_only_our_names_are_served_from_the_startup_folder(tmp_path):
     assert out["magic_spec"] is True
 
 
+@pytest.mark.slow
 def test_exit_status_and_usage(tmp_path):
     write(tmp_path / "exits.py", "import sys\nsys.exit(3)\n")
     assert run_launcher(tmp_path, "-m", "exits").returncode == 3
@@ -195,6 +199,7 @@ FAKE_TF = """
 """
 
 
+@pytest.mark.slow
 def test_caps_on_standin_frameworks(tmp_path):
     write(tmp_path / "torch" / "__init__.py", FAKE_TORCH)
     write(tmp_path / "tensorflow" / "__init__.py", FAKE_TF)
@@ -236,6 +241,7 @@ def test_caps_on_standin_frameworks(tmp_path):
     assert report["cupy"] == f"CUPY_GPU_MEMORY_LIMIT={1126 * 1024 * 1024} (1126 MiB; environment)"
 
 
+@pytest.mark.slow
 def test_cap_failures_never_reach_user_code(tmp_path):
     # a "tensorflow" already initialised, a "torch" whose cap raises inside the lazy call
     write(
@@ -271,6 +277,7 @@ def test_cap_failures_never_reach_user_code(tmp_path):
     assert "gpu-lease warning: could not cap torch's GPU memory to 1126 MiB: no device" in stderr
 
 
+@pytest.mark.slow
 def test_jax_with_both_fraction_names_is_warned(tmp_path):
     """jaxlib 0.11 refuses its GPU backend when XLA_CLIENT_MEM_FRACTION is set beside
     XLA_PYTHON_CLIENT_MEM_FRACTION (seen on an H200), so JAX would run on the CPU."""
@@ -286,6 +293,7 @@ def test_jax_with_both_fraction_names_is_warned(tmp_path):
     assert "XLA_CLIENT_MEM_FRACTION" not in lease_env()
 
 
+@pytest.mark.slow
 def test_no_lease_means_nothing_to_cap(tmp_path):
     write(tmp_path / "jax" / "__init__.py", "")
     env = {k: v for k, v in lease_env().items() if not k.startswith("GPU_LEASE_")}

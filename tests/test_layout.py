@@ -1,7 +1,10 @@
-"""Where modules live: the runtime package never imports the developer tools.
+"""Where modules live: the runtime package never imports the developer tools, and each
+deployable (the broker, the node side, the kernel side, the lab side) imports only the
+shared base and itself.
 
 ``provisioner/devtools/`` (demo, test harness, simulator) may import the runtime; no
 module elsewhere under ``provisioner/`` may import ``devtools`` (docs/developers.md).
+Which side may import which is the table ``MAY_IMPORT``; imports inside functions count.
 """
 
 from __future__ import annotations
@@ -36,3 +39,138 @@ def test_the_runtime_is_found() -> None:
 def test_runtime_never_imports_devtools(path: Path) -> None:
     bad = [n for n in imported_modules(path) if "devtools" in n.split(".")]
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}: the runtime must not need a tool"
+
+
+# -- the deployables: each imports only the shared base and itself ----------------------
+#: the side of each module at the package's top; a module in one of ``FOLDERS`` belongs to
+#: its folder's side. A new module at the top must be added here (the base stays thin).
+TOP_LEVEL = {
+    "__init__": "base",
+    "_version": "base",
+    "errors": "base",
+    "model": "base",
+    "wire": "base",
+    "client": "base",
+    "inventory": "base",
+    "__main__": "cli",
+    "cli": "cli",
+    "tables": "cli",
+    "scheduling": "broker",
+    "store": "broker",
+    "history": "broker",
+    "store_engine": "broker",
+    "store_fencing": "broker",
+    "store_schema": "broker",
+    "store_writes": "broker",
+    "agent": "node",
+    "mps": "node",
+    "doctor": "node",
+    "probe": "node",
+    "kernelspecs": "kernel",
+}
+FOLDERS = {
+    "broker": "broker",
+    "node": "node",
+    "kernel": "kernel",
+    "lab": "lab",
+    "devtools": "tools",
+}
+SIDES = ("base", "broker", "node", "kernel", "lab", "cli", "tools")
+#: which sides each side may import; what is left out is a wrong arrow
+MAY_IMPORT = {
+    "base": {"base"},
+    "broker": {"base", "broker"},
+    "kernel": {"base", "kernel"},
+    # doctor runs its probe as a kernel is run (kernel/env.py, kernel/lease.py) and checks
+    # the kernelspecs' context overhead: a GPU node runs kernels
+    "node": {"base", "node", "kernel"},
+    # the server extension reads the board its server's provisioners write (kernel/status.py)
+    "lab": {"base", "lab", "kernel"},
+    # the command line starts each deployable (gpu-lease broker | agent | doctor | kernelspec)
+    "cli": {"base", "cli", "broker", "node", "kernel", "lab"},
+    "tools": set(SIDES),
+}
+#: (module, imported module): single arrows across sides besides MAY_IMPORT, each for a
+#: reason: the provisioner starts each kernel in a cgroup of its own on its node and names
+#: its kernel's pid namespace (node/cgroups.py, node/pidns.py, where those exist)
+ACROSS = {
+    ("kernel/provisioner.py", "node.cgroups"),
+    ("kernel/provisioner.py", "node.pidns"),
+}
+#: (module, imported module) arrows across sides that stay until the names they need
+#: move into the base: ``never_allowed`` (the launcher's filter) to ``model.py``, the MPS
+#: pipe directory (the agent's and the kernels' convention) to the base
+NOT_YET = {
+    ("kernel/specs.py", "scheduling"),
+    ("kernel/env.py", "mps"),
+    ("kernel/provisioner.py", "mps"),
+}
+ALL_MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def dotted(path: Path) -> str:
+    """``provisioner/kernel/env.py`` -> ``provisioner.kernel.env`` (a package: its folder)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULE_NAMES = {dotted(p) for p in ALL_MODULES}
+
+
+def side(module: str) -> str:
+    """The side of ``provisioner.X[.Y…]``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return TOP_LEVEL["__init__"]
+    if parts[0] in FOLDERS:
+        return FOLDERS[parts[0]]
+    return TOP_LEVEL[parts[0]]
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules of this package that ``path`` imports, at its top or inside a function."""
+    package = dotted(path) if path.name == "__init__.py" else dotted(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "provisioner"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "provisioner":
+                continue
+            for alias in node.names:  # ``from . import x``: the module x if there is one
+                sub = f"{module}.{alias.name}"
+                found.add(sub if sub in MODULE_NAMES else module)
+    return found
+
+
+def test_every_module_at_the_top_has_a_side() -> None:
+    top = {p.stem for p in PACKAGE.glob("*.py")}
+    assert top <= set(TOP_LEVEL), f"classify {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL"
+    assert set(TOP_LEVEL.values()) | set(FOLDERS.values()) <= set(SIDES)
+    assert all(side(m) in SIDES for m in MODULE_NAMES)
+
+
+def test_imports_of_sees_relative_and_late_imports() -> None:
+    """The check below is only as good as this: both kinds of import are seen."""
+    assert "provisioner.kernel.status" in imports_of(PACKAGE / "lab" / "board.py")
+    assert "provisioner.broker.app" in imports_of(PACKAGE / "cli.py")  # inside a function
+    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "handlers.py")
+
+
+@pytest.mark.parametrize("path", ALL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_side_imports_only_the_base_and_itself(path: Path) -> None:
+    own = side(dotted(path))
+    name = str(path.relative_to(PACKAGE))
+    wrong = sorted(
+        f"{m} ({side(m)})"
+        for m in imports_of(path)
+        if side(m) not in MAY_IMPORT[own]
+        and (name, m.removeprefix("provisioner.")) not in ACROSS
+        and (name, m.rpartition(".")[2]) not in NOT_YET
+    )
+    assert not wrong, f"{name} ({own}) imports {wrong}: see MAY_IMPORT and docs/developers.md"

@@ -229,6 +229,7 @@ def promtool() -> str:
     return path
 
 
+@pytest.mark.slow
 def test_promtool_accepts_a_live_brokers_metrics(promtool: str, broker: Any) -> None:
     """``promtool check metrics`` (names, units, types, help) on every family, each with samples."""
     headers = broker.headers("alice")

@@ -81,6 +81,7 @@ def pool(c: httpx.Client) -> dict[str, dict[str, Any]]:
     return {g["uuid"]: g for g in c.get("/gpus").json()["gpus"]}
 
 
+@pytest.mark.slow
 def test_two_agents_register_and_the_pool_is_the_union(nb: NodeBroker) -> None:
     with nb.http("agent:gpu-a") as a, nb.http("agent:gpu-b") as b, nb.http("alice") as u:
         assert register(a, "gpu-a", gpus_of("gpu-a")).status_code == 200
@@ -107,6 +108,7 @@ def test_two_agents_register_and_the_pool_is_the_union(nb: NodeBroker) -> None:
         assert u.get("/leases").json()["leases"][0]["gpu"]["node"] == "gpu-b"
 
 
+@pytest.mark.slow
 def test_agent_tokens_may_call_only_their_own_node(nb: NodeBroker) -> None:
     with nb.http("agent:gpu-a") as a, nb.http("agent:gpu-b") as b, nb.http("alice") as u:
         assert register(a, "gpu-a", gpus_of("gpu-a")).status_code == 200
@@ -130,6 +132,7 @@ def _declared(c: httpx.Client) -> set[str]:
     return {u for u, g in pool(c).items() if not g["uuid"].startswith("GPU-gpu-")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "body, status",
     [
@@ -164,6 +167,7 @@ def test_malformed_registrations_change_nothing(
         assert len(pool(u)) == 1
 
 
+@pytest.mark.slow
 def test_heartbeat_reports_are_validated_and_never_change_capacity(nb: NodeBroker) -> None:
     with nb.http("agent:gpu-a") as a, nb.http("admin") as adm, nb.http("alice") as u:
         assert a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).status_code == 404
@@ -191,6 +195,7 @@ def test_heartbeat_reports_are_validated_and_never_change_capacity(nb: NodeBroke
         assert gpu["allocated_fraction"] == 0.5 and gpu["leases"] == 1
 
 
+@pytest.mark.slow
 def test_silent_node_is_lost_then_back_and_a_drained_node_takes_nothing(nb: NodeBroker) -> None:
     with nb.http("agent:gpu-a") as a, nb.http("alice") as u, nb.http("bob") as bob:
         assert register(a, "gpu-a", gpus_of("gpu-a", 1)).status_code == 200
@@ -215,6 +220,7 @@ def test_silent_node_is_lost_then_back_and_a_drained_node_takes_nothing(nb: Node
         assert register(a, "gpu-a", gpus_of("gpu-a", 1)).json()["state"] == "up"
 
 
+@pytest.mark.slow
 def test_a_gpu_that_vanishes_while_leased_is_drained_not_deleted(nb: NodeBroker) -> None:
     with nb.http("agent:gpu-a") as a, nb.http("alice") as u:
         assert register(a, "gpu-a", gpus_of("gpu-a", 2)).status_code == 200

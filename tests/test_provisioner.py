@@ -371,6 +371,7 @@ async def test_failed_launch_holds_nothing(
     assert queue(broker) == []
 
 
+@pytest.mark.slow
 async def test_mps_kernel_needs_its_gpus_daemon(
     server_env: Broker, specs: Specs, tmp_path: Path
 ) -> None:

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 from provisioner.cli import main
 from provisioner.devtools.testing import BrokerProcess
 
+pytestmark = pytest.mark.slow
+
 COURSES = ("cs50", "ml101")
 #: one user per set of courses: the membership is drawn by picking the user
 MEMBERS = {

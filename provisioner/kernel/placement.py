@@ -3,7 +3,7 @@
 The provisioner asks the broker for a lease there (``node``, ``gpu_uuids`` of the acquire),
 so that where a kernel is, its lease is. :func:`discover` reads the server's environment
 (pure: a mapping in, a :class:`Placement` out); for each of the two facts the first match
-wins (``../shared/DESIGN.md``, "Many nodes"):
+wins (for admins: docs/admins.md, "Spawners", docs/slurm.md, docs/kubernetes.md):
 
 node
     ``GPU_LEASE_NODE`` (explicit; on Kubernetes the downward API sets it from
@@ -19,11 +19,11 @@ GPUs
 Indexes are turned into UUIDs against the broker's pool (:func:`resolve_indexes`): the GPUs
 of that node with those indexes, as its agent registered them.
 
-Departure from DESIGN.md: without any of these variables the provisioner names no node
-(DESIGN says "else the host name"). A one-machine pool declared with ``--gpus 1x32768:V100``
-puts its GPUs on node ``local``, not the host name, and an NVML pool on the broker's host
-name; a host-name default would refuse every kernel of the first. Multi-node sites set
-``GPU_LEASE_NODE`` or run under Slurm or Kubernetes.
+A deliberate departure from the external contract (README.md, "Departures"): without any
+of these variables the provisioner names no node, not the host name. A one-machine pool
+declared with ``--gpus 1x32768:V100`` puts its GPUs on node ``local``, not the host name,
+and an NVML pool on the broker's host name; a host-name default would refuse every kernel
+of the first. Multi-node sites set ``GPU_LEASE_NODE`` or run under Slurm or Kubernetes.
 """
 
 from __future__ import annotations

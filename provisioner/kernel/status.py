@@ -36,7 +36,7 @@ StopWaiting = Callable[[], Awaitable[bool]]
 
 @dataclass(frozen=True)
 class KernelLease:
-    """One GPU kernel as the student should see it (see DESIGN.md, "In JupyterLab")."""
+    """One GPU kernel as the student should see it (docs/developers.md, "In JupyterLab")."""
 
     kernel_id: str
     state: str

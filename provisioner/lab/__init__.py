@@ -1,4 +1,4 @@
-"""The jupyter_server extension behind JupyterLab's GPU lease status (DESIGN.md, "In JupyterLab").
+"""The jupyter_server extension behind JupyterLab's GPU lease status (docs/developers.md, "In JupyterLab").
 
 Enabled on ``pip install`` by ``jupyter-config/server-config/jupyter_gpu_lease.json``
 (installed into ``etc/jupyter/jupyter_server_config.d``); the prebuilt JupyterLab
