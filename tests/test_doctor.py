@@ -264,6 +264,7 @@ def test_bad_numbers_are_refused(args: tuple[str, str]) -> None:
     assert args[0] in result.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_parks_and_resumes_a_probe_on_a_driver_that_offers_it(tmp_path: Path) -> None:
     """The stand-in libcuda first on the library path: the driver's checkpoint API is there.
 
@@ -295,6 +296,7 @@ def test_checkpoint_parks_and_resumes_a_probe_on_a_driver_that_offers_it(tmp_pat
     ]
 
 
+@pytest.mark.slow
 def test_checkpoint_on_a_driver_without_it_is_missing_not_failed(tmp_path: Path) -> None:
     """Driver 580 and older 5xx have it; one without the entry points is said plainly."""
     from tests.standin_libcuda.build import build

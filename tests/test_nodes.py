@@ -315,6 +315,7 @@ def test_registration_validation_keeps_gpus_distinct_and_positive(
     assert enforce == "report"
 
 
+@pytest.mark.slow
 def test_mps_uids_in_heartbeats_place_mps_kernels_and_a_change_drains_the_queue(
     nb: NodeBroker,
 ) -> None:
