@@ -85,14 +85,13 @@ from ..model import (
 )
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
 from ..store import Store
+from ..wire import ENDED_LEASE_STATES, NODE_STATES, lease_enforcement
 from .writer import Writer
 
 log = logging.getLogger("gpu_lease.broker")
 
 T = TypeVar("T")
 
-#: lease states that end a lease (their hold times feed the estimated waits)
-ENDED_STATES = ("released", "revoked", "expired")
 #: heartbeats persisted per transaction by the reaper (see ``_persist_heartbeats``)
 HEARTBEATS_PER_COMMIT = 200
 #: estimated waits are computed at most this often (s)
@@ -353,7 +352,7 @@ class BrokerService:
         # a restart is not the clients' fault: waiting requests get a fresh poll window
         self._load(now, {}, pool)
         self.quotas = self.store.load_quotas()
-        for ended in self.store.list_leases(states=ENDED_STATES, limit=self.holds.limit):
+        for ended in self.store.list_leases(states=ENDED_LEASE_STATES, limit=self.holds.limit):
             if ended.ended_at is not None:
                 self.holds.add(ended.ended_at - ended.created_at)
         self.started_at = now
@@ -1073,9 +1072,11 @@ class BrokerService:
         """What the lease's node reports: see :class:`LeaseUsage`."""
         node = self._node_of(lease.gpu_uuid)
         if node is None:
-            return LeaseUsage(None, "cooperative", None)
+            return LeaseUsage(None, lease_enforcement(None), None)
         return LeaseUsage(
-            self.used_mb.get(lease.id), f"agent-{node.enforce}", node.mps.get(lease.gpu_uuid)
+            self.used_mb.get(lease.id),
+            lease_enforcement(node.enforce),
+            node.mps.get(lease.gpu_uuid),
         )
 
     def _node_of(self, gpu_uuid: str) -> Node | None:
@@ -1109,7 +1110,7 @@ class BrokerService:
     def node_states(self) -> dict[str, int]:
         """How many registered nodes are up, lost and drained (for /metrics)."""
         now = self.clock()
-        counts = dict.fromkeys(("up", "lost", "drained"), 0)
+        counts = dict.fromkeys(NODE_STATES, 0)
         for node in self.nodes.values():
             counts[core.node_state(node, now, self.policy)] += 1
         return counts

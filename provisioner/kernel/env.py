@@ -50,8 +50,8 @@ from typing import NamedTuple
 
 from ..errors import InvalidRequest
 from ..kernelspecs import format_fraction
-from ..model import ENFORCEMENTS
 from ..mps import DEFAULT_MPS_DIR, pipe_directory
+from ..wire import ENFORCEMENTS
 from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)

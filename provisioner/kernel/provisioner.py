@@ -51,8 +51,9 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
-from ..model import ENFORCEMENTS, validate_fraction
+from ..model import validate_fraction
 from ..mps import DEFAULT_MPS_DIR, pipe_directory
+from ..wire import ENFORCEMENTS
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
