@@ -1,6 +1,6 @@
 """Authorization and secrets, against a REAL broker subprocess (``conftest.broker``).
 
-- The matrix: every route of the OpenAPI document (``openapi.ROUTES``) x every kind
+- The matrix: every route of the OpenAPI document (``routes.ROUTES``) x every kind
   of caller, with the status each must get, as one table (:data:`EXPECTED`).
 - Lease ids are unguessable: 1000 ids from real acquires.
 - No secret in kernel.json, in the broker's log (debug level), in error bodies, or in
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from provisioner import kernelspecs as ks
-from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES
+from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
 
 from .conftest import Broker
 from .hostile import FORGED, add_tokens, assert_capacity, secrets_of

@@ -95,7 +95,7 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
 
 
 async def test_every_documented_route_is_served(broker: Broker) -> None:
-    from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES
+    from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
 
     async with httpx.AsyncClient(base_url=broker.url, headers=broker.headers("admin")) as c:
         for method, template in ROUTES:
@@ -495,7 +495,7 @@ async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
     """Fill the V100, queue two, withdraw one, release: the history shows it all."""
     from openapi_schema_validator import OAS30Validator
 
-    from provisioner.broker.openapi import build_openapi
+    from provisioner.broker.routes import build_openapi
 
     doc = build_openapi()
     schema = OAS30Validator(
