@@ -149,7 +149,9 @@ def test_authorization_matrix(broker: Broker) -> None:
     matrix_tokens(broker)
     got: dict[tuple[str, str], tuple[int, ...]] = {}
     errors_seen: list[str] = []
-    with httpx.Client(base_url=broker.url, timeout=30) as c:
+    with httpx.Client(
+        base_url=broker.url, timeout=30, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
 
         def as_(label: str | None, method: str, path: str, body: Any = None) -> httpx.Response:
             return c.request(method, path, headers=broker.headers(label), json=body)
@@ -226,7 +228,9 @@ def test_static_token_expiry_is_checked_on_every_request(broker: Broker) -> None
             "iso": {"user": "bob", "expires_at": "2999-12-31"},
         },
     )
-    with httpx.Client(base_url=f"{broker.url}/api/v1", timeout=10) as c:
+    with httpx.Client(
+        base_url=f"{broker.url}/api/v1", timeout=10, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
         assert c.get("/gpus", headers=broker.headers("soon")).status_code == 200
         assert c.get("/gpus", headers=broker.headers("iso")).status_code == 200
         time.sleep(1.6)
@@ -248,7 +252,10 @@ def test_lease_ids_are_unguessable(broker: Broker) -> None:
     """1000 real acquires: 1000 distinct 128-bit random ids, no order, no structure."""
     ids: list[str] = []
     with httpx.Client(
-        base_url=f"{broker.url}/api/v1", headers=broker.headers("alice"), timeout=30
+        base_url=f"{broker.url}/api/v1",
+        headers=broker.headers("alice"),
+        timeout=30,
+        event_hooks=broker.conformance.sync_hooks(),
     ) as c:
         for n in range(1000):
             r = c.post("/leases", json={"kernel_id": f"k{n}", "fraction": 0.0005})
@@ -320,7 +327,9 @@ def test_no_token_in_the_debug_log_or_in_errors(broker: Broker) -> None:
         {"Authorization": f"token {FORGED}"},
         {"Authorization": f"token {broker.tokens['admin']}"},
     ]
-    with httpx.Client(base_url=f"{broker.url}/api/v1", timeout=10) as c:
+    with httpx.Client(
+        base_url=f"{broker.url}/api/v1", timeout=10, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
         for h in headers_variants:
             for method, path, body in (
                 ("GET", "/gpus", None),
