@@ -601,9 +601,22 @@ def openapi_paths() -> dict[str, Any]:
         if route.parameters:
             item["parameters"] = list(route.parameters)
         for method, operation in route.operations.items():
-            item[method] = {"security": [], **operation} if route.public else dict(operation)
+            item[method] = (
+                {"security": [], **operation} if route.public else _guarded(route, operation)
+            )
         paths[route.path] = item
     return paths
+
+
+def _guarded(route: Route, operation: Operation) -> Operation:
+    """An operation that needs a token, with the refusals every such handler may answer
+    (``handlers.api``): 401 without a valid token, and 403 for a node agent's token off
+    the node routes (its handler's ``agent_allowed``)."""
+    implied = ("401",) if getattr(route.handler, "agent_allowed", False) else ("401", "403")
+    responses = dict(operation["responses"])
+    for code, ref in error_refs(*implied).items():
+        responses.setdefault(code, ref)
+    return {**operation, "responses": responses}
 
 
 HandlerWrap = Callable[[type[web.RequestHandler]], type[web.RequestHandler]]
