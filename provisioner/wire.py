@@ -61,16 +61,17 @@ MPS_STATES: tuple[str, ...] = ("running", "down")
 
 # -- enforcement -----------------------------------------------------------------------
 
+#: only the frameworks' own caps hold a kernel's memory cap (a kernel's default
+#: enforcement; a lease's without an agent on its node)
+COOPERATIVE = "cooperative"
 #: how a kernel's GPU memory cap is held: by the frameworks' own caps, or also by MPS
 #: (the kernelspec's and the provisioner's ``enforcement``)
-ENFORCEMENTS: tuple[str, ...] = ("cooperative", "mps")
+ENFORCEMENTS: tuple[str, ...] = (COOPERATIVE, "mps")
 #: what a node agent does with over-use (``gpu-lease-agent --enforce``, a registration's
 #: ``enforce``)
 ENFORCE_MODES: tuple[str, ...] = ("off", "report", "revoke", "kill")
 #: the agent's mode when a registration names none
 DEFAULT_ENFORCE_MODE = "report"
-#: a lease without an agent on its node: only the frameworks' caps hold it
-COOPERATIVE = "cooperative"
 
 
 def lease_enforcement(enforce_mode: str | None) -> str:
