@@ -63,7 +63,7 @@ import httpx
 
 from . import errors
 from ._version import __version__
-from .model import QUOTA_LEVEL_PLURALS, QUOTA_LEVELS
+from .model import QUOTA_LEVEL_PLURALS, quota_key_problem
 from .wire import ERROR_BY_STATUS, MAX_WAIT
 
 log = logging.getLogger("gpu_lease.client")
@@ -735,25 +735,15 @@ class BrokerClient:
 
     @staticmethod
     def _quota_path(level: str, name: str | None) -> str:
-        if level == "default":
-            if name:
-                raise errors.InvalidRequest(
-                    f"The default quota has no name (got {name!r}): leave the name out, or "
-                    "use the level 'user' or 'group'."
-                )
-            return "/quotas/default"
         # a named level, in the singular ("user") or as in the URL ("users")
-        plural = QUOTA_LEVEL_PLURALS.get(level) or (
-            level if level in QUOTA_LEVEL_PLURALS.values() else None
-        )
-        if plural is None:
-            *others, last = (repr(lv) for lv in QUOTA_LEVELS)
-            raise errors.InvalidRequest(
-                f"Unknown quota level {level!r}: use {', '.join(others)} or {last}."
-            )
-        if not name:
-            raise errors.InvalidRequest(f"A {level} quota needs the {level} name.")
-        return f"/quotas/{plural}/{_quote(name)}"
+        singulars = {plural: one for one, plural in QUOTA_LEVEL_PLURALS.items()}
+        level = singulars.get(level, level)
+        why = quota_key_problem(level, name or "")
+        if why:
+            raise errors.InvalidRequest(why)
+        if level == "default":
+            return "/quotas/default"
+        return f"/quotas/{QUOTA_LEVEL_PLURALS[level]}/{_quote(name or '')}"
 
 
 #: the broker's error ``code`` -> our exception class

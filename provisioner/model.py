@@ -33,6 +33,26 @@ QUOTA_LEVELS: tuple[str, ...] = ("default", "group", "user")
 #: the named levels' plurals, as in ``/api/v1/quotas/users/{name}`` and the keys of
 #: ``GET /api/v1/quotas`` (``{"default": ..., "groups": {...}, "users": {...}}``)
 QUOTA_LEVEL_PLURALS: dict[str, str] = {"group": "groups", "user": "users"}
+
+
+def quota_key_problem(level: str, name: str) -> str | None:
+    """Why ``(level, name)`` names no quota, as a sentence, else None: the level is one of
+    :data:`QUOTA_LEVELS`; the default quota has no name, a group's or a user's has one.
+    The store refuses such a key (``ValueError``), the service and the client too
+    (:class:`InvalidRequest`)."""
+    if level not in QUOTA_LEVELS:
+        *others, last = (repr(lv) for lv in QUOTA_LEVELS)
+        return f"Unknown quota level {brief(level)}: use {', '.join(others)} or {last}."
+    if level == "default" and name:
+        return (
+            f"The default quota has no name (got {brief(name)}): leave the name out, or use "
+            "the level 'user' or 'group'."
+        )
+    if level != "default" and not name:
+        return f"A {level} quota needs the {level} name."
+    return None
+
+
 #: a quota's fields on the wire (REST API v1, ``gpu-lease quota``), pairwise with
 #: :attr:`Quota.FIELDS`: fractions travel as floats, the budget window as seconds
 QUOTA_FIELDS: tuple[str, ...] = (

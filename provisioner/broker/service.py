@@ -72,7 +72,6 @@ from ..errors import (
 )
 from ..model import (
     GPU,
-    QUOTA_LEVELS,
     Changes,
     Identity,
     Lease,
@@ -82,6 +81,7 @@ from ..model import (
     QuotaBook,
     Request,
     ppm_to_fraction,
+    quota_key_problem,
 )
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
 from ..store import Store
@@ -716,7 +716,7 @@ class BrokerService:
         another user than the caller: without their groups). Users may read the default,
         their own and their groups' quotas."""
         self.check_serving()
-        _check_level(level)
+        _check_level(level, name)
         if not ident.admin:
             if level == "user" and name != ident.user:
                 raise Forbidden("You may read only your own quota.")
@@ -773,7 +773,7 @@ class BrokerService:
     async def put_quota(self, ident: Identity, level: str, name: str, quota: Quota) -> Quota:
         await self._ready()
         self._require_admin(ident)
-        _check_level(level)
+        _check_level(level, name)
         key = name if level != "default" else ""
         await self.writer.call(lambda: self.store.put_quota(level, key, quota))
         self._set_quota(level, name, quota)
@@ -789,7 +789,7 @@ class BrokerService:
         default/group/user; quotas the file does not name are left as they are.
         """
         for level, name, quota in entries:
-            _check_level(level)
+            _check_level(level, name)
             name = name if level != "default" else ""
             self.store.put_quota(level, name, quota)
             self._set_quota(level, name, quota)
@@ -800,7 +800,7 @@ class BrokerService:
     async def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
         await self._ready()
         self._require_admin(ident)
-        _check_level(level)
+        _check_level(level, name)
         key = name if level != "default" else ""
         await self.writer.call(lambda: self.store.delete_quota(level, key))
         if level == "default":
@@ -1522,9 +1522,11 @@ class BrokerService:
         return book.get(name)
 
 
-def _check_level(level: str) -> None:
-    if level not in QUOTA_LEVELS:
-        raise InvalidRequest(f"Quota level must be one of {', '.join(QUOTA_LEVELS)}.")
+def _check_level(level: str, name: str) -> None:
+    """The service ignores a name given with the default level (``model.quota_key_problem``)."""
+    why = quota_key_problem(level, "" if level == "default" else name)
+    if why:
+        raise InvalidRequest(why)
 
 
 def _gone(lease: Lease) -> LeaseGone:
