@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +38,7 @@ from .client import BrokerClient
 from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
 from .model import GPU
 from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
+from .wire import DEFAULT_ENFORCE_MODE, ENFORCE_MODES, NODE_NAME_VARS, this_node
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -46,8 +46,6 @@ log = logging.getLogger("gpu_lease.agent")
 Sample = list[tuple[int, str, int]]
 #: seconds between two registration attempts while the broker cannot be reached
 REGISTER_RETRY = 2.0
-#: the enforcement modes (``--enforce``)
-ENFORCE_MODES = ("off", "report", "revoke", "kill")
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -322,12 +320,13 @@ class GPULeaseAgent(Application):
 
     node = Unicode(
         help="This node's name as the broker and provisioners know it (GPU_LEASE_NODE, Slurm "
-        "or Kubernetes node name). Default: $GPU_LEASE_NODE, else the host name.",
+        f"or Kubernetes node name). Default: ${', else $'.join(NODE_NAME_VARS)}, else the "
+        "host name.",
     ).tag(config=True)
 
     @default("node")
     def _default_node(self) -> str:
-        return os.environ.get("GPU_LEASE_NODE") or socket.gethostname()
+        return this_node()
 
     gpus = Unicode(
         "nvml",
@@ -338,7 +337,7 @@ class GPULeaseAgent(Application):
 
     enforce = CaselessStrEnum(
         ENFORCE_MODES,
-        default_value="report",
+        default_value=DEFAULT_ENFORCE_MODE,
         help="What to do with a kernel that uses more GPU memory than its lease: 'off' "
         "(usage is reported, over-use is not flagged), 'report' (default: over-use is "
         "flagged in top, /metrics and the broker's log; nothing is stopped), 'revoke' (the "

@@ -31,7 +31,8 @@ from . import __version__, tables
 from . import kernelspecs as ks
 from .client import BrokerClient, broker_env
 from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
-from .model import ENFORCEMENTS, QUOTA_FIELDS, validate_fraction
+from .model import QUOTA_FIELDS, validate_fraction
+from .wire import ENFORCEMENTS
 
 PROG = "gpu-lease"
 #: what runs ``gpu-lease broker ARGS``: ``broker.app.main`` (its exit status, or None for 0)

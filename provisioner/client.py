@@ -63,13 +63,12 @@ import httpx
 
 from . import errors
 from ._version import __version__
-from .model import QUOTA_LEVEL_PLURALS, QUOTA_LEVELS
+from .model import QUOTA_LEVEL_PLURALS, quota_key_problem
+from .wire import ERROR_BY_STATUS, MAX_WAIT
 
 log = logging.getLogger("gpu_lease.client")
 
 API_PREFIX = "/api/v1"
-#: the broker caps a long-poll's ``wait`` at this many seconds
-MAX_WAIT = 300.0
 DEFAULT_USER_AGENT = f"jupyter-gpu-lease/{__version__}"
 
 #: answers that mean "the broker (or the proxy in front of it) is not ready": retried
@@ -661,7 +660,7 @@ class BrokerClient:
         if isinstance(body, dict) and isinstance(body.get("message"), str):
             return _from_error_body(status, body)
         # Not the broker's error body: a proxy, a login page, another server, a crash.
-        cls = _BY_STATUS.get(status, errors.GPULeaseError)
+        cls = ERROR_BY_STATUS.get(status, errors.GPULeaseError)
         where = f"The GPU lease broker at {self.url} answered HTTP {status}"
         if 300 <= status < 400:
             location = self._scrub(response.headers.get("Location", "?"))
@@ -743,25 +742,15 @@ class BrokerClient:
 
     @staticmethod
     def _quota_path(level: str, name: str | None) -> str:
-        if level == "default":
-            if name:
-                raise errors.InvalidRequest(
-                    f"The default quota has no name (got {name!r}): leave the name out, or "
-                    "use the level 'user' or 'group'."
-                )
-            return "/quotas/default"
         # a named level, in the singular ("user") or as in the URL ("users")
-        plural = QUOTA_LEVEL_PLURALS.get(level) or (
-            level if level in QUOTA_LEVEL_PLURALS.values() else None
-        )
-        if plural is None:
-            *others, last = (repr(lv) for lv in QUOTA_LEVELS)
-            raise errors.InvalidRequest(
-                f"Unknown quota level {level!r}: use {', '.join(others)} or {last}."
-            )
-        if not name:
-            raise errors.InvalidRequest(f"A {level} quota needs the {level} name.")
-        return f"/quotas/{plural}/{_quote(name)}"
+        singulars = {plural: one for one, plural in QUOTA_LEVEL_PLURALS.items()}
+        level = singulars.get(level, level)
+        why = quota_key_problem(level, name or "")
+        if why:
+            raise errors.InvalidRequest(why)
+        if level == "default":
+            return "/quotas/default"
+        return f"/quotas/{QUOTA_LEVEL_PLURALS[level]}/{_quote(name or '')}"
 
 
 #: the broker's error ``code`` -> our exception class
@@ -783,20 +772,6 @@ _BY_CODE: dict[str, type[errors.GPULeaseError]] = {
         errors.BrokerUnavailable,
     )
 }
-#: HTTP status -> our exception class, for a code this client does not know
-_BY_STATUS: dict[int, type[errors.GPULeaseError]] = {
-    400: errors.InvalidRequest,
-    401: errors.NotAuthenticated,
-    403: errors.Forbidden,
-    404: errors.LeaseNotFound,
-    409: errors.Conflict,
-    410: errors.LeaseGone,
-    413: errors.BodyTooLarge,
-    422: errors.CannotFit,
-    502: errors.BrokerUnavailable,
-    503: errors.BrokerUnavailable,
-    504: errors.BrokerUnavailable,
-}
 
 
 def _from_error_body(status: int, body: dict[str, Any]) -> errors.GPULeaseError:
@@ -804,7 +779,7 @@ def _from_error_body(status: int, body: dict[str, Any]) -> errors.GPULeaseError:
     code = body.get("error")
     cls = _BY_CODE.get(code) if isinstance(code, str) else None
     if cls is None:
-        cls = _BY_STATUS.get(status, errors.GPULeaseError)
+        cls = ERROR_BY_STATUS.get(status, errors.GPULeaseError)
     details = {k: v for k, v in body.items() if k not in ("error", "message")}
     return cls(body["message"], **details)
 

@@ -57,9 +57,9 @@ from .inventory import (
     _text,
     running_processes,
 )
-from .kernelspecs import DEFAULT_CONTEXT_OVERHEAD_MB
 from .mps import MPS_CONTROL
 from .node.checkpoint import CheckpointFailed, CheckpointUnavailable, CudaCheckpoint, support
+from .wire import DEFAULT_CONTEXT_OVERHEAD_MB
 
 EXIT_OK = 0
 EXIT_FAILED = 1

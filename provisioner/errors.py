@@ -15,6 +15,7 @@ httpx, NVML, tornado) are translated into these once, at the edge that meets the
     │   └── QuotaExceeded              403  the request would exceed a quota
     ├── LeaseNotFound                  404  no such lease (or not visible to the caller)
     │   └── NodeNotFound               404  no node of that name registered (an agent registers first)
+    ├── MethodNotAllowed               405  the URL exists but does not take this method
     ├── Conflict                       409  the kernel already holds a lease of another fraction
     │   ├── CapacityConflict           409  (store) the database refused a grant: over capacity
     │   │   └── DuplicateLease         409  (store) the database refused a grant: the kernel holds one
@@ -63,6 +64,7 @@ __all__ = [
     "LeaseGone",
     "LeaseNotFound",
     "LeaseRevoked",
+    "MethodNotAllowed",
     "NoCapacity",
     "NoGPUFound",
     "NodeNotFound",
@@ -135,6 +137,13 @@ class LeaseNotFound(GPULeaseError):
 
 class NodeNotFound(LeaseNotFound):
     """404: no node of that name is registered (its agent must ``PUT`` it first)."""
+
+
+class MethodNotAllowed(GPULeaseError):
+    """405: the URL exists but does not take this method (tornado's answer, as JSON)."""
+
+    code = "method_not_allowed"
+    status = 405
 
 
 class Conflict(GPULeaseError):

@@ -30,7 +30,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from .model import PPM, Lease, QueueRecord, attribution
+from .model import Lease, QueueRecord, attribution
+from .wire import ppm_to_fraction
 
 __all__ = ["MAX_POINTS", "Point", "bucket_starts", "compute"]
 
@@ -170,8 +171,8 @@ def compute(
         points.append(
             Point(
                 t=t0,
-                allocated=round(allocated[k][0] / PPM, 6),
-                allocated_max=round(allocated[k][1] / PPM, 6),
+                allocated=round(ppm_to_fraction(allocated[k][0]), 6),
+                allocated_max=round(ppm_to_fraction(allocated[k][1]), 6),
                 queue=round(queued[k][0], 4),
                 queue_max=queued[k][1],
                 grants=grants[k],

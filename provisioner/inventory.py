@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import socket
 import uuid
 from types import ModuleType
 from typing import Any
 
 from .errors import InventoryError, NoGPUFound
 from .model import GPU
+from .wire import this_node
 
 #: the node of static entries that do not name one
 DEFAULT_NODE = "local"
@@ -183,7 +183,7 @@ def discover_nvml(node: str | None = None, *, nvml: ModuleType | Any = NVML_MODU
     except ImportError as exc:
         raise _no_gpu("nvidia-ml-py is not installed") from exc
     error_types = _error_types(nvml)
-    host = node or socket.gethostname()
+    host = node or this_node()
     try:
         nvml.nvmlInit()
     except error_types as exc:

@@ -25,16 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidRequest
-from .model import (
-    ENFORCEMENTS,
-    PPM,
-    fraction_to_ppm,
-    memory_cap_mb,
-    min_ppm_for,
-    ppm_to_fraction,
-    reserved_mb,
-    validate_fraction,
-)
+from .model import memory_cap_mb, min_memory_mb_for, min_ppm_for, reserved_mb, validate_fraction
+from .wire import DEFAULT_CONTEXT_OVERHEAD_MB, ENFORCEMENTS, fraction_to_ppm, ppm_to_fraction
 
 PROVISIONER_NAME = "gpu-lease-provisioner"
 READY_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -147,18 +139,13 @@ def gpu_config(spec: dict[str, Any]) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else {}
 
 
-#: MiB every CUDA process takes outside any framework cap (the broker's default)
-DEFAULT_CONTEXT_OVERHEAD_MB = 512
-
-
 def smallest_gpu_mb(fraction: float, context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB) -> int:
     """The least GPU memory (MiB) on which ``fraction`` leaves the kernel a cap of 1 MiB or more.
 
     The broker reserves ``floor(f·M)`` and caps the kernel at that minus the context
     overhead (``model.memory_cap_mb``).
     """
-    ppm = fraction_to_ppm(validate_fraction(fraction))
-    return math.ceil((context_overhead_mb + 1) * PPM / ppm)
+    return min_memory_mb_for(fraction_to_ppm(validate_fraction(fraction)), context_overhead_mb)
 
 
 def fit_problem(fraction: float, gpus: list[dict[str, Any]]) -> str | None:

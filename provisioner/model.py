@@ -3,7 +3,8 @@
 Nothing here does I/O or reads the clock: times are POSIX seconds passed in by the
 caller. Fractions are kept as integer parts per million (``ppm``) so that fifty
 leases of 0.02 fill a GPU exactly, with no float drift; they are converted to and
-from floats only at the edges (JSON, kernel.json, CLI).
+from floats only at the edges (JSON, kernel.json, CLI) by :mod:`provisioner.wire`'s
+``fraction_to_ppm`` / ``ppm_to_fraction``, whose states and modes this module uses.
 """
 
 from __future__ import annotations
@@ -11,15 +12,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, get_args
+from typing import Any
 
 from .errors import InvalidRequest
 
-PPM = 1_000_000
-
-#: a lease's ``state``: ``active``, then one of the ways it ends
-LeaseState = Literal["active", "revoked", "released", "expired"]
-LEASE_STATES: tuple[LeaseState, ...] = get_args(LeaseState)
+# the wire's vocabulary, re-exported for the core's callers (its one home is wire.py)
+from .wire import DEFAULT_ENFORCE_MODE
+from .wire import ENFORCEMENTS as ENFORCEMENTS
+from .wire import LEASE_STATES as LEASE_STATES
+from .wire import MPS_STATES as MPS_STATES
+from .wire import NODE_STATES as NODE_STATES
+from .wire import PPM as PPM
+from .wire import LeaseState as LeaseState
+from .wire import fraction_to_ppm as fraction_to_ppm
+from .wire import ppm_to_fraction as ppm_to_fraction
 
 #: quota levels, most general first: a user's own quota wins, else the most generous
 #: of their groups', else the default
@@ -27,6 +33,26 @@ QUOTA_LEVELS: tuple[str, ...] = ("default", "group", "user")
 #: the named levels' plurals, as in ``/api/v1/quotas/users/{name}`` and the keys of
 #: ``GET /api/v1/quotas`` (``{"default": ..., "groups": {...}, "users": {...}}``)
 QUOTA_LEVEL_PLURALS: dict[str, str] = {"group": "groups", "user": "users"}
+
+
+def quota_key_problem(level: str, name: str) -> str | None:
+    """Why ``(level, name)`` names no quota, as a sentence, else None: the level is one of
+    :data:`QUOTA_LEVELS`; the default quota has no name, a group's or a user's has one.
+    The store refuses such a key (``ValueError``), the service and the client too
+    (:class:`InvalidRequest`)."""
+    if level not in QUOTA_LEVELS:
+        *others, last = (repr(lv) for lv in QUOTA_LEVELS)
+        return f"Unknown quota level {brief(level)}: use {', '.join(others)} or {last}."
+    if level == "default" and name:
+        return (
+            f"The default quota has no name (got {brief(name)}): leave the name out, or use "
+            "the level 'user' or 'group'."
+        )
+    if level != "default" and not name:
+        return f"A {level} quota needs the {level} name."
+    return None
+
+
 #: a quota's fields on the wire (REST API v1, ``gpu-lease quota``), pairwise with
 #: :attr:`Quota.FIELDS`: fractions travel as floats, the budget window as seconds
 QUOTA_FIELDS: tuple[str, ...] = (
@@ -37,13 +63,6 @@ QUOTA_FIELDS: tuple[str, ...] = (
     "budget_window",
     "priority",
 )
-#: how a kernel's GPU memory cap is held: by the frameworks' own caps, or also by MPS
-ENFORCEMENTS: tuple[str, ...] = ("cooperative", "mps")
-
-
-def fraction_to_ppm(fraction: float) -> int:
-    """0.02 -> 20000. The caller has validated the fraction (:func:`validate_fraction`)."""
-    return int(round(fraction * PPM))
 
 
 def validate_fraction(
@@ -86,11 +105,6 @@ def brief(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def ppm_to_fraction(ppm: int) -> float:
-    """20000 -> 0.02 (a float for JSON; exact arithmetic stays in ppm)."""
-    return ppm / PPM
-
-
 def reserved_mb(ppm: int, memory_mb: int) -> int:
     """GPU memory (MiB) a lease of ``ppm`` reserves on a GPU of ``memory_mb`` MiB: floor(f·M)."""
     return ppm * memory_mb // PPM
@@ -105,6 +119,12 @@ def min_ppm_for(memory_mb: int, context_overhead_mb: int) -> int:
     """The smallest fraction (ppm) whose memory cap on this GPU is at least 1 MiB."""
     # smallest p with p*M // PPM >= overhead + 1  <=>  p*M >= (overhead+1)*PPM
     return max(1, math.ceil((context_overhead_mb + 1) * PPM / memory_mb))
+
+
+def min_memory_mb_for(ppm: int, context_overhead_mb: int) -> int:
+    """The least GPU memory (MiB) on which a lease of ``ppm`` gets a cap of at least 1 MiB
+    (:func:`min_ppm_for` turned round: the smallest M with ``p*M // PPM >= overhead + 1``)."""
+    return math.ceil((context_overhead_mb + 1) * PPM / ppm)
 
 
 NO_GROUP = ""
@@ -158,13 +178,6 @@ class Identity:
     node: str | None = None
 
 
-#: what ``GET /api/v1/nodes`` says of a node: its agent heartbeats, is silent longer than
-#: the grace, or was stopped cleanly (no new leases there; held ones stay)
-NODE_STATES = ("up", "lost", "drained")
-#: a GPU's MPS control daemon as its node agent (``--mps``) reports it
-MPS_STATES = ("running", "down")
-
-
 @dataclass
 class Node:
     """A GPU node as its agent registered it (``PUT /api/v1/nodes/{node}``)."""
@@ -177,7 +190,7 @@ class Node:
     last_seen: float
     drained: bool = False
     #: the agent's ``--enforce`` mode: off | report | revoke | kill
-    enforce: str = "report"
+    enforce: str = DEFAULT_ENFORCE_MODE
     #: the last heartbeat's ``(pid, gpu_uuid, used_mb)`` samples
     usage: list[tuple[int, str, int]] = field(default_factory=list)
     #: the samples of that heartbeat that belong to no lease

@@ -36,7 +36,7 @@ import os
 import signal
 from collections.abc import Sequence
 
-from .model import MPS_STATES
+from .wire import MPS_STATES
 
 log = logging.getLogger("gpu_lease.agent.mps")
 

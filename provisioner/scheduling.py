@@ -50,7 +50,6 @@ from typing import Any
 from .errors import CannotFit, Conflict, Forbidden, QuotaExceeded, UnknownGPU
 from .model import (
     GPU,
-    PPM,
     Changes,
     Grant,
     Lease,
@@ -61,8 +60,9 @@ from .model import (
     Request,
     memory_cap_mb,
     min_ppm_for,
-    ppm_to_fraction,
+    reserved_mb,
 )
+from .wire import DEFAULT_CONTEXT_OVERHEAD_MB, PPM, may_use_course, ppm_to_fraction
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Policy:
     """The knobs of the core. The broker fills these from its traitlets config."""
 
     ttl: float = 90.0
-    context_overhead_mb: int = 512
+    context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB
     reserve_ppm: int = 0
     placement: str = "best-fit"  # or "spread"; "first-fit" is the simulator's baseline
     backfill: bool = True
@@ -209,7 +209,7 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
         smallest = min_ppm_for(biggest.memory_mb, overhead)
         raise CannotFit(
             f"A GPU fraction of {fraction:g} gives at most "
-            f"{ask.fraction_ppm * biggest.memory_mb // PPM} MiB on a {biggest.name} "
+            f"{reserved_mb(ask.fraction_ppm, biggest.memory_mb)} MiB on a {biggest.name} "
             f"({biggest.memory_mb} MiB), not more than the {overhead} MiB every CUDA process "
             f"needs for its context. The smallest fraction that works is "
             f"{ppm_to_fraction(smallest):g}.",
@@ -384,7 +384,7 @@ def never_allowed(quota: Quota, ppm: int) -> str | None:
 
 def check_course(ask: Ask) -> None:
     """Course kernelspecs carry ``group``: only its members (and admins) may use them."""
-    if ask.group is not None and not ask.admin and ask.group not in ask.groups:
+    if not may_use_course(ask.group, ask.groups, ask.admin):
         raise Forbidden(
             f"This kernel is reserved for course {ask.group!r}, and you are not a member of it. "
             "Ask your instructor to add you to the course, or choose another kernel.",

@@ -72,7 +72,6 @@ from .model import (
     GPU,
     LEASE_STATES,
     QUEUE_OUTCOMES,
-    QUOTA_LEVELS,
     Lease,
     Node,
     QueueRecord,
@@ -80,6 +79,7 @@ from .model import (
     QuotaBook,
     Request,
     attribution,
+    quota_key_problem,
 )
 from .store_engine import (
     DEFAULT_PG_TIMEOUT,
@@ -300,10 +300,9 @@ class Store(LeaseWrites):
 
     @staticmethod
     def _check_level(level: str, name: str) -> None:
-        if level not in QUOTA_LEVELS:
-            raise ValueError(f"quota level must be one of {', '.join(QUOTA_LEVELS)}, not {level!r}")
-        if (level == "default") != (name == ""):
-            raise ValueError("the default quota has the name '', group and user quotas a name")
+        why = quota_key_problem(level, name)
+        if why:
+            raise ValueError(why)
 
     def put_quota(self, level: str, name: str, quota: Quota) -> None:
         """Set (replace) the quota of the default (name ``''``), a group or a user."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .model import QUOTA_LEVEL_PLURALS
+from .wire import COOPERATIVE
 
 #: quota fields in the order the CLI shows them, with their column titles
 QUOTA_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -113,7 +114,7 @@ def enforced(lease: Mapping[str, Any]) -> str:
     """The layers beyond the kernel's own framework caps that hold its memory cap, as the
     broker knows them: ``cooperative`` (none), ``agent-revoke`` (the node agent's mode),
     ``+mps`` / ``+mps down`` (the GPU's MPS daemon, for kernels with enforcement=mps)."""
-    out = str(lease.get("enforcement") or "cooperative")
+    out = str(lease.get("enforcement") or COOPERATIVE)
     mps = lease.get("mps")
     if mps == "running":
         out += "+mps"

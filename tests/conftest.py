@@ -25,6 +25,8 @@ import pytest
 
 from provisioner.devtools.testing import BrokerProcess
 
+from .conformance import Conformance, served_document
+
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -128,6 +130,8 @@ class Broker(BrokerProcess):
 
     def __init__(self, tmp: Path, db_url: str, extra: tuple[str, ...] = (), env: Any = None):
         super().__init__(tmp, db_url, USERS, extra=extra, env=env)
+        #: every answer its clients got, checked against its document when it stops
+        self.conformance = Conformance()
 
     def problems(self) -> list[str]:
         """Lines of every run's log that show a crash inside the broker."""
@@ -144,10 +148,17 @@ class Broker(BrokerProcess):
 
     @contextlib.contextmanager
     def running(self, timeout: float = 20.0) -> Iterator[Broker]:
-        """:meth:`BrokerProcess.running`; then a crash in its log fails the test."""
+        """:meth:`BrokerProcess.running`; then a crash in its log, or an answer that its
+        OpenAPI document refuses (:mod:`tests.conformance`), fails the test."""
         with super().running(timeout):
+            document = served_document(self.url)
             yield self
         assert not self.problems(), "the broker logged errors:\n" + "\n".join(self.problems())
+        checked, refused = self.conformance.problems(document)
+        assert not refused, (
+            f"{len(refused)} of {checked} answers do not match the broker's OpenAPI document:\n"
+            + "\n".join(refused)
+        )
 
     # -- helpers for tests ---------------------------------------------------------
     def headers(self, user: str | None) -> dict[str, str]:
@@ -155,6 +166,7 @@ class Broker(BrokerProcess):
 
     def client(self, user: str | None = None, **kwargs: Any) -> httpx.AsyncClient:
         kwargs.setdefault("timeout", 30.0)
+        kwargs.setdefault("event_hooks", self.conformance.hooks())
         return httpx.AsyncClient(
             base_url=f"{self.url}/api/v1", headers=self.headers(user), **kwargs
         )

@@ -1,6 +1,6 @@
 """Authorization and secrets, against a REAL broker subprocess (``conftest.broker``).
 
-- The matrix: every route of the OpenAPI document (``openapi.ROUTES``) x every kind
+- The matrix: every route of the OpenAPI document (``routes.ROUTES``) x every kind
   of caller, with the status each must get, as one table (:data:`EXPECTED`).
 - Lease ids are unguessable: 1000 ids from real acquires.
 - No secret in kernel.json, in the broker's log (debug level), in error bodies, or in
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from provisioner import kernelspecs as ks
-from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES
+from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
 
 from .conftest import Broker
 from .hostile import FORGED, add_tokens, assert_capacity, secrets_of
@@ -151,7 +151,9 @@ def test_authorization_matrix(broker: Broker) -> None:
     matrix_tokens(broker)
     got: dict[tuple[str, str], tuple[int, ...]] = {}
     errors_seen: list[str] = []
-    with httpx.Client(base_url=broker.url, timeout=30) as c:
+    with httpx.Client(
+        base_url=broker.url, timeout=30, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
 
         def as_(label: str | None, method: str, path: str, body: Any = None) -> httpx.Response:
             return c.request(method, path, headers=broker.headers(label), json=body)
@@ -228,7 +230,9 @@ def test_static_token_expiry_is_checked_on_every_request(broker: Broker) -> None
             "iso": {"user": "bob", "expires_at": "2999-12-31"},
         },
     )
-    with httpx.Client(base_url=f"{broker.url}/api/v1", timeout=10) as c:
+    with httpx.Client(
+        base_url=f"{broker.url}/api/v1", timeout=10, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
         assert c.get("/gpus", headers=broker.headers("soon")).status_code == 200
         assert c.get("/gpus", headers=broker.headers("iso")).status_code == 200
         time.sleep(1.6)
@@ -250,7 +254,10 @@ def test_lease_ids_are_unguessable(broker: Broker) -> None:
     """1000 real acquires: 1000 distinct 128-bit random ids, no order, no structure."""
     ids: list[str] = []
     with httpx.Client(
-        base_url=f"{broker.url}/api/v1", headers=broker.headers("alice"), timeout=30
+        base_url=f"{broker.url}/api/v1",
+        headers=broker.headers("alice"),
+        timeout=30,
+        event_hooks=broker.conformance.sync_hooks(),
     ) as c:
         for n in range(1000):
             r = c.post("/leases", json={"kernel_id": f"k{n}", "fraction": 0.0005})
@@ -322,7 +329,9 @@ def test_no_token_in_the_debug_log_or_in_errors(broker: Broker) -> None:
         {"Authorization": f"token {FORGED}"},
         {"Authorization": f"token {broker.tokens['admin']}"},
     ]
-    with httpx.Client(base_url=f"{broker.url}/api/v1", timeout=10) as c:
+    with httpx.Client(
+        base_url=f"{broker.url}/api/v1", timeout=10, event_hooks=broker.conformance.sync_hooks()
+    ) as c:
         for h in headers_variants:
             for method, path, body in (
                 ("GET", "/gpus", None),

@@ -78,7 +78,7 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
         assert (await anon.get("/openapi.json")).json()["openapi"].startswith("3.")
         assert_error(await anon.get("/gpus"), 401, "not_authenticated")
         assert_error(await anon.get("/nope"), 404, "not_found")
-    async with httpx.AsyncClient() as raw:
+    async with httpx.AsyncClient(event_hooks=broker.conformance.hooks()) as raw:
         metrics = await raw.get(f"{broker.url}/metrics")
         assert metrics.status_code == 200 and "gpu_lease_" in metrics.text
         index = await raw.get(f"{broker.url}/")
@@ -95,9 +95,11 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
 
 
 async def test_every_documented_route_is_served(broker: Broker) -> None:
-    from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES
+    from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
 
-    async with httpx.AsyncClient(base_url=broker.url, headers=broker.headers("admin")) as c:
+    async with httpx.AsyncClient(
+        base_url=broker.url, headers=broker.headers("admin"), event_hooks=broker.conformance.hooks()
+    ) as c:
         for method, template in ROUTES:
             path = template.replace("{lease_id}", "no-such-lease").replace("{name}", "alice")
             body = {} if method in ("POST", "PUT") else None
@@ -105,7 +107,9 @@ async def test_every_documented_route_is_served(broker: Broker) -> None:
             assert r.status_code != 405, (method, path, r.text)
             assert "no such endpoint" not in r.text, (method, path)
             assert r.status_code < 500, (method, path, r.text)
-    async with httpx.AsyncClient(base_url=broker.url) as anon:
+    async with httpx.AsyncClient(
+        base_url=broker.url, event_hooks=broker.conformance.hooks()
+    ) as anon:
         for method, path in PUBLIC_ROUTES:
             assert (await anon.request(method, path)).status_code == 200, path
 
@@ -268,7 +272,9 @@ async def test_missing_or_forged_token_is_401(broker: Broker) -> None:
         {"Authorization": "token"},
         {"Authorization": f"token {real} extra"},
     ]
-    async with httpx.AsyncClient(base_url=f"{broker.url}/api/v1") as c:
+    async with httpx.AsyncClient(
+        base_url=f"{broker.url}/api/v1", event_hooks=broker.conformance.hooks()
+    ) as c:
         for headers in cases:
             for method, path in [("GET", "/gpus"), ("POST", "/leases"), ("GET", "/usage")]:
                 r = await c.request(
@@ -506,7 +512,7 @@ async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
     """Fill the V100, queue two, withdraw one, release: the history shows it all."""
     from openapi_schema_validator import OAS30Validator
 
-    from provisioner.broker.openapi import build_openapi
+    from provisioner.broker.routes import build_openapi
 
     doc = build_openapi()
     schema = OAS30Validator(
@@ -742,7 +748,7 @@ async def test_kill9_mid_load_then_every_client_has_one_lease_or_one_place(broke
 @pytest.mark.broker_args("--base-url", "/services/gpu-lease/", "--metrics-require-auth")
 async def test_served_under_the_hub_service_prefix(broker: Broker) -> None:
     root = f"http://127.0.0.1:{broker.port}"
-    async with httpx.AsyncClient(base_url=root) as c:
+    async with httpx.AsyncClient(base_url=root, event_hooks=broker.conformance.hooks()) as c:
         assert (await c.get("/services/gpu-lease/api/v1/health")).status_code == 200
         assert_error(await c.get("/api/v1/health"), 404)
         for path in ("/services/gpu-lease/", "/services/gpu-lease"):

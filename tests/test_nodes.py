@@ -51,7 +51,12 @@ class NodeBroker(Broker):
         self.tokens_file.write_text(json.dumps(data))
 
     def http(self, who: str) -> httpx.Client:
-        return httpx.Client(base_url=f"{self.url}/api/v1", headers=self.headers(who), timeout=30)
+        return httpx.Client(
+            base_url=f"{self.url}/api/v1",
+            headers=self.headers(who),
+            timeout=30,
+            event_hooks=self.conformance.sync_hooks(),
+        )
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from openapi_schema_validator import OAS30Validator
 from openapi_spec_validator import validate
 
 from provisioner._version import __version__
-from provisioner.broker.openapi import PUBLIC_ROUTES, ROUTES, build_openapi, documented_routes
+from provisioner.broker.openapi import documented_routes
+from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES, build_openapi
 from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Lease, Quota
 

@@ -39,8 +39,9 @@ from tornado import web
 from .. import errors
 from .._version import __version__
 from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
-from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, ppm_to_fraction
+from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, reserved_mb
 from ..scheduling import EffectiveQuota, Policy
+from ..wire import error_code, ppm_to_fraction
 from . import validation
 from .auth import Authenticator, token_from_header
 from .service import (
@@ -76,15 +77,6 @@ MAX_BODY_BYTES = 64 * 1024
 DRAIN_LIMIT = 4 * 1024 * 1024
 #: seconds a queued client is told to wait before it posts again
 RETRY_AFTER_QUEUED = 2
-
-_TORNADO_CODES = {
-    400: "invalid_request",
-    401: "not_authenticated",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "body_too_large",
-}
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -140,7 +132,7 @@ def gpu_json(h: GPUHolding, policy: Policy) -> dict[str, Any]:
         **g.to_json(),
         "index": g.index,
         "allocated_fraction": ppm_to_fraction(h.allocated_ppm),
-        "allocated_mb": h.allocated_ppm * g.memory_mb // 1_000_000,
+        "allocated_mb": reserved_mb(h.allocated_ppm, g.memory_mb),
         "capacity_fraction": ppm_to_fraction(policy.capacity_ppm),
         "min_fraction": ppm_to_fraction(min_ppm_for(g.memory_mb, policy.context_overhead_mb)),
         "context_overhead_mb": policy.context_overhead_mb,
@@ -370,7 +362,7 @@ class APIHandler(web.RequestHandler):
                 # send to the active broker
                 self.set_header("Connection", "close")
         elif isinstance(exc, web.HTTPError) and status_code < 500:
-            body = {"error": _TORNADO_CODES.get(status_code, "http_error")}
+            body = {"error": error_code(status_code)}
             if status_code == 404:
                 body["message"] = (
                     f"There is no such endpoint: {self.request.method} {self.request.path}. "
@@ -512,11 +504,19 @@ class HealthHandler(APIHandler):
 
 
 class OpenAPIHandler(APIHandler):
+    """``GET {p}api/v1/openapi.json``: the document the route table builds (``document``,
+    ``routes.build_openapi``, handed in by the table, which sits above the handlers)."""
+
+    def initialize(
+        self, public: bool = False, document: Callable[[str], dict[str, Any]] | None = None
+    ) -> None:
+        super().initialize(public)
+        assert document is not None, "the route table hands the document's builder in"
+        self.document = document
+
     @api
     def get(self) -> None:
-        from .openapi import build_openapi
-
-        self.write_json(build_openapi(self.base_url))
+        self.write_json(self.document(self.base_url))
 
 
 class MetricsHandler(APIHandler):

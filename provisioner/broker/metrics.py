@@ -46,8 +46,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .._version import __version__
-from ..model import PPM, PoolState, ppm_to_fraction, reserved_mb
+from ..model import PoolState, reserved_mb
 from ..scheduling import Policy
+from ..wire import ppm_to_fraction
 
 #: group-commit batch sizes (mutations per transaction)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -204,7 +205,7 @@ class _PoolCollector(Collector):
                 labels=["user"],
             )
             for user, ppm in sorted(dict(state.held_by_user).items()):
-                held.add_metric([user], ppm / PPM)
+                held.add_metric([user], ppm_to_fraction(ppm))
             yield held
 
 

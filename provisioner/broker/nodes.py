@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from .. import scheduling
 from ..errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
 from ..model import GPU, Identity, Lease, Node
+from ..wire import NODE_STATES
 from .core import ServiceCore, require_admin
 
 log = logging.getLogger("gpu_lease.broker")
@@ -271,7 +272,7 @@ class NodeService:
     def node_states(self) -> dict[str, int]:
         """How many registered nodes are up, lost and drained (for /metrics)."""
         now = self.core.clock()
-        counts = dict.fromkeys(("up", "lost", "drained"), 0)
+        counts = dict.fromkeys(NODE_STATES, 0)
         for node in self.core.nodes.values():
             counts[scheduling.node_state(node, now, self.core.policy)] += 1
         return counts

@@ -1,13 +1,12 @@
-"""The OpenAPI 3.0.3 document of REST API v1, served at ``GET /api/v1/openapi.json``.
+"""The OpenAPI 3.0.3 document of REST API v1: its schemas, and the builder of the document.
 
-:func:`build_openapi` is a pure builder (no I/O): the schemas and error responses
-live here, the paths and their operations come from the route table
-(:data:`provisioner.broker.routes.TABLE`), which also gives tornado its URL patterns,
-so the document and the served routes cannot drift apart. :data:`ROUTES` and
-:data:`PUBLIC_ROUTES` (re-exported from there) list the documented
-``(METHOD, path template)`` pairs and those that need no token. Paths are relative to
-the server URL: behind JupyterHub the broker passes its ``JUPYTERHUB_SERVICE_PREFIX``
-as ``base_url`` (e.g. ``/services/gpu-lease/``) and the paths stay ``/api/v1/...``.
+Pure (no I/O) and below the route table: every schema here is built from the wire's
+vocabulary (:mod:`provisioner.wire`: states, modes, limits, error statuses), so a
+field's documented values are the values the broker sends and accepts; the paths come
+from the route table, which passes them in: :func:`provisioner.broker.routes.build_openapi`
+serves ``GET /api/v1/openapi.json`` (``build_document`` here assembles it). This module
+imports nothing of the broker, so the table may import it (the schema building blocks
+:func:`schema_ref`, :func:`json_response`, :func:`error_refs` live here).
 """
 
 from __future__ import annotations
@@ -15,23 +14,30 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from .. import wire
 from .._version import __version__
-from .routes import PUBLIC_ROUTES, ROUTES, openapi_paths
-from .routes import json_response as _json
-from .routes import schema_ref as _ref
+from ..wire import enum_schema
 
-_ERROR_TEXT = {
-    "400": "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction, "
-    "an unprintable or over-long id or name in the URL or query).",
-    "401": "Missing or invalid token.",
-    "403": "Not allowed: quota exceeded, not a member of the course, or not an admin.",
-    "404": "No such lease or record, or another user's (answered alike: no oracle).",
-    "409": "Conflict: this kernel already holds a lease of another fraction.",
-    "410": "The lease has ended (revoked or expired); the body's reason says why.",
-    "413": "Request body too large.",
-    "422": "Can never fit: above the largest GPU, or below the CUDA context overhead.",
-    "503": "The broker's database is unavailable; nothing was changed.",
-}
+
+def schema_ref(name: str) -> dict[str, str]:
+    """``{"$ref": "#/components/schemas/NAME"}``."""
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def json_response(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """An OpenAPI response (or request body content) of JSON with ``schema``."""
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def error_refs(*codes: str) -> dict[str, Any]:
+    """Responses ``{"403": {"$ref": "#/components/responses/E403"}, ...}``."""
+    unknown = [c for c in codes if int(c) not in wire.ERROR_TEXT]
+    assert not unknown, f"no documented error response for {unknown} (wire.ERROR_TEXT)"
+    return {code: {"$ref": f"#/components/responses/E{code}"} for code in codes}
+
+
+_ref = schema_ref
+_json = json_response
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
@@ -39,19 +45,19 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 #: the broker counts fractions in millionths (ppm): 0.000001 is the smallest it accepts
-_FRACTION = {"type": "number", "minimum": 0.000001, "maximum": 1}
+_FRACTION = {"type": "number", "minimum": 1 / wire.PPM, "maximum": 1}
 _TIME = {"type": "number", "description": "POSIX time in seconds."}
 _MPS_STATES: dict[str, Any] = {
     "type": "object",
-    "maxProperties": 64,
-    "additionalProperties": {"type": "string", "enum": ["running", "down"]},
+    "maxProperties": wire.MAX_NODE_GPUS,
+    "additionalProperties": enum_schema(wire.MPS_STATES),
     "description": "GPU uuid -> state of its MPS control daemon (agents with --mps).",
 }
-#: a Unix uid (uid_t is 32 bits; (uid_t)-1 means "none")
-_UID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": 2**32 - 2}
+#: a Unix uid (``wire.MAX_UID``: uid_t is 32 bits; (uid_t)-1 means "none")
+_UID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": wire.MAX_UID}
 _MPS_UIDS: dict[str, Any] = {
     "type": "object",
-    "maxProperties": 64,
+    "maxProperties": wire.MAX_NODE_GPUS,
     "additionalProperties": _nullable(_UID),
     "description": "GPU uuid -> the Unix uid its MPS server serves clients of now (null: no "
     "server, or one without clients; agents with --mps). MPS serves one uid per GPU at a "
@@ -64,7 +70,7 @@ _QUOTA_PROPS: dict[str, Any] = {
         {
             "type": "number",
             "minimum": 0,
-            "maximum": 1000000,
+            "maximum": wire.MAX_QUOTA_FRACTION,
             "description": "Sum of GPU fractions held at once (may exceed 1: several GPUs); "
             "0, or at least 0.000001.",
         }
@@ -73,7 +79,7 @@ _QUOTA_PROPS: dict[str, Any] = {
         {
             "type": "integer",
             "minimum": 0,
-            "maximum": 1000000,
+            "maximum": wire.MAX_QUOTA_LEASES,
             "description": "Active leases at once.",
         }
     ),
@@ -84,7 +90,7 @@ _QUOTA_PROPS: dict[str, Any] = {
         {
             "type": "number",
             "minimum": 0,
-            "maximum": 1000000000,
+            "maximum": wire.MAX_BUDGET_FRACTION_HOURS,
             "description": "Fraction-hours that may be used per budget_window.",
         }
     ),
@@ -93,15 +99,15 @@ _QUOTA_PROPS: dict[str, Any] = {
         "from 1 second to 10 years. Answers always give seconds.",
         # OAS 3.0: ``nullable`` needs a ``type``, so each branch is nullable (anyOf, not oneOf)
         "anyOf": [
-            {"type": "integer", "minimum": 1, "maximum": 316224000, "nullable": True},
+            {"type": "integer", "minimum": 1, "maximum": wire.MAX_WINDOW_S, "nullable": True},
             {"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?\s*[smhdw]$", "nullable": True},
         ],
     },
     "priority": _nullable(
         {
             "type": "integer",
-            "minimum": -1000,
-            "maximum": 1000,
+            "minimum": wire.PRIORITY_RANGE[0],
+            "maximum": wire.PRIORITY_RANGE[1],
             "description": "Group queue priority: higher is served first (groups only).",
         }
     ),
@@ -189,7 +195,7 @@ _SCHEMAS: dict[str, Any] = {
             "kernel_id": {
                 "type": "string",
                 "minLength": 1,
-                "maxLength": 255,
+                "maxLength": wire.MAX_ID_CHARS,
                 "description": "The kernel's id: printable characters (no control characters).",
             },
             "fraction": {**_FRACTION, "example": 0.02},
@@ -197,14 +203,14 @@ _SCHEMAS: dict[str, Any] = {
             "gpu_uuids": {
                 "type": "array",
                 "items": {"type": "string"},
-                "maxItems": 64,
+                "maxItems": wire.MAX_GPU_UUIDS,
                 "description": "Place only on these GPUs.",
             },
             "group": {"type": "string", "description": "Course (group) the kernelspec belongs to."},
             "wait": {
                 "type": "number",
                 "minimum": 0,
-                "maximum": 300,
+                "maximum": wire.MAX_WAIT,
                 "default": 0,
                 "description": "Seconds to hold the answer while queued (long-poll).",
             },
@@ -232,7 +238,7 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "The kernel's framework memory cap (MiB): the reserved "
                 "fraction of the GPU's memory minus the CUDA context overhead.",
             },
-            "state": {"type": "string", "enum": ["active", "revoked", "released", "expired"]},
+            "state": enum_schema(wire.LEASE_STATES),
             "group": _nullable({"type": "string"}),
             "created_at": _TIME,
             "renewed_at": _TIME,
@@ -247,19 +253,18 @@ _SCHEMAS: dict[str, Any] = {
                     "last reported (null: no agent reports this GPU).",
                 }
             ),
-            "enforcement": {
-                "type": "string",
-                "description": "The layer that holds the memory cap: 'cooperative' (framework "
-                "caps only), or 'agent-off' / 'agent-report' / 'agent-revoke' / 'agent-kill'.",
-            },
-            "mps": _nullable(
-                {
-                    "type": "string",
-                    "enum": ["running", "down"],
-                    "description": "The MPS control daemon of the lease's GPU, as its node "
-                    "agent (--mps) last reported it (null: no agent runs one). A kernel "
-                    "with enforcement=mps is capped by the driver only while it runs.",
-                }
+            "enforcement": enum_schema(
+                wire.LEASE_ENFORCEMENTS,
+                description="The layer that holds the memory cap: 'cooperative' (framework "
+                "caps only: no agent on the lease's node), or 'agent-MODE' (the node "
+                "agent's --enforce mode).",
+            ),
+            "mps": enum_schema(
+                wire.MPS_STATES,
+                nullable=True,
+                description="The MPS control daemon of the lease's GPU, as its node "
+                "agent (--mps) last reported it (null: no agent runs one). A kernel "
+                "with enforcement=mps is capped by the driver only while it runs.",
             ),
             "mps_uid": _nullable(
                 {
@@ -329,13 +334,13 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "pid": {"type": "integer", "minimum": 1, "maximum": 4294967296},
+            "pid": {"type": "integer", "minimum": 1, "maximum": wire.MAX_KERNEL_PID},
             "execution_state": {
                 "type": "string",
-                "pattern": "^[A-Za-z0-9_-]{1,32}$",
+                "pattern": f"^[A-Za-z0-9_-]{{1,{wire.MAX_EXECUTION_STATE_CHARS}}}$",
                 "example": "idle",
             },
-            "last_activity": {**_TIME, "minimum": 0, "maximum": 100000000000},
+            "last_activity": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
         },
     },
     "Revoke": {
@@ -346,7 +351,7 @@ _SCHEMAS: dict[str, Any] = {
             "reason": {
                 "type": "string",
                 "minLength": 1,
-                "maxLength": 500,
+                "maxLength": wire.MAX_REASON_CHARS,
                 "description": "Why, for the student (shown when their kernel stops).",
             }
         },
@@ -517,10 +522,15 @@ _SCHEMAS: dict[str, Any] = {
         "additionalProperties": False,
         "required": ["uuid", "name", "memory_mb", "index"],
         "properties": {
-            "uuid": {"type": "string", "minLength": 1, "maxLength": 128},
-            "name": {"type": "string", "minLength": 1, "maxLength": 255, "example": "H100"},
-            "memory_mb": {"type": "integer", "minimum": 1, "maximum": 16777216},
-            "index": {"type": "integer", "minimum": 0, "maximum": 1023},
+            "uuid": {"type": "string", "minLength": 1, "maxLength": wire.MAX_UUID_CHARS},
+            "name": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_ID_CHARS,
+                "example": "H100",
+            },
+            "memory_mb": {"type": "integer", "minimum": 1, "maximum": wire.MAX_GPU_MEMORY_MB},
+            "index": {"type": "integer", "minimum": 0, "maximum": wire.MAX_GPU_INDEX},
         },
     },
     "NodeRegistration": {
@@ -528,9 +538,13 @@ _SCHEMAS: dict[str, Any] = {
         "additionalProperties": False,
         "required": ["gpus", "agent_version"],
         "properties": {
-            "gpus": {"type": "array", "maxItems": 64, "items": _ref("NodeGPU")},
-            "agent_version": {"type": "string", "minLength": 1, "maxLength": 64},
-            "enforce": {"type": "string", "enum": ["off", "report", "revoke", "kill"]},
+            "gpus": {"type": "array", "maxItems": wire.MAX_NODE_GPUS, "items": _ref("NodeGPU")},
+            "agent_version": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_VERSION_CHARS,
+            },
+            "enforce": enum_schema(wire.ENFORCE_MODES, default=wire.DEFAULT_ENFORCE_MODE),
         },
     },
     "UsageSample": {
@@ -538,17 +552,21 @@ _SCHEMAS: dict[str, Any] = {
         "additionalProperties": False,
         "required": ["pid", "gpu_uuid", "used_mb"],
         "properties": {
-            "pid": {"type": "integer", "minimum": 1, "maximum": 2147483647},
-            "gpu_uuid": {"type": "string", "minLength": 1, "maxLength": 128},
-            "used_mb": {"type": "integer", "minimum": 0, "maximum": 16777216},
+            "pid": {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID},
+            "gpu_uuid": {"type": "string", "minLength": 1, "maxLength": wire.MAX_UUID_CHARS},
+            "used_mb": {"type": "integer", "minimum": 0, "maximum": wire.MAX_GPU_MEMORY_MB},
         },
     },
     "NodeHeartbeat": {
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "usage": {"type": "array", "maxItems": 4096, "items": _ref("UsageSample")},
-            "at": {**_TIME, "minimum": 0, "maximum": 100000000000},
+            "usage": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "items": _ref("UsageSample"),
+            },
+            "at": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
             "mps": _MPS_STATES,
             "mps_uid": _MPS_UIDS,
         },
@@ -558,7 +576,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["node", "state"],
         "properties": {
             "node": {"type": "string"},
-            "state": {"type": "string", "enum": ["up", "lost", "drained"]},
+            "state": enum_schema(wire.NODE_STATES),
             "at": _TIME,
             "watch": {
                 "type": "array",
@@ -578,7 +596,7 @@ _SCHEMAS: dict[str, Any] = {
         "required": ["node", "state", "gpus", "last_seen"],
         "properties": {
             "node": {"type": "string"},
-            "state": {"type": "string", "enum": ["up", "lost", "drained"]},
+            "state": enum_schema(wire.NODE_STATES),
             "gpus": {
                 "description": "A count (users), or the GPUs (admins and registrations).",
                 "oneOf": [
@@ -589,7 +607,7 @@ _SCHEMAS: dict[str, Any] = {
             "last_seen": _TIME,
             "agent_version": {"type": "string"},
             "registered_at": _TIME,
-            "enforce": {"type": "string"},
+            "enforce": enum_schema(wire.ENFORCE_MODES),
             "usage": {"type": "array", "items": _ref("UsageSample")},
             "unleased": {"type": "array", "items": _ref("UsageSample")},
             "mps": _MPS_STATES,
@@ -604,11 +622,11 @@ _SCHEMAS: dict[str, Any] = {
 }
 
 
-def build_openapi(base_url: str = "/") -> dict[str, Any]:
-    """The OpenAPI 3.0.3 document of REST API v1, its server at ``base_url``.
+def build_document(paths: dict[str, Any], base_url: str = "/") -> dict[str, Any]:
+    """The OpenAPI 3.0.3 document of REST API v1 with ``paths``, its server at ``base_url``.
 
-    Called by the handler of ``GET /api/v1/openapi.json`` with the broker's base
-    URL (the hub service prefix behind JupyterHub). Returns a fresh dict each call.
+    ``routes.build_openapi`` passes the route table's paths and the broker's base URL
+    (the hub service prefix behind JupyterHub). Returns a fresh dict each call.
     """
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
@@ -630,11 +648,11 @@ def build_openapi(base_url: str = "/") -> dict[str, Any]:
             {"name": "usage"},
             {"name": "nodes"},
         ],
-        "paths": openapi_paths(),
+        "paths": paths,
         "components": {
             "schemas": _SCHEMAS,
             "responses": {
-                f"E{code}": _json(_ref("Error"), text) for code, text in _ERROR_TEXT.items()
+                f"E{code}": _json(_ref("Error"), text) for code, text in wire.ERROR_TEXT.items()
             },
             "securitySchemes": {
                 "token": {
@@ -661,4 +679,4 @@ def documented_routes(doc: dict[str, Any]) -> set[tuple[str, str]]:
     }
 
 
-__all__ = ["PUBLIC_ROUTES", "ROUTES", "build_openapi", "documented_routes"]
+__all__ = ["build_document", "documented_routes", "error_refs", "json_response", "schema_ref"]

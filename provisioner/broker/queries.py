@@ -15,6 +15,7 @@ from .. import history, scheduling
 from .._version import __version__
 from ..errors import Forbidden, InvalidRequest
 from ..model import GPU, Identity, Lease, Node, Request, ppm_to_fraction
+from ..wire import lease_enforcement
 from .core import ServiceCore, check_owner
 
 log = logging.getLogger("gpu_lease.broker")
@@ -161,10 +162,10 @@ class QueryService:
         """What the lease's node reports: see :class:`LeaseUsage`."""
         node = self._node_of(lease.gpu_uuid)
         if node is None:
-            return LeaseUsage(None, "cooperative", None)
+            return LeaseUsage(None, lease_enforcement(None), None)
         return LeaseUsage(
             self.core.used_mb.get(lease.id),
-            f"agent-{node.enforce}",
+            lease_enforcement(node.enforce),
             node.mps.get(lease.gpu_uuid),
             node.mps_uid.get(lease.gpu_uuid),
         )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import scheduling
 from ..errors import Forbidden, InvalidRequest, LeaseNotFound
-from ..model import QUOTA_LEVELS, Identity, Quota, QuotaBook
+from ..model import Identity, Quota, QuotaBook, quota_key_problem
 from .core import ServiceCore, require_admin
 
 log = logging.getLogger("gpu_lease.broker")
@@ -42,7 +42,7 @@ class QuotaService:
         another user than the caller: without their groups). Users may read the default,
         their own and their groups' quotas."""
         self.core.check_serving()
-        _check_level(level)
+        _check_level(level, name)
         if not ident.admin:
             if level == "user" and name != ident.user:
                 raise Forbidden("You may read only your own quota.")
@@ -99,7 +99,7 @@ class QuotaService:
     async def put_quota(self, ident: Identity, level: str, name: str, quota: Quota) -> Quota:
         await self.core.ready()
         require_admin(ident)
-        _check_level(level)
+        _check_level(level, name)
         key = name if level != "default" else ""
         await self.core.writer.call(lambda: self.core.store.put_quota(level, key, quota))
         self._set_quota(level, name, quota)
@@ -115,7 +115,7 @@ class QuotaService:
         default/group/user; quotas the file does not name are left as they are.
         """
         for level, name, quota in entries:
-            _check_level(level)
+            _check_level(level, name)
             name = name if level != "default" else ""
             self.core.store.put_quota(level, name, quota)
             self._set_quota(level, name, quota)
@@ -126,7 +126,7 @@ class QuotaService:
     async def delete_quota(self, ident: Identity, level: str, name: str = "") -> None:
         await self.core.ready()
         require_admin(ident)
-        _check_level(level)
+        _check_level(level, name)
         key = name if level != "default" else ""
         await self.core.writer.call(lambda: self.core.store.delete_quota(level, key))
         if level == "default":
@@ -171,9 +171,11 @@ class QuotaService:
         return book.get(name)
 
 
-def _check_level(level: str) -> None:
-    if level not in QUOTA_LEVELS:
-        raise InvalidRequest(f"Quota level must be one of {', '.join(QUOTA_LEVELS)}.")
+def _check_level(level: str, name: str) -> None:
+    """The service ignores a name given with the default level (``model.quota_key_problem``)."""
+    why = quota_key_problem(level, "" if level == "default" else name)
+    if why:
+        raise InvalidRequest(why)
 
 
 __all__ = ["QuotaService", "QuotaStanding"]

@@ -9,8 +9,10 @@ method it documents. From the table come:
   a trailing slash accepted unless ``exact``); :func:`make_app` adds the
   authenticator's own routes (the hub OAuth callback with ``--auth hub``) and the
   dashboard's ``{p}static/...`` files (tornado's static handler);
-- :func:`openapi_paths` — the ``paths`` of the OpenAPI document (``openapi.py`` adds
-  the schemas); a public operation gets ``security: []``;
+- :func:`openapi_paths` — the ``paths`` of the OpenAPI document, and :func:`build_openapi`,
+  the document (``openapi.py``'s schemas, built from ``provisioner.wire``, with these
+  paths), which the table hands to the handler of ``openapi.json``; a public operation
+  gets ``security: []``;
 - :data:`ROUTES` and :data:`PUBLIC_ROUTES` — the documented ``(METHOD, path)`` pairs,
   and those that need no token (the handler learns ``public`` from its route too).
 
@@ -56,6 +58,7 @@ from .handlers import (
     UsageHandler,
     normalize_base_url,
 )
+from .openapi import build_document, error_refs, json_response, schema_ref
 from .service import BrokerService
 
 Operation = dict[str, Any]
@@ -88,22 +91,11 @@ class Route:
         return regex.rstrip("/") + "/?"
 
 
-# -- OpenAPI building blocks (the schemas themselves live in openapi.py) -------------------
-
-
-def schema_ref(name: str) -> dict[str, str]:
-    """``{"$ref": "#/components/schemas/NAME"}``."""
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def json_response(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    """An OpenAPI response (or request body content) of JSON with ``schema``."""
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def error_refs(*codes: str) -> dict[str, Any]:
-    """Responses ``{"403": {"$ref": "#/components/responses/E403"}, ...}``."""
-    return {code: {"$ref": f"#/components/responses/E{code}"} for code in codes}
+def build_openapi(base_url: str = "/") -> dict[str, Any]:
+    """The OpenAPI 3.0.3 document of REST API v1 (``openapi.py``'s schemas, the paths of
+    :data:`TABLE`), its server at ``base_url``: what ``GET /api/v1/openapi.json`` serves
+    (the table hands this function to its handler). Returns a fresh dict each call."""
+    return build_document(openapi_paths(), base_url)
 
 
 def _body(schema: str, *, required: bool = True) -> dict[str, Any]:
@@ -223,6 +215,7 @@ TABLE: tuple[Route, ...] = (
         OpenAPIHandler,
         public=True,
         exact=True,
+        handler_kwargs={"document": build_openapi},
         operations={
             "get": {
                 "tags": ["broker"],
@@ -608,9 +601,22 @@ def openapi_paths() -> dict[str, Any]:
         if route.parameters:
             item["parameters"] = list(route.parameters)
         for method, operation in route.operations.items():
-            item[method] = {"security": [], **operation} if route.public else dict(operation)
+            item[method] = (
+                {"security": [], **operation} if route.public else _guarded(route, operation)
+            )
         paths[route.path] = item
     return paths
+
+
+def _guarded(route: Route, operation: Operation) -> Operation:
+    """An operation that needs a token, with the refusals every such handler may answer
+    (``handlers.api``): 401 without a valid token, and 403 for a node agent's token off
+    the node routes (its handler's ``agent_allowed``)."""
+    implied = ("401",) if getattr(route.handler, "agent_allowed", False) else ("401", "403")
+    responses = dict(operation["responses"])
+    for code, ref in error_refs(*implied).items():
+        responses.setdefault(code, ref)
+    return {**operation, "responses": responses}
 
 
 HandlerWrap = Callable[[type[web.RequestHandler]], type[web.RequestHandler]]
@@ -710,6 +716,7 @@ __all__ = [
     "ROUTES",
     "TABLE",
     "Route",
+    "build_openapi",
     "make_app",
     "openapi_paths",
     "url_specs",

@@ -26,6 +26,7 @@ from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
 from ..scheduling import Policy
 from ..store import Store
+from ..wire import ENDED_LEASE_STATES
 from .core import REAP_INTERVAL, Metrics, ServiceCore, new_id
 from .leases import AcquireResult, LeaseService
 from .nodes import Heartbeat, NodeService, NodeView
@@ -33,9 +34,6 @@ from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Wait
 from .quotas import QuotaService, QuotaStanding
 
 log = logging.getLogger("gpu_lease.broker")
-
-#: lease states that end a lease (their hold times feed the estimated waits)
-ENDED_STATES = ("released", "revoked", "expired")
 
 
 class BrokerService:
@@ -98,7 +96,9 @@ class BrokerService:
         # a restart is not the clients' fault: waiting requests get a fresh poll window
         self.core.load(now, {}, pool)
         self.core.book = self.core.store.load_quotas()
-        for ended in self.core.store.list_leases(states=ENDED_STATES, limit=self.core.holds.limit):
+        for ended in self.core.store.list_leases(
+            states=ENDED_LEASE_STATES, limit=self.core.holds.limit
+        ):
             if ended.ended_at is not None:
                 self.core.holds.add(ended.ended_at - ended.created_at)
         self.core.started_at = now

@@ -17,35 +17,42 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import BodyTooLarge, InvalidRequest
-from ..model import (
-    GPU,
-    MPS_STATES,
-    PPM,
-    QUOTA_FIELDS,
-    Identity,
-    Quota,
-    fraction_to_ppm,
-    validate_fraction,
-)
+from ..model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
 from ..model import brief as _show
 from ..scheduling import Ask
+from ..wire import (
+    DEFAULT_ENFORCE_MODE,
+    ENFORCE_MODES,
+    MAX_BUDGET_FRACTION_HOURS,
+    MAX_EXECUTION_STATE_CHARS,
+    MAX_GPU_INDEX,
+    MAX_GPU_MEMORY_MB,
+    MAX_GPU_UUIDS,
+    MAX_ID_CHARS,
+    MAX_KERNEL_PID,
+    MAX_NODE_GPUS,
+    MAX_PID,
+    MAX_QUOTA_FRACTION,
+    MAX_QUOTA_LEASES,
+    MAX_REASON_CHARS,
+    MAX_TIME,
+    MAX_UID,
+    MAX_USAGE_SAMPLES,
+    MAX_UUID_CHARS,
+    MAX_VERSION_CHARS,
+    MAX_WAIT,
+    MAX_WINDOW_S,
+    MPS_STATES,
+    PRIORITY_RANGE,
+    fraction_to_ppm,
+)
 
-#: the longest long-poll (s) an acquire may ask for
-MAX_WAIT = 300.0
-#: the longest kernel id, node, group, user or lease id: the store's columns hold 255
-MAX_ID_CHARS = 255
-MAX_GPU_UUIDS = 64
-MAX_EXECUTION_STATE_CHARS = 32
 #: kernel execution states as jupyter_client reports them (others are accepted too)
 EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", "dead", "unknown")
 #: the default look-back of ``GET /api/v1/usage``
 DEFAULT_USAGE_WINDOW_S = 7 * 86400
-#: the longest budget window (s): ten years
-MAX_WINDOW_S = 10 * 366 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
-#: the largest Unix uid (``mps_uid``): uid_t is 32 bits, and (uid_t)-1 means "none"
-MAX_UID = 2**32 - 2
 HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
@@ -277,9 +284,6 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
 # -- heartbeat -------------------------------------------------------------------
 
 
-MAX_REASON_CHARS = 500
-
-
 def parse_revoke(body: dict[str, Any]) -> str:
     """``POST /api/v1/leases/{id}/revoke`` body ``{"reason": TEXT}`` -> the reason."""
     check_fields(body, ("reason",), "revoke request")
@@ -300,7 +304,7 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
     check_fields(body, HEARTBEAT_FIELDS, "renew request")
     out: dict[str, Any] = {"pid": None, "execution_state": None, "last_activity": None}
     if body.get("pid") is not None:
-        out["pid"] = _int(body["pid"], "pid", low=1, high=2**32)
+        out["pid"] = _int(body["pid"], "pid", low=1, high=MAX_KERNEL_PID)
     state = body.get("execution_state")
     if state is not None:
         text = _text(state, "execution_state", max_chars=MAX_EXECUTION_STATE_CHARS)
@@ -310,7 +314,9 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
             )
         out["execution_state"] = text.lower()
     if body.get("last_activity") is not None:
-        out["last_activity"] = _number(body["last_activity"], "last_activity", low=0.0, high=1e11)
+        out["last_activity"] = _number(
+            body["last_activity"], "last_activity", low=0.0, high=MAX_TIME
+        )
     return out
 
 
@@ -356,21 +362,26 @@ def parse_quota(body: dict[str, Any]) -> Quota:
         if _is_number(v) and v == 0:
             values["max_fraction_ppm"] = 0
         else:
-            values["max_fraction_ppm"] = parse_fraction(v, "max_fraction", upper=1e6)
+            values["max_fraction_ppm"] = parse_fraction(v, "max_fraction", upper=MAX_QUOTA_FRACTION)
     if body.get("max_lease_fraction") is not None:
         values["max_lease_fraction_ppm"] = parse_fraction(
             body["max_lease_fraction"], "max_lease_fraction"
         )
     if body.get("max_leases") is not None:
-        values["max_leases"] = _int(body["max_leases"], "max_leases", low=0, high=1_000_000)
+        values["max_leases"] = _int(body["max_leases"], "max_leases", low=0, high=MAX_QUOTA_LEASES)
     if body.get("budget_fraction_hours") is not None:
         values["budget_fraction_hours"] = _number(
-            body["budget_fraction_hours"], "budget_fraction_hours", low=0.0, high=1e9
+            body["budget_fraction_hours"],
+            "budget_fraction_hours",
+            low=0.0,
+            high=MAX_BUDGET_FRACTION_HOURS,
         )
     if body.get("budget_window") is not None:
         values["budget_window_s"] = parse_duration(body["budget_window"])
     if body.get("priority") is not None:
-        values["priority"] = _int(body["priority"], "priority", low=-1000, high=1000)
+        values["priority"] = _int(
+            body["priority"], "priority", low=PRIORITY_RANGE[0], high=PRIORITY_RANGE[1]
+        )
     if "budget_fraction_hours" in values and "budget_window_s" not in values:
         values["budget_window_s"] = DEFAULT_USAGE_WINDOW_S
     return Quota(**values)
@@ -462,8 +473,6 @@ def parse_flag(value: str | None, name: str) -> bool:
 
 
 __all__ = [
-    "MAX_WAIT",
-    "PPM",
     "check_fields",
     "parse_acquire",
     "parse_duration",
@@ -482,20 +491,9 @@ __all__ = [
 # -- node agents -------------------------------------------------------------------
 
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
-ENFORCE_MODES = ("off", "report", "revoke", "kill")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
 NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "mps_uid")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
-#: the most GPUs one node may register
-MAX_NODE_GPUS = 64
-#: the most per-process samples one heartbeat may carry
-MAX_USAGE_SAMPLES = 4096
-#: the largest GPU memory (MiB) a node may declare: 16 TiB
-MAX_GPU_MEMORY_MB = 16 * 1024 * 1024
-#: the largest pid accepted (Linux: at most 2**22; leave room for other systems)
-MAX_PID = 2**31 - 1
-MAX_UUID_CHARS = 128
-MAX_VERSION_CHARS = 64
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -523,7 +521,7 @@ def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU],
     """
     check_fields(body, NODE_FIELDS, "node registration")
     version = _text(body.get("agent_version"), "agent_version", max_chars=MAX_VERSION_CHARS)
-    enforce = body.get("enforce", "report")
+    enforce = body.get("enforce", DEFAULT_ENFORCE_MODE)
     if enforce not in ENFORCE_MODES:
         raise InvalidRequest(f"'enforce' must be one of {', '.join(ENFORCE_MODES)}.")
     out: list[GPU] = []
@@ -536,7 +534,7 @@ def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU],
                 node=node,
                 name=_text(entry.get("name"), "name"),
                 memory_mb=_int(entry.get("memory_mb"), "memory_mb", low=1, high=MAX_GPU_MEMORY_MB),
-                index=_int(entry.get("index"), "index", low=0, high=1023),
+                index=_int(entry.get("index"), "index", low=0, high=MAX_GPU_INDEX),
             )
         )
     if len({g.uuid for g in out}) != len(out):
@@ -559,7 +557,7 @@ def parse_node_heartbeat(
     check_fields(body, NODE_HEARTBEAT_FIELDS, "node heartbeat")
     at = None
     if body.get("at") is not None:
-        at = _number(body["at"], "at", low=0.0, high=1e11)
+        at = _number(body["at"], "at", low=0.0, high=MAX_TIME)
     usage: list[tuple[int, str, int]] = []
     for raw in _list({"usage": body.get("usage", [])}, "usage", MAX_USAGE_SAMPLES):
         entry = _object(raw, "'usage'")

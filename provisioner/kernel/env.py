@@ -50,8 +50,8 @@ from typing import NamedTuple
 
 from ..errors import InvalidRequest
 from ..kernelspecs import format_fraction
-from ..model import ENFORCEMENTS
 from ..mps import DEFAULT_MPS_DIR, pipe_directory
+from ..wire import COOPERATIVE, ENFORCEMENTS
 from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)
@@ -73,7 +73,7 @@ REMOVE_FROM_KERNEL = ("XLA_CLIENT_MEM_FRACTION",)
 def lease_environment(
     lease: GrantedLease,
     *,
-    enforcement: str = "cooperative",
+    enforcement: str = COOPERATIVE,
     state_file: str | None = None,
     base_env: Mapping[str, str] | None = None,
     mps_dir: str = DEFAULT_MPS_DIR,

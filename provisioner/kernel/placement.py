@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..wire import node_from_env
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,8 @@ def parse_devices(value: str, name: str) -> tuple[tuple[str, ...], tuple[int, ..
 
 def discover(env: Mapping[str, str]) -> Placement:
     """The kernel's :class:`Placement` from its server's environment ``env``."""
-    node, node_from = None, ""
-    for var in ("GPU_LEASE_NODE", "SLURMD_NODENAME"):
-        if env.get(var, "").strip():
-            node, node_from = env[var].strip(), var
-            break
+    named = node_from_env(env)
+    node, node_from = named if named else (None, "")
     in_slurm = bool(env.get("SLURM_JOB_ID"))
     in_pod = bool(env.get("KUBERNETES_SERVICE_HOST"))
     sources = ["GPU_LEASE_GPU_UUIDS"]

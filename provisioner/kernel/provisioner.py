@@ -51,8 +51,9 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
-from ..model import ENFORCEMENTS, validate_fraction
+from ..model import validate_fraction
 from ..mps import DEFAULT_MPS_DIR, pipe_directory
+from ..wire import COOPERATIVE, ENFORCEMENTS
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
@@ -98,7 +99,7 @@ class GPULeaseProvisioner(LocalProvisioner):
 
     enforcement = Enum(
         list(ENFORCEMENTS),
-        default_value="cooperative",
+        default_value=COOPERATIVE,
         help="How the GPU memory cap is enforced: 'cooperative' (framework caps) or 'mps' "
         "(also CUDA_MPS_PINNED_DEVICE_MEM_LIMIT). Default: cooperative.",
     ).tag(config=True)

@@ -34,8 +34,9 @@ from traitlets import Enum, Float
 
 from ..errors import GPULeaseError, InvalidRequest
 from ..kernelspecs import gpu_config
-from ..model import Quota, fraction_to_ppm, validate_fraction
+from ..model import Quota, validate_fraction
 from ..scheduling import never_allowed
+from ..wire import fraction_to_ppm, may_use_course
 
 #: what each reason of :func:`scheduling.never_allowed` says in a marked display name
 _WHY = {
@@ -79,7 +80,7 @@ def never_startable(spec: Mapping[str, Any], me: Mapping[str, Any]) -> str | Non
         return None
     group = config.get("group")
     members = me.get("groups") or []
-    if isinstance(group, str) and group and not me.get("admin") and group not in members:
+    if isinstance(group, str) and not may_use_course(group, members, bool(me.get("admin"))):
         return f"for course {group} only"
     try:
         fraction = validate_fraction(config.get("fraction"))

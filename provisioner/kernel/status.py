@@ -27,9 +27,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..wire import ENDED_LEASE_STATES, KERNEL_LEASE_STATES
+
 #: the states a kernel's GPU lease can be in, as the JupyterLab extension shows them
-STATES = ("waiting", "active", "revoked", "expired", "released")
-ENDED = ("revoked", "expired", "released")
+STATES = KERNEL_LEASE_STATES
+ENDED = ENDED_LEASE_STATES
 
 StopWaiting = Callable[[], Awaitable[bool]]
 

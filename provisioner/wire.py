@@ -1,0 +1,270 @@
+"""The wire's vocabulary: every value and limit the REST API's two ends must agree on, once.
+
+Lease, node and MPS states, enforcement modes, the request limits, the fraction's
+ppm conversion, the HTTP status of each error and the default CUDA context overhead.
+The broker (``broker/validation.py``, ``broker/handlers.py``), the OpenAPI document
+(``broker/openapi.py`` builds each field's schema from these tuples with
+:func:`enum_schema`), the client, the node agent and the kernel side (``kernel/status.py``)
+import them from here, so a field's documented values and the values it carries cannot
+drift apart (``tests/test_conformance.py`` checks every answer of the API tests against
+the served document).
+
+To add a value (a lease state, an enforcement mode) add it to its tuple here; the
+validators, the document and the tables that iterate them follow. Floor 1: imports
+nothing of ours but :mod:`provisioner.errors`; pure, nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, get_args
+
+from . import errors
+
+# -- fractions: integer parts per million on the wire's inside ---------------------------
+
+#: the broker counts GPU fractions in millionths: 0.000001 is the smallest it knows
+PPM = 1_000_000
+
+
+def fraction_to_ppm(fraction: float) -> int:
+    """0.02 -> 20000. The caller has validated the fraction (``model.validate_fraction``)."""
+    return int(round(fraction * PPM))
+
+
+def ppm_to_fraction(ppm: float) -> float:
+    """20000 -> 0.02 (a float for JSON; exact arithmetic stays in ppm; a mean may be a float)."""
+    return ppm / PPM
+
+
+# -- states --------------------------------------------------------------------------
+
+#: a lease that still holds its GPU share
+LiveLeaseState = Literal["active"]
+#: the ways a lease ends (its hold time then feeds the estimated waits)
+EndedLeaseState = Literal["revoked", "released", "expired"]
+#: a lease's ``state``: live, then one of the ways it ends
+LeaseState = Literal[LiveLeaseState, EndedLeaseState]
+LEASE_STATES: tuple[LeaseState, ...] = get_args(LeaseState)
+LIVE_LEASE_STATES: tuple[LeaseState, ...] = get_args(LiveLeaseState)
+ENDED_LEASE_STATES: tuple[LeaseState, ...] = get_args(EndedLeaseState)
+#: a GPU kernel's lease as the JupyterLab extension shows it: waiting in the queue first
+KERNEL_LEASE_STATES: tuple[str, ...] = ("waiting", *LEASE_STATES)
+
+#: what ``GET /api/v1/nodes`` says of a node: its agent heartbeats, is silent longer than
+#: the grace, or was stopped cleanly (no new leases there; held ones stay)
+NODE_STATES: tuple[str, ...] = ("up", "lost", "drained")
+#: a GPU's MPS control daemon as its node agent (``--mps``) reports it
+MPS_STATES: tuple[str, ...] = ("running", "down")
+
+# -- enforcement -----------------------------------------------------------------------
+
+#: only the frameworks' own caps hold a kernel's memory cap (a kernel's default
+#: enforcement; a lease's without an agent on its node)
+COOPERATIVE = "cooperative"
+#: how a kernel's GPU memory cap is held: by the frameworks' own caps, or also by MPS
+#: (the kernelspec's and the provisioner's ``enforcement``)
+ENFORCEMENTS: tuple[str, ...] = (COOPERATIVE, "mps")
+#: what a node agent does with over-use (``gpu-lease-agent --enforce``, a registration's
+#: ``enforce``)
+ENFORCE_MODES: tuple[str, ...] = ("off", "report", "revoke", "kill")
+#: the agent's mode when a registration names none
+DEFAULT_ENFORCE_MODE = "report"
+
+
+def lease_enforcement(enforce_mode: str | None) -> str:
+    """A lease's ``enforcement`` field: ``cooperative`` without an agent on its node,
+    else ``agent-MODE`` (the agent's ``--enforce`` mode)."""
+    return COOPERATIVE if enforce_mode is None else f"agent-{enforce_mode}"
+
+
+#: every value of a lease's ``enforcement`` field
+LEASE_ENFORCEMENTS: tuple[str, ...] = (
+    lease_enforcement(None),
+    *(lease_enforcement(m) for m in ENFORCE_MODES),
+)
+
+# -- limits ------------------------------------------------------------------------------
+
+#: the longest long-poll (s) an acquire may ask for (``wait``)
+MAX_WAIT = 300.0
+#: the longest kernel id, node, group, user or lease id: the store's columns hold 255
+MAX_ID_CHARS = 255
+#: the most GPU uuids one acquire may name
+MAX_GPU_UUIDS = 64
+#: the most GPUs one node may register (and MPS states one heartbeat may carry)
+MAX_NODE_GPUS = 64
+#: the most per-process samples one heartbeat may carry
+MAX_USAGE_SAMPLES = 4096
+#: the largest GPU memory (MiB) a node may declare: 16 TiB
+MAX_GPU_MEMORY_MB = 16 * 1024 * 1024
+#: the largest pid accepted (Linux: at most 2**22; leave room for other systems)
+MAX_PID = 2**31 - 1
+MAX_UUID_CHARS = 128
+MAX_VERSION_CHARS = 64
+#: the largest Unix uid (an acquire's ``mps_uid``, a heartbeat's ``mps_uid`` values):
+#: uid_t is 32 bits, and (uid_t)-1 means "none"
+MAX_UID = 2**32 - 2
+#: the largest GPU index a node may register
+MAX_GPU_INDEX = 1023
+#: the largest kernel pid a lease's renewal may report
+MAX_KERNEL_PID = 2**32
+#: the longest ``execution_state`` a renewal may report
+MAX_EXECUTION_STATE_CHARS = 32
+#: the longest reason an admin may give a revocation
+MAX_REASON_CHARS = 500
+#: the latest POSIX time a heartbeat's ``at`` or a renewal's ``last_activity`` may carry
+MAX_TIME = 100_000_000_000
+#: the longest budget window (s): ten years
+MAX_WINDOW_S = 10 * 366 * 86400
+#: a quota's bounds: ``max_fraction`` (summed over GPUs), ``max_leases``,
+#: ``budget_fraction_hours`` and a group's ``priority`` (from lowest to highest)
+MAX_QUOTA_FRACTION = 1_000_000
+MAX_QUOTA_LEASES = 1_000_000
+MAX_BUDGET_FRACTION_HOURS = 1_000_000_000
+PRIORITY_RANGE = (-1000, 1000)
+
+#: MiB every CUDA process takes outside any framework cap (the broker's default
+#: ``context_overhead_mb``; ``GET /api/v1/gpus`` tells each GPU's)
+DEFAULT_CONTEXT_OVERHEAD_MB = 512
+
+# -- errors: HTTP status <-> error ----------------------------------------------------------
+
+#: HTTP status -> the exception an answer of that status means when its body names no
+#: ``error`` code the client knows (each of our exceptions carries its own ``code`` and
+#: ``status``; this is the reverse, for the status alone)
+ERROR_BY_STATUS: dict[int, type[errors.GPULeaseError]] = {
+    400: errors.InvalidRequest,
+    401: errors.NotAuthenticated,
+    403: errors.Forbidden,
+    404: errors.LeaseNotFound,
+    405: errors.MethodNotAllowed,
+    409: errors.Conflict,
+    410: errors.LeaseGone,
+    413: errors.BodyTooLarge,
+    422: errors.CannotFit,
+    502: errors.BrokerUnavailable,
+    503: errors.BrokerUnavailable,
+    504: errors.BrokerUnavailable,
+}
+
+#: the error answers the broker documents (OpenAPI ``components/responses/E<status>``)
+ERROR_TEXT: dict[int, str] = {
+    400: "Invalid input (malformed JSON, wrong types, unknown fields, bad fraction, "
+    "an unprintable or over-long id or name in the URL or query).",
+    401: "Missing or invalid token.",
+    403: "Not allowed: quota exceeded, not a member of the course, or not an admin.",
+    404: "No such lease or record, or another user's (answered alike: no oracle).",
+    409: "Conflict: this kernel already holds a lease of another fraction.",
+    410: "The lease has ended (revoked or expired); the body's reason says why.",
+    413: "Request body too large.",
+    422: "Can never fit: above the largest GPU, or below the CUDA context overhead.",
+    503: "The broker's database is unavailable; nothing was changed.",
+}
+
+
+def error_code(status: int) -> str:
+    """The ``error`` code of an answer that has only its HTTP status (tornado's own 404,
+    405, 413, ...): that of :data:`ERROR_BY_STATUS`, else ``http_error``."""
+    cls = ERROR_BY_STATUS.get(status)
+    return cls.code if cls is not None else "http_error"
+
+
+# -- courses and nodes -----------------------------------------------------------------
+
+
+def may_use_course(group: str | None, groups: Iterable[str], admin: bool) -> bool:
+    """Whether a caller in ``groups`` may use a kernel of course ``group``: a kernel of no
+    course, a member of the course, or an admin (the broker refuses the rest; the
+    launcher hides their kernelspecs)."""
+    return not group or admin or group in set(groups)
+
+
+#: where a node's name comes from, first set wins: ours, then Slurm's (``slurmd``'s node)
+NODE_NAME_VARS: tuple[str, ...] = ("GPU_LEASE_NODE", "SLURMD_NODENAME")
+
+
+def node_from_env(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(name, variable)`` of the node named by ``env`` (:data:`NODE_NAME_VARS`), else None."""
+    for var in NODE_NAME_VARS:
+        name = env.get(var, "").strip()
+        if name:
+            return name, var
+    return None
+
+
+def this_node(env: Mapping[str, str] | None = None) -> str:
+    """This machine's node name as the broker, its agent and its kernels know it: named by
+    the environment (:func:`node_from_env`), else the host name."""
+    named = node_from_env(os.environ if env is None else env)
+    return named[0] if named else socket.gethostname()
+
+
+# -- schemas (the OpenAPI document builds each field from the tuples above) --------------
+
+
+def enum_schema(values: Iterable[str], *, nullable: bool = False, **more: Any) -> dict[str, Any]:
+    """The OpenAPI 3.0 schema of a string field that takes one of ``values``.
+
+    ``nullable``: the field may also be ``null`` (OAS 3.0.3: ``null`` must be listed in
+    ``enum`` too, or validators refuse it).
+    """
+    listed: list[str | None] = list(values)
+    schema: dict[str, Any] = {"type": "string", "enum": listed, **more}
+    if nullable:
+        schema["enum"] = [*listed, None]
+        schema["nullable"] = True
+    return schema
+
+
+__all__ = [
+    "COOPERATIVE",
+    "DEFAULT_CONTEXT_OVERHEAD_MB",
+    "DEFAULT_ENFORCE_MODE",
+    "ENDED_LEASE_STATES",
+    "ENFORCEMENTS",
+    "ENFORCE_MODES",
+    "ERROR_BY_STATUS",
+    "ERROR_TEXT",
+    "KERNEL_LEASE_STATES",
+    "LEASE_ENFORCEMENTS",
+    "LEASE_STATES",
+    "LIVE_LEASE_STATES",
+    "MAX_BUDGET_FRACTION_HOURS",
+    "MAX_EXECUTION_STATE_CHARS",
+    "MAX_GPU_INDEX",
+    "MAX_GPU_MEMORY_MB",
+    "MAX_GPU_UUIDS",
+    "MAX_ID_CHARS",
+    "MAX_KERNEL_PID",
+    "MAX_NODE_GPUS",
+    "MAX_PID",
+    "MAX_QUOTA_FRACTION",
+    "MAX_QUOTA_LEASES",
+    "MAX_REASON_CHARS",
+    "MAX_TIME",
+    "MAX_UID",
+    "MAX_USAGE_SAMPLES",
+    "MAX_UUID_CHARS",
+    "MAX_VERSION_CHARS",
+    "MAX_WAIT",
+    "MAX_WINDOW_S",
+    "MPS_STATES",
+    "NODE_NAME_VARS",
+    "NODE_STATES",
+    "PPM",
+    "PRIORITY_RANGE",
+    "EndedLeaseState",
+    "LeaseState",
+    "LiveLeaseState",
+    "enum_schema",
+    "error_code",
+    "fraction_to_ppm",
+    "lease_enforcement",
+    "may_use_course",
+    "node_from_env",
+    "ppm_to_fraction",
+    "this_node",
+]
