@@ -71,6 +71,13 @@ export class NotebookGuard {
 
   private async _attach(panel: NotebookPanel, k: IKernelLease): Promise<void> {
     const context = panel.sessionContext;
+    // Meanwhile the notebook shows the kernel as starting, as the page that started it
+    // did: JupyterLab's session context has no public way to say "a kernel of this name
+    // is on its way", and without it a cell run now would start a second kernel.
+    const pending = context as unknown as { _pendingKernelName: string };
+    if (k.kernel_name && !pending._pendingKernelName) {
+      pending._pendingKernelName = k.kernel_name;
+    }
     try {
       await attachSession(k.kernel_id, {
         path: context.path,
@@ -79,6 +86,7 @@ export class NotebookGuard {
       });
     } catch (error) {
       // its start failed (stopped waiting, shut down, refused): start nothing else now
+      pending._pendingKernelName = '';
       context.kernelPreference = { ...context.kernelPreference, shouldStart: false };
       void context.ready.then(() => this._deferred.notRun(panel));
       if (!this._withdrawn.delete(panel)) {

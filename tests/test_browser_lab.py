@@ -73,6 +73,14 @@ def holding(
 ) -> Iterator[dict[str, Any]]:
     """A lease (or, ``wait``, a queued request kept by re-posting) of ``user`` without a kernel."""
     token = hub.token(user)
+    if fraction > 0.05:  # above a student's per-kernel limit: the admin raises it (each test runs alone too)
+        r = hub.req(
+            "PUT",
+            f"{hub.broker}/api/v1/quotas/users/{user}",
+            hub.admin,
+            json={"max_fraction": 1, "max_leases": 4, "max_lease_fraction": 1},
+        )
+        assert r.status_code == 200, r.text
     body = {"kernel_id": str(uuid.uuid4()), "fraction": fraction, "wait": 0}
     r = hub.req("POST", f"{hub.broker}/api/v1/leases", token, json=body)
     assert r.status_code == (202 if wait else 201), r.text
@@ -98,6 +106,12 @@ def holding(
         stop.set()
         thread.join()
         hub.req("DELETE", f"{hub.broker}/api/v1/leases/{answer['id']}", token)
+
+
+def filling(hub: Hub) -> Any:
+    """student59 holds what the V100 has free: the next kernel waits (each test runs alone too)."""
+    free = round(1 - sum(x["fraction"] for x in hub.leases()), 6)
+    return holding(hub, "student59", free)
 
 
 def status_text(page: Any) -> str:
@@ -203,21 +217,138 @@ def test_waiting_kernel_shows_its_place_and_runs_the_kept_cell(
 
 
 def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) -> None:
-    with holding(hub, "student59", 0.98):
+    held = hub.leases("student02")  # the first notebook's, when the tests run in order
+    with filling(hub):
         context, page = open_lab(chromium, hub, "student02")
         open_gpu_notebook(page)
         wait_status(page, r"^GPU queue: 1st of 1")
         toast = page.locator(TOAST).filter(has_text="waits for a GPU")
         toast.first.wait_for(timeout=30_000)
         assert len(hub_queue(hub)) == 1
+        cell = run_kept_cell(page, "print(6 * 7)")
         toast.first.locator("button", has_text="Stop waiting").click()
         dialog = page.locator(".jp-Dialog")
         dialog.wait_for(timeout=30_000)
         assert "You stopped waiting for a GPU" in dialog.inner_text()
         assert hub_queue(hub) == []
         page.locator(".jp-Dialog button", has_text="Ok").click()
-        assert len(hub.leases("student02")) == 1  # the first notebook's lease is untouched
+        assert hub.leases("student02") == held  # the first notebook's lease is untouched
+        # the cell run while waiting says it did not run, and keeps saying it
+        output = cell.locator(".jp-OutputArea-output", has_text="This cell did not run")
+        output.wait_for(timeout=10_000)
+        time.sleep(4)
+        outputs = [x.strip() for x in cell.locator(".jp-OutputArea-output").all_inner_texts()]
+        assert outputs == [NOT_RUN], outputs
+        assert_whole(page, ".jp-NotebookPanel .jp-Cell .jp-OutputArea-output")
+        page.screenshot(path=str(shots / "lab-did-not-run.png"))
         context.close()
+
+
+NOT_RUN = (
+    "This cell did not run: its kernel did not start (see the message about the GPU queue). "
+    "Start the kernel again, then run the cell."
+)
+WAITING = "Waiting for a GPU: this cell runs as soon as the kernel has started."
+
+WHOLE = """sel => [...document.querySelectorAll(sel)].filter(e => e.offsetParent).map(e => {
+  const r = e.getBoundingClientRect();
+  return {text: e.innerText, left: r.left, right: r.right, scroll: e.scrollWidth,
+          client: e.clientWidth, window: window.innerWidth};
+})"""
+
+
+def assert_whole(page: Any, selector: str) -> list[str]:
+    """Each visible ``selector`` lies inside the window, nothing cut off on its right."""
+    boxes = page.evaluate(WHOLE, selector)
+    assert boxes, f"nothing visible matches {selector}"
+    for b in boxes:
+        assert 0 <= b["left"] and b["right"] <= b["window"], b
+        assert b["scroll"] <= b["client"] + 1, b
+        assert not b["text"].rstrip().endswith("…"), b
+    return [str(b["text"]) for b in boxes]
+
+
+def run_kept_cell(page: Any, code: str) -> Any:
+    """Type ``code`` in the notebook's first cell and run it while the kernel waits: it is
+    kept, and says so exactly once."""
+    page.click(".jp-NotebookPanel .jp-Cell .jp-InputArea-editor")
+    page.keyboard.type(code)
+    page.keyboard.press("Shift+Enter")
+    cell = page.locator(".jp-NotebookPanel .jp-Cell").first
+    cell.locator(".jp-OutputArea-output", has_text="Waiting for a GPU").wait_for(timeout=10_000)
+    time.sleep(1)
+    outputs = [x.strip() for x in cell.locator(".jp-OutputArea-output").all_inner_texts()]
+    assert outputs == [WAITING], outputs
+    return cell
+
+
+def queued_for(hub: Hub, user: str) -> list[dict[str, Any]]:
+    return [q for q in hub_queue(hub) if q.get("user") == user]
+
+
+def test_reload_keeps_the_waiting_kernel(chromium: Any, hub: Hub, shots: Path) -> None:
+    """A page reloaded while its notebook's kernel waits re-attaches to that kernel: no
+    second request, no "Select Kernel", and the cell run after the reload runs there."""
+    user = "student04"
+    with filling(hub) as filler:
+        context, page = open_lab(chromium, hub, user)
+        open_gpu_notebook(page)
+        wait_status(page, r"^GPU queue: 1st of 1")
+        (waiting,) = queued_for(hub, user)
+        page.reload()
+        page.wait_for_selector(".jp-NotebookPanel .jp-Cell .jp-InputArea-editor", timeout=60_000)
+        wait_status(page, r"^GPU queue: 1st of 1")
+        time.sleep(3)  # what a second start would need to show up
+        assert not page.locator(".jp-Dialog").is_visible(), page.locator(".jp-Dialog").inner_text()
+        assert [q["kernel_id"] for q in queued_for(hub, user)] == [waiting["kernel_id"]]
+        cell = run_kept_cell(page, "print(6 * 7)")
+        hub.req("DELETE", f"{hub.broker}/api/v1/leases/{filler['id']}", hub.token("student59"))
+        wait_status(page, r"^GPU 0\.02 · V100", timeout=KERNEL_MS / 1000)
+        cell.locator(".jp-OutputArea-output", has_text="42").wait_for(timeout=KERNEL_MS)
+        assert [x["kernel_id"] for x in hub.leases(user)] == [waiting["kernel_id"]]
+        assert session_kernel(hub, user, "Untitled.ipynb") == waiting["kernel_id"]
+        page.screenshot(path=str(shots / "lab-reloaded.png"))
+        context.close()
+    hub.stop_server(user)
+
+
+def test_shutting_down_a_waiting_kernel_withdraws_it(chromium: Any, hub: Hub) -> None:
+    user = "student05"
+    with filling(hub) as filler:
+        context, page = open_lab(chromium, hub, user)
+        open_gpu_notebook(page)
+        wait_status(page, r"^GPU queue: 1st of 1")
+        assert len(queued_for(hub, user)) == 1
+        page.click("#jp-menu-panel .lm-MenuBar-itemLabel:text-is('Kernel')")
+        page.click(".lm-Menu-itemLabel:text-is('Shut Down Kernel')")
+        deadline = time.monotonic() + 15
+        while queued_for(hub, user) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert queued_for(hub, user) == []
+        hub.req("DELETE", f"{hub.broker}/api/v1/leases/{filler['id']}", hub.token("student59"))
+        time.sleep(3)
+        assert hub.leases(user) == []  # nobody was granted a GPU after the shutdown
+        context.close()
+    hub.stop_server(user)
+
+
+def test_no_queue_flash_on_a_free_gpu(chromium: Any, hub: Hub) -> None:
+    """On a free GPU the status bar goes from nothing to the lease, never "GPU queue"."""
+    user = "student06"
+    context, page = open_lab(chromium, hub, user)
+    page.evaluate(
+        """() => { window.__gpuTexts = [];
+          const record = () => { const e = document.querySelector('.jp-GPULease-status');
+            if (e && !e.classList.contains('lm-mod-hidden')) window.__gpuTexts.push(e.textContent); };
+          new MutationObserver(record).observe(document.body,
+            {subtree: true, childList: true, characterData: true, attributes: true}); }"""
+    )
+    open_gpu_notebook(page)
+    wait_status(page, r"^GPU 0\.02 · V100", timeout=KERNEL_MS / 1000)
+    seen = page.evaluate("() => window.__gpuTexts")
+    assert seen and not [t for t in seen if "queue" in t], seen
+    context.close()
+    hub.stop_server(user)
 
 
 def hub_queue(hub: Hub) -> list[dict[str, Any]]:
