@@ -206,8 +206,38 @@ class Banner extends Widget {
     this.node.dataset.state = k.state;
     if (this._text.textContent !== text) {
       this._text.textContent = text;
+      this._fit();
     }
     super.show();
+  }
+
+  protected onAfterShow(): void {
+    this._fit();
+  }
+
+  protected onResize(): void {
+    this._fit();
+  }
+
+  /** The notebook's header is a BoxPanel, which sizes a child by its CSS minimum only:
+   * make that the wrapped text's height, whatever the width. */
+  private _fit(): void {
+    requestAnimationFrame(() => {
+      if (this.isHidden || this.isDisposed) {
+        return;
+      }
+      const style = getComputedStyle(this.node);
+      const needed = Math.ceil(
+        this._text.getBoundingClientRect().height +
+          parseFloat(style.paddingTop) +
+          parseFloat(style.paddingBottom) +
+          parseFloat(style.borderBottomWidth)
+      );
+      if (this.node.style.minHeight !== `${needed}px`) {
+        this.node.style.minHeight = `${needed}px`;
+        this.parent?.fit();
+      }
+    });
   }
 
   private _text: HTMLDivElement;

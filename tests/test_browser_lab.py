@@ -225,6 +225,9 @@ def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) 
         toast = page.locator(TOAST).filter(has_text="waits for a GPU")
         toast.first.wait_for(timeout=30_000)
         assert len(hub_queue(hub)) == 1
+        # the notification is whole: JupyterLab cuts a message after 140 characters
+        (message,) = assert_whole(page, f"{TOAST} .jp-toast-message")
+        assert message.endswith("Cells you run now run when it starts."), message
         cell = run_kept_cell(page, "print(6 * 7)")
         toast.first.locator("button", has_text="Stop waiting").click()
         dialog = page.locator(".jp-Dialog")
@@ -252,20 +255,33 @@ WAITING = "Waiting for a GPU: this cell runs as soon as the kernel has started."
 
 WHOLE = """sel => [...document.querySelectorAll(sel)].filter(e => e.offsetParent).map(e => {
   const r = e.getBoundingClientRect();
-  return {text: e.innerText, left: r.left, right: r.right, scroll: e.scrollWidth,
-          client: e.clientWidth, window: window.innerWidth};
+  const p = e.parentElement.getBoundingClientRect();
+  return {text: e.innerText, left: r.left, right: r.right, top: r.top, bottom: r.bottom,
+          height: r.height, parent_top: p.top, parent_bottom: p.bottom,
+          scroll: e.scrollWidth, client: e.clientWidth, window: window.innerWidth};
 })"""
 
 
 def assert_whole(page: Any, selector: str) -> list[str]:
-    """Each visible ``selector`` lies inside the window, nothing cut off on its right."""
-    boxes = page.evaluate(WHOLE, selector)
-    assert boxes, f"nothing visible matches {selector}"
-    for b in boxes:
-        assert 0 <= b["left"] and b["right"] <= b["window"], b
-        assert b["scroll"] <= b["client"] + 1, b
-        assert not b["text"].rstrip().endswith("…"), b
-    return [str(b["text"]) for b in boxes]
+    """Each visible ``selector`` lies inside the window, nothing cut off on its right (once
+    a notification has slid in: up to 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        boxes = page.evaluate(WHOLE, selector)
+        try:
+            assert boxes, f"nothing visible matches {selector}"
+            for b in boxes:
+                assert 0 <= b["left"] and b["right"] <= b["window"], b
+                assert b["height"] > 0, b  # laid out, not squeezed to nothing
+                assert b["parent_top"] <= b["top"] and b["bottom"] <= b["parent_bottom"] + 1, b
+                assert b["scroll"] <= b["client"] + 1, b
+                assert not b["text"].rstrip().endswith("…"), b
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+            continue
+        return [str(b["text"]) for b in boxes]
 
 
 def run_kept_cell(page: Any, code: str) -> Any:
@@ -379,3 +395,57 @@ def test_revoke_reason_reaches_the_student(chromium: Any, hub: Hub, tmp_path: Pa
     toast = page.locator(TOAST).filter(has_text="maintenance at 18:00")
     toast.first.wait_for(timeout=60_000)
     context.close()
+
+
+LONG_REASON = (
+    "The V100 of node gpu01 is needed for the 18:00 exam of ml101: please save your "
+    "notebooks now and restart your kernel after 20:00, when the GPU is free again"
+)
+BANNER = ".jp-NotebookPanel .jp-GPULease-banner-text"
+
+
+def test_a_long_revoke_reason_is_shown_whole(chromium: Any, hub: Hub, shots: Path) -> None:
+    """A reason longer than a notification holds: the notification is whole (shorter, with
+    "Read why"), the banner above the notebook and the dialog give the whole reason, also
+    after a reload; the notebook's kernel indicator no longer says "Idle"."""
+    user = "student07"
+    context, page = open_lab(chromium, hub, user)
+    open_gpu_notebook(page)
+    wait_status(page, r"^GPU 0\.02 · V100", timeout=KERNEL_MS / 1000)
+    kernel_id = session_kernel(hub, user, "Untitled.ipynb")
+    (lease,) = [x for x in hub.leases(user) if x["kernel_id"] == kernel_id]
+    r = hub.req(
+        "POST", f"{hub.broker}/api/v1/leases/{lease['id']}/revoke", json={"reason": LONG_REASON}
+    )
+    assert r.status_code == 200, r.text
+    whole = (
+        f"The GPU lease of Untitled.ipynb was revoked: {LONG_REASON}. The kernel was shut "
+        "down; start it again when you need the GPU."
+    )
+    toast = page.locator(TOAST).filter(has_text="was revoked")
+    toast.first.wait_for(timeout=60_000)
+    (message,) = assert_whole(page, f"{TOAST} .jp-toast-message")
+    assert "Untitled.ipynb was revoked" in message and len(message) <= 140, message
+    page.locator(BANNER).wait_for(timeout=30_000)
+    assert assert_whole(page, BANNER) == [whole]
+    wait_status(page, r"^GPU lease revoked$")
+    # the kernel was shut down: the notebook says it has none, not "Idle"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "Idle" in page.locator("#jp-main-statusbar").inner_text():
+        time.sleep(0.25)
+    bar = page.locator("#jp-main-statusbar").inner_text()
+    assert "Idle" not in bar, bar
+    assert assert_whole(page, BANNER) == [whole]  # it stays
+    page.screenshot(path=str(shots / "lab-revoked.png"))
+    toast.first.locator("button", has_text="Read why").click()
+    dialog = page.locator(".jp-Dialog-body")
+    dialog.wait_for(timeout=10_000)
+    assert " ".join(dialog.inner_text().split()) == whole
+    assert_whole(page, ".jp-Dialog-body")
+    page.locator(".jp-Dialog button", has_text="OK").click()
+    # a reload keeps it: the banner again, whole
+    page.reload()
+    page.locator(BANNER).wait_for(timeout=60_000)
+    assert assert_whole(page, BANNER) == [whole]
+    context.close()
+    hub.stop_server(user)
