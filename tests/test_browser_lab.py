@@ -449,3 +449,44 @@ def test_a_long_revoke_reason_is_shown_whole(chromium: Any, hub: Hub, shots: Pat
     assert assert_whole(page, BANNER) == [whole]
     context.close()
     hub.stop_server(user)
+
+
+def test_a_notebook_with_a_kernel_not_for_you_says_why(chromium: Any, hub: Hub) -> None:
+    """guest01 (in no course) opens a notebook saved with ml101's kernel, which the kernel
+    list leaves out for them: the reason first, then JupyterLab's "Select Kernel"."""
+    user = "guest01"
+    hub.spawn(user)
+    notebook = {
+        "cells": [],
+        "metadata": {
+            "kernelspec": {
+                "name": "ml101-gpu-0.05",
+                "display_name": "Python 3 (GPU 0.05, ml101)",
+                "language": "python",
+            }
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    r = hub.req(
+        "PUT",
+        f"{hub.url}/user/{user}/api/contents/course.ipynb",
+        hub.token(user),
+        json={"type": "notebook", "format": "json", "content": notebook},
+    )
+    assert r.status_code in (200, 201), r.text
+    context, page = open_lab(chromium, hub, user, "lab/tree/course.ipynb")
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for(timeout=60_000)
+    assert "Kernel not available to you" in dialog.locator(".jp-Dialog-header").inner_text()
+    (body,) = assert_whole(page, ".jp-Dialog-body")
+    assert " ".join(body.split()) == (
+        'This notebook was saved with the kernel "Python 3 (GPU 0.05, ml101)", which you '
+        "cannot start: for course ml101 only. Choose another kernel next (the launcher shows "
+        "the GPU kernels you may start), or ask your instructor for this one."
+    )
+    page.locator(".jp-Dialog button", has_text="Choose another kernel").click()
+    page.locator(".jp-Dialog-header", has_text="Select Kernel").wait_for(timeout=30_000)
+    assert hub.leases(user) == []
+    context.close()
+    hub.stop_server(user)
