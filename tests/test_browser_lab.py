@@ -490,3 +490,62 @@ def test_a_notebook_with_a_kernel_not_for_you_says_why(chromium: Any, hub: Hub) 
     assert hub.leases(user) == []
     context.close()
     hub.stop_server(user)
+
+
+def test_the_status_bar_shows_the_kernels_gpu_memory(
+    chromium: Any, tmp_path_factory: pytest.TempPathFactory, shots: Path
+) -> None:
+    """A node agent reports the kernel's GPU memory: the status bar shows it against the
+    cap ("GPU 0.02 · 130 / 143 MiB"), in the warning colour near the cap. Its own hub: the
+    broker takes a node agent's token, and the test speaks as that agent (the REST calls
+    `gpu-lease agent` makes; NVML cannot exist here)."""
+    from provisioner.devtools.slurmcluster import agent_tokens
+
+    if not _extension_installed():
+        pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
+    tmp = tmp_path_factory.mktemp("memhub")
+    tokens_file = tmp / "agents.json"
+    (token,) = agent_tokens(tokens_file, ["local"]).values()
+    env = {"GPU_LEASE_AGENT_TOKENS": str(tokens_file)}
+    with running_hub(tmp, env=env, gpus="agents") as h:
+        node, gpu, pid = "local", "GPU-00000000-0000-4000-8000-00000000a100", 0
+        agent = {"Authorization": f"token {token}"}
+        r = h.http.put(
+            f"{h.broker}/api/v1/nodes/{node}",
+            headers=agent,
+            json={
+                "gpus": [{"uuid": gpu, "name": "V100", "memory_mb": 32768, "index": 0}],
+                "agent_version": "test",
+            },
+        )
+        assert r.status_code in (200, 201), r.text
+
+        def report(used_mb: int) -> list[int]:
+            """One heartbeat; returns the kernel pids the broker asks the agent to watch."""
+            usage = [{"pid": pid, "gpu_uuid": gpu, "used_mb": used_mb}] if pid else []
+            r = h.http.post(
+                f"{h.broker}/api/v1/nodes/{node}/heartbeat",
+                headers=agent,
+                json={"usage": usage, "at": time.time()},
+            )
+            assert r.status_code == 200, r.text
+            return list(r.json().get("watch") or [])
+
+        report(0)
+        user = "student01"
+        context, page = open_lab(chromium, h, user)
+        open_gpu_notebook(page)
+        wait_status(page, r"^GPU 0\.02 · V100 · cap 143 MiB$", timeout=KERNEL_MS / 1000)
+        deadline = time.monotonic() + 30
+        while not (watch := report(0)) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the kernel's pid comes with its first renewal
+        (pid,) = watch
+        report(52)
+        wait_status(page, r"^GPU 0\.02 · 52 / 143 MiB$", timeout=30)
+        assert page.locator(STATUS).get_attribute("data-memory") == "ok"
+        report(138)
+        wait_status(page, r"^GPU 0\.02 · 138 / 143 MiB$", timeout=30)
+        assert page.locator(STATUS).get_attribute("data-memory") == "high"
+        assert "Near the cap" in (page.locator(STATUS).get_attribute("title") or "")
+        page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-memory.png"))
+        context.close()
