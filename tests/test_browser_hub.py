@@ -253,7 +253,9 @@ def test_dashboard_leases_fit_and_the_course_filter_is_in_the_url(
         context, page, problems = open_dashboard(chromium, hub, "instructor")
         for width in (1280, 1920):
             page.set_viewport_size({"width": width, "height": 900})
-            page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+            page.evaluate(
+                "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+            )
             g = page.evaluate(FITS)
             assert g["scroll"] <= g["client"], (width, g)
             assert g["natural"] + SLACK_PX <= g["client"], (width, g)

@@ -73,7 +73,9 @@ def holding(
 ) -> Iterator[dict[str, Any]]:
     """A lease (or, ``wait``, a queued request kept by re-posting) of ``user`` without a kernel."""
     token = hub.token(user)
-    if fraction > 0.05:  # above a student's per-kernel limit: the admin raises it (each test runs alone too)
+    if (
+        fraction > 0.05
+    ):  # above a student's per-kernel limit: the admin raises it (each test runs alone too)
         r = hub.req(
             "PUT",
             f"{hub.broker}/api/v1/quotas/users/{user}",
@@ -271,7 +273,7 @@ def assert_whole(page: Any, selector: str) -> list[str]:
         try:
             assert boxes, f"nothing visible matches {selector}"
             for b in boxes:
-                assert 0 <= b["left"] and b["right"] <= b["window"], b
+                assert b["left"] >= 0 and b["right"] <= b["window"], b
                 assert b["height"] > 0, b  # laid out, not squeezed to nothing
                 assert b["parent_top"] <= b["top"] and b["bottom"] <= b["parent_bottom"] + 1, b
                 assert b["scroll"] <= b["client"] + 1, b
