@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test lint typecheck unit bench clean chromium promtool slurm
+.PHONY: install demo demo-install test lint typecheck unit unit-js bench clean chromium promtool slurm
 
 install: $(STAMP) $(CHP) chromium promtool slurm
 
@@ -69,6 +69,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	npx tsc --noEmit -p .
+
+# the JupyterLab extension's text (src/format.ts): Node's own test runner, no extra packages
+unit-js: $(STAMP)
+	npm run -s test:unit
 
 # the broker's API, authorization, fuzzing, crash, failover, kernel and hub tests once
 # more, with HTTP served by a front process (--http-processes 1): every `broker` fixture,
@@ -84,7 +89,7 @@ unit: $(STAMP)
 	GPU_LEASE_TEST_HTTP_PROCESSES=1 GPU_LEASE_HTTP_PROCESSES=1 \
 		$(BIN)/python -m pytest $(SPLIT_TESTS)
 
-test: install lint typecheck unit
+test: install lint typecheck unit-js unit
 
 bench: install
 	$(BIN)/python benchmarks/broker_throughput.py
