@@ -219,7 +219,7 @@ def test_waiting_kernel_shows_its_place_and_runs_the_kept_cell(
 
 
 def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) -> None:
-    held = hub.leases("student02")  # the first notebook's, when the tests run in order
+    held = [x["id"] for x in hub.leases("student02")]  # the first notebook's, in file order
     with filling(hub):
         context, page = open_lab(chromium, hub, "student02")
         open_gpu_notebook(page)
@@ -237,7 +237,7 @@ def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) 
         assert "You stopped waiting for a GPU" in dialog.inner_text()
         assert hub_queue(hub) == []
         page.locator(".jp-Dialog button", has_text="Ok").click()
-        assert hub.leases("student02") == held  # the first notebook's lease is untouched
+        assert [x["id"] for x in hub.leases("student02")] == held  # untouched
         # the cell run while waiting says it did not run, and keeps saying it
         output = cell.locator(".jp-OutputArea-output", has_text="This cell did not run")
         output.wait_for(timeout=10_000)
@@ -551,3 +551,29 @@ def test_the_status_bar_shows_the_kernels_gpu_memory(
         assert "Near the cap" in (page.locator(STATUS).get_attribute("title") or "")
         page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-memory.png"))
         context.close()
+
+
+def test_stopping_the_server_withdraws_a_waiting_kernel(hub: Hub) -> None:
+    """The hub stops a server (its culler, or the student's "Stop My Server") while a kernel
+    waits for a GPU: the request leaves the queue at once and the server stops in seconds,
+    instead of waiting for the GPU and being granted one for nobody."""
+    user = "student08"
+    hub.spawn(user)
+    with filling(hub) as filler:
+        starting = threading.Thread(
+            target=lambda: hub.start_kernel(user, "python3-gpu-0.02"), daemon=True
+        )
+        starting.start()
+        deadline = time.monotonic() + 60
+        while not queued_for(hub, user) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert len(queued_for(hub, user)) == 1
+        began = time.monotonic()
+        hub.stop_server(user)
+        took = time.monotonic() - began
+        assert queued_for(hub, user) == []
+        assert took < 30, took
+        hub.req("DELETE", f"{hub.broker}/api/v1/leases/{filler['id']}", hub.token("student59"))
+        time.sleep(2)
+        assert hub.leases(user) == []
+        starting.join(timeout=30)
