@@ -29,8 +29,6 @@ from typing import Any
 
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
-from .status import board_for
-
 log = logging.getLogger(__name__)
 
 
@@ -118,28 +116,9 @@ class GPULeaseKernelManager(AsyncMappingKernelManager):
     start_kernel = _async_start_kernel  # type: ignore[assignment]
 
     async def _async_shutdown_all(self, now: bool = False) -> None:
-        """Called by ``ServerApp.cleanup_kernels`` when the server stops (also when the
-        hub's culler stops it): kernels still waiting for a GPU withdraw their requests
-        first. jupyter_client would wait for each such start to finish -- for the GPU to
-        be granted, up to ``queue_timeout`` -- and the broker would give a GPU to a server
-        that is going away."""
-        await self._withdraw_waiting()
+        """Called by ``ServerApp.cleanup_kernels`` when the server stops."""
         self._forget_failed_starts()
         await super()._async_shutdown_all(now=now)
-
-    async def _withdraw_waiting(self) -> None:
-        board = board_for(self)
-        if board is None:
-            return
-        waiting = board.waiting_ids()
-        for kernel_id in waiting:
-            try:
-                await board.stop_waiting(kernel_id)
-            except Exception as exc:  # never keep the server from stopping
-                log.warning("Kernel %s did not withdraw its GPU request: %s", kernel_id, exc)
-        starts = [self._pending_kernels[k] for k in waiting if k in self._pending_kernels]
-        if starts:  # each fails at once now ("You stopped waiting"); let them finish
-            await asyncio.wait(starts, timeout=10)
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
