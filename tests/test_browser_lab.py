@@ -245,6 +245,13 @@ def test_stop_waiting_cancels_the_request(chromium: Any, hub: Hub, shots: Path) 
         outputs = [x.strip() for x in cell.locator(".jp-OutputArea-output").all_inner_texts()]
         assert outputs == [NOT_RUN], outputs
         assert_whole(page, ".jp-NotebookPanel .jp-Cell .jp-OutputArea-output")
+        # JupyterLab then offers to start another kernel: not now
+        choose = page.locator(".jp-Dialog-header", has_text="Select Kernel")
+        choose.wait_for(timeout=10_000)
+        page.locator(".jp-Dialog button", has_text="No Kernel").click()
+        time.sleep(1)
+        outputs = [x.strip() for x in cell.locator(".jp-OutputArea-output").all_inner_texts()]
+        assert outputs == [NOT_RUN], outputs
         page.screenshot(path=str(shots / "lab-did-not-run.png"))
         context.close()
 
@@ -550,4 +557,3 @@ def test_the_status_bar_shows_the_kernels_gpu_memory(
         assert "Near the cap" in (page.locator(STATUS).get_attribute("title") or "")
         page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-memory.png"))
         context.close()
-
