@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test fast lint typecheck unit upstream bench clean chromium promtool slurm sudo
+.PHONY: install demo demo-install test fast lint typecheck unit unit-js upstream bench clean chromium promtool slurm sudo
 
 install: $(STAMP) $(CHP) chromium promtool slurm sudo
 
@@ -76,6 +76,11 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	npx tsc --noEmit -p .
+
+# the JupyterLab extension's text (src/format.ts): Node's own test runner, no extra packages
+unit-js: $(STAMP)
+	npm run -s test:unit
 
 # the broker's API, authorization, fuzzing, crash, failover, kernel and hub tests once
 # more, with HTTP served by a front process (--http-processes 1): every `broker` fixture,
@@ -96,7 +101,7 @@ unit: $(STAMP)
 upstream: $(STAMP)
 	$(BIN)/python tests/upstream/run_upstream.py
 
-test: install lint typecheck unit upstream
+test: install lint typecheck unit-js unit upstream
 
 # the fast tier: every test not marked slow; it starts no process (tests/conftest.py fails
 # a test that does), so it runs in well under a minute. `make test` runs it with the rest.

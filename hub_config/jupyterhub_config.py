@@ -543,7 +543,14 @@ c.Spawner.args.append(
     f"--ServerApp.terminado_settings=shell_command={shutil.which('bash') or '/bin/bash'}"
 )
 if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix (tests)
-    server_env["JUPYTER_PATH"] = str(Path(env("GPU_LEASE_KERNELS_PREFIX", "")) / "share/jupyter")
+    # ... first; a JUPYTER_PATH the hub was given stays after it (a JupyterLab extension
+    # built in a development tree: JUPYTER_PATH=<tree>/.jupyter-dev)
+    server_env["JUPYTER_PATH"] = os.pathsep.join(
+        [
+            str(Path(env("GPU_LEASE_KERNELS_PREFIX", "")) / "share/jupyter"),
+            *[p for p in env("JUPYTER_PATH", "").split(os.pathsep) if p],
+        ]
+    )
 # The servers' runtime files (cookie secrets, kernels' connection files and sockets) and
 # temporary files (ipykernel's per-kernel folders) stay in the state directory: stopping
 # the hub leaves nothing of its users in the system's temporary folder. A kernel's sockets

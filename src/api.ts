@@ -8,6 +8,8 @@ export interface ILease {
   fraction: number;
   gpu: { uuid: string; node?: string; name?: string; memory_mb?: number };
   memory_limit_mb?: number;
+  /** GPU memory its kernel's processes used at the node agent's last report (MiB) */
+  used_mb?: number | null;
   state: string;
   expires_at?: number;
   reason?: string | null;
@@ -68,4 +70,41 @@ export async function stopWaiting(kernelId: string): Promise<void> {
   await request(`kernels/${encodeURIComponent(kernelId)}/request`, {
     method: 'DELETE'
   });
+}
+
+/** The notebook's path, name and type of a session (as JupyterLab's session context has them). */
+export interface ISessionWhere {
+  path: string;
+  name: string;
+  type: string;
+}
+
+/**
+ * Wait until the kernel that waits for its GPU has started, then make its session the
+ * notebook's (`path`): a reloaded page re-attaches to its waiting kernel instead of
+ * starting a second one. Rejects with the start's error when the kernel did not start.
+ */
+export async function attachSession(kernelId: string, where: ISessionWhere): Promise<void> {
+  for (;;) {
+    const response = await request(`kernels/${encodeURIComponent(kernelId)}/session`, {
+      method: 'POST',
+      body: JSON.stringify(where)
+    });
+    if (response.status !== 202) {
+      return; // its session is the notebook's now
+    }
+  }
+}
+
+/** Why this user can never start kernelspec `name`, or null (unknown here, or startable). */
+export async function whyNotKernel(
+  name: string
+): Promise<{ display_name: string; message: string } | null> {
+  try {
+    const response = await request(`kernelspecs/${encodeURIComponent(name)}`);
+    const body = await response.json();
+    return body.startable === false ? body : null;
+  } catch {
+    return null;
+  }
 }

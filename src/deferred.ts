@@ -12,15 +12,40 @@ import { Cell, CodeCell } from '@jupyterlab/cells';
 import { ISessionContext } from '@jupyterlab/apputils';
 import { INotebookTracker, Notebook, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 
-const WAITING_TEXT =
-  'Waiting for a GPU: this cell runs as soon as the kernel has started.\n';
-const NOT_RUN_TEXT =
-  'This cell did not run: its kernel did not start (see the message about the GPU ' +
-  'queue). Start the kernel again, then run the cell.\n';
+import * as nbformat from '@jupyterlab/nbformat';
+import { TranslationBundle } from '@jupyterlab/translation';
+
+/** Replace a cell's outputs by ``output`` (unless that is what it shows already). */
+function showOnly(cell: CodeCell, output: nbformat.IStream): void {
+  const outputs = cell.model.outputs;
+  const shown = outputs.toJSON();
+  if (shown.length === 1 && shown[0].text === output.text && shown[0].name === output.name) {
+    return;
+  }
+  outputs.clear();
+  outputs.add(output);
+}
 
 export class DeferredCells {
-  constructor(private _tracker: INotebookTracker) {
+  constructor(
+    private _tracker: INotebookTracker,
+    trans: TranslationBundle
+  ) {
+    this._texts = {
+      waiting:
+        trans.__('Waiting for a GPU: this cell runs as soon as the kernel has started.') + '\n',
+      notRun:
+        trans.__(
+          'This cell did not run: its kernel did not start (see the message about the GPU ' +
+            'queue). Start the kernel again, then run the cell.'
+        ) + '\n'
+    };
     NotebookActions.executionScheduled.connect(this._onScheduled, this);
+  }
+
+  /** Whether cells of this notebook wait for its kernel. */
+  has(panel: NotebookPanel): boolean {
+    return (this._pending.get(panel) ?? []).length > 0;
   }
 
   private _onScheduled(
@@ -58,15 +83,12 @@ export class DeferredCells {
     if (cell.isDisposed) {
       return;
     }
-    const model = cell.model;
-    const shown = model.outputs.toJSON();
-    if (!(shown.length === 1 && shown[0].text === WAITING_TEXT)) {
-      model.sharedModel.transact(() => {
-        model.outputs.clear();
-        model.outputs.add({ output_type: 'stream', name: 'stdout', text: WAITING_TEXT });
-      }, false);
-    }
-    model.executionState = 'running';
+    // Not inside sharedModel.transact: the output model mirrors itself into the shared
+    // model with a 'silent-change' origin, which an enclosing transaction replaces, so the
+    // change came back as a second copy (the waiting line shown twice, the "did not run"
+    // line cleared at once).
+    showOnly(cell, { output_type: 'stream', name: 'stdout', text: this._texts.waiting });
+    cell.model.executionState = 'running';
   }
 
   private _onKernel(context: ISessionContext): void {
@@ -84,17 +106,20 @@ export class DeferredCells {
       return;
     }
     if (!['initializing', 'starting'].includes(context.kernelDisplayStatus)) {
-      this._pending.set(panel, []);
-      for (const cell of cells) {
-        if (cell.isDisposed) {
-          continue;
-        }
-        cell.model.sharedModel.transact(() => {
-          cell.model.outputs.clear();
-          cell.model.outputs.add({ output_type: 'stream', name: 'stderr', text: NOT_RUN_TEXT });
-        }, false);
-        cell.model.executionState = 'idle';
+      this.notRun(panel);
+    }
+  }
+
+  /** The notebook's kernel did not start: each kept cell says so, and is no longer kept. */
+  notRun(panel: NotebookPanel): void {
+    const cells = this._pending.get(panel) ?? [];
+    this._pending.set(panel, []);
+    for (const cell of cells) {
+      if (cell.isDisposed) {
+        continue;
       }
+      showOnly(cell, { output_type: 'stream', name: 'stderr', text: this._texts.notRun });
+      cell.model.executionState = 'idle';
     }
   }
 
@@ -117,4 +142,5 @@ export class DeferredCells {
   }
 
   private _pending = new Map<NotebookPanel, CodeCell[]>();
+  private _texts: { waiting: string; notRun: string };
 }

@@ -1,6 +1,7 @@
 // jupyter-gpu-lease in JupyterLab: the current kernel's GPU lease or queue place in the
-// status bar, notifications while waiting ("Stop waiting") and when a lease ends, and cells
-// run while the kernel waits that are not lost. Data: the server extension provisioner.lab.
+// status bar, notifications while waiting ("Stop waiting") and when a lease ends, cells
+// run while the kernel waits that are not lost, and a notebook that keeps its waiting
+// kernel over a reload. Data: the server extension provisioner.lab.
 import {
   JupyterFrontEnd,
   JupyterFrontEndPlugin
@@ -8,33 +9,37 @@ import {
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { ITranslator, nullTranslator } from '@jupyterlab/translation';
 
 import { DeferredCells } from './deferred';
 import { GPULeaseModel } from './model';
 import { GPULeaseNotifier } from './notifications';
+import { NotebookGuard } from './sessions';
 import { GPULeaseStatus } from './statusbar';
 
 const PLUGIN_ID = 'jupyter-gpu-lease:plugin';
-const DEFAULT_INTERVAL_MS = 2000;
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: PLUGIN_ID,
   description:
     'GPU lease status: the lease or queue place of the current kernel, and notifications.',
   autoStart: true,
-  requires: [INotebookTracker],
-  optional: [IStatusBar, ISettingRegistry],
+  requires: [INotebookTracker, ISettingRegistry],
+  optional: [IStatusBar, ITranslator],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
+    settings: ISettingRegistry,
     statusBar: IStatusBar | null,
-    settings: ISettingRegistry | null
+    translator: ITranslator | null
   ) => {
-    const model = new GPULeaseModel(DEFAULT_INTERVAL_MS);
-    new DeferredCells(tracker);
-    new GPULeaseNotifier(model, tracker);
+    const trans = (translator ?? nullTranslator).load('jupyter_gpu_lease');
+    const model = new GPULeaseModel();
+    const deferred = new DeferredCells(tracker, trans);
+    new NotebookGuard(model, tracker, deferred, trans);
+    new GPULeaseNotifier(model, tracker, trans);
     if (statusBar) {
-      const item = new GPULeaseStatus(model, tracker);
+      const item = new GPULeaseStatus(model, tracker, trans);
       statusBar.registerStatusItem(PLUGIN_ID, {
         item,
         align: 'left',
@@ -45,16 +50,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
     tracker.widgetAdded.connect((_, panel) => {
       panel.sessionContext.statusChanged.connect(() => model.refreshSoon());
     });
-    if (settings) {
-      void settings.load(PLUGIN_ID).then(s => {
-        const apply = () => {
-          const seconds = s.get('refreshInterval').composite as number;
-          model.interval = Math.max(500, seconds * 1000);
-        };
-        apply();
-        s.changed.connect(apply);
-      });
-    }
+    // the refresh interval's default lives in the schema (schema/plugin.json) only
+    void settings.load(PLUGIN_ID).then(s => {
+      const apply = () => {
+        const seconds = s.get('refreshInterval').composite as number;
+        model.interval = Math.max(500, seconds * 1000);
+      };
+      apply();
+      s.changed.connect(apply);
+      model.start();
+    });
   }
 };
 

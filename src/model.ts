@@ -5,16 +5,24 @@ import { ISignal, Signal } from '@lumino/signaling';
 
 import { fetchKernels, IKernelLease, stopWaiting } from './api';
 
+/** How long a kernel may wait, not queued yet, before the status bar says it waits. */
+export const QUIET_MS = 3000;
+
 /** Polls `GET {base_url}gpu-lease/api/kernels`; `changed` fires after each answer. */
 export class GPULeaseModel {
-  constructor(interval: number) {
+  /** Polls once `start` is called, every `interval` ms (set from the settings first). */
+  constructor() {
     this._poll = new Poll({
-      auto: true,
+      auto: false,
       factory: () => this.refresh(),
-      frequency: { interval, backoff: true, max: 60_000 },
+      frequency: { backoff: true, max: 60_000 },
       name: 'jupyter-gpu-lease:kernels',
       standby: 'when-hidden'
     });
+  }
+
+  start(): void {
+    void this._poll.start();
   }
 
   get changed(): ISignal<this, void> {
@@ -32,7 +40,42 @@ export class GPULeaseModel {
   /** Ask the server now (after a start, a stop, or a user action). */
   async refresh(): Promise<void> {
     this._kernels = await fetchKernels();
+    const now = Date.now();
+    const waiting = new Set<string>();
+    for (const k of this._kernels) {
+      if (k.state === 'waiting') {
+        waiting.add(k.kernel_id);
+        if (!this._firstSeen.has(k.kernel_id)) {
+          this._firstSeen.set(k.kernel_id, now);
+          // shown from this long on even if the broker said nothing yet: ask again then
+          setTimeout(() => this.refreshSoon(), QUIET_MS + 50);
+        }
+      }
+    }
+    for (const id of this._firstSeen.keys()) {
+      if (!waiting.has(id)) {
+        this._firstSeen.delete(id);
+      }
+    }
     this._changed.emit();
+  }
+
+  /**
+   * Whether to show this kernel now. A waiting kernel is shown once the broker queued
+   * it (its place is known), or after QUIET_MS: on a free GPU the lease comes first, and
+   * "GPU queue: waiting" only flashed before it.
+   */
+  shown(k: IKernelLease | null): boolean {
+    if (!k || k.state !== 'waiting' || k.position) {
+      return !!k;
+    }
+    const since = this._firstSeen.get(k.kernel_id);
+    return since !== undefined && Date.now() - since >= QUIET_MS;
+  }
+
+  /** The kernel that waits for its GPU for the notebook at `path`, if any. */
+  waitingFor(path: string): IKernelLease | null {
+    return this._kernels.find(k => k.state === 'waiting' && k.path === path) ?? null;
   }
 
   /** Poll again now rather than at the next tick. */
@@ -63,10 +106,7 @@ export class GPULeaseModel {
       context.kernelDisplayStatus
     );
     if (starting) {
-      return (
-        this._kernels.find(k => k.state === 'waiting' && k.path === path) ??
-        null
-      );
+      return this.waitingFor(path);
     }
     return this.lastEnded(path);
   }
@@ -101,6 +141,7 @@ export class GPULeaseModel {
   }
 
   private _poll: Poll;
+  private _firstSeen = new Map<string, number>();
   private _kernels: IKernelLease[] = [];
   private _changed = new Signal<this, void>(this);
 }

@@ -1,15 +1,17 @@
 // Toasts: while a GPU kernel waits (with "Stop waiting"), and when a lease is revoked or expires.
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { TranslationBundle } from '@jupyterlab/translation';
 
 import { IKernelLease } from './api';
-import { endedMessage, fraction, label, waitingMessage } from './format';
+import { endedMessage, endedToast, fitting, fraction, label, waitingMessage } from './format';
 import { GPULeaseModel } from './model';
 
 export class GPULeaseNotifier {
   constructor(
     private _model: GPULeaseModel,
-    private _tracker: INotebookTracker
+    private _tracker: INotebookTracker,
+    private _trans: TranslationBundle
   ) {
     _model.changed.connect(this._onChanged, this);
     _tracker.currentChanged.connect(this._onPanel, this);
@@ -21,7 +23,9 @@ export class GPULeaseNotifier {
     for (const k of this._model.kernels) {
       present.add(k.kernel_id);
       if (k.state === 'waiting') {
-        this._waiting(k);
+        if (this._model.shown(k)) {
+          this._waiting(k);
+        }
       } else if (k.state === 'active') {
         this._granted(k);
       } else if (k.state === 'revoked' || k.state === 'expired') {
@@ -59,15 +63,20 @@ export class GPULeaseNotifier {
   }
 
   private _waiting(k: IKernelLease): void {
-    const message = waitingMessage(k);
+    const trans = this._trans;
+    const message = waitingMessage(k, trans);
     const actions = [
       {
-        label: 'Stop waiting',
-        caption: 'Give up this kernel\'s place in the GPU queue; the kernel does not start.',
+        label: trans.__('Stop waiting'),
+        caption: trans.__(
+          "Give up this kernel's place in the GPU queue; the kernel does not start."
+        ),
         displayType: 'warn' as const,
         callback: () => {
           void this._model.stopWaiting(k.kernel_id).catch(reason => {
-            Notification.error(`Could not stop waiting: ${reason.message ?? reason}`);
+            Notification.error(
+              trans.__('Could not stop waiting: %1', reason.message ?? String(reason))
+            );
           });
         }
       }
@@ -91,10 +100,17 @@ export class GPULeaseNotifier {
       return;
     }
     this._waitingToasts.delete(k.kernel_id);
-    const gpu = k.lease?.gpu?.name ? ` on a ${k.lease.gpu.name}` : '';
+    const trans = this._trans;
+    const share = fraction(k.fraction);
+    const gpu = k.lease?.gpu?.name;
     Notification.update({
       id,
-      message: `${label(k)} got its GPU: ${fraction(k.fraction)} of one${gpu}. The kernel is starting.`,
+      message: fitting(
+        gpu
+          ? trans.__('%1 got its GPU: %2 of a %3. The kernel is starting.', label(k, trans), share, gpu)
+          : trans.__('%1 got its GPU: %2 of one. The kernel is starting.', label(k, trans), share),
+        trans.__('Your kernel got its GPU (%1 of one). The kernel is starting.', share)
+      ),
       type: 'success',
       autoClose: 5000,
       actions: []
@@ -125,10 +141,27 @@ export class GPULeaseNotifier {
     if (!fresh || (shown !== undefined && Notification.manager.has(shown))) {
       return;
     }
-    this._endedToasts.set(
-      k.kernel_id,
-      Notification.warning(endedMessage(k), { autoClose: false })
-    );
+    const trans = this._trans;
+    const whole = endedMessage(k, trans);
+    const short = endedToast(k, trans);
+    const actions =
+      short === whole
+        ? []
+        : [
+            {
+              label: trans.__('Read why'),
+              caption: trans.__('The whole message'),
+              callback: (event: Event) => {
+                event.preventDefault(); // keep the notification
+                void showDialog({
+                  title: k.state === 'revoked' ? trans.__('GPU lease revoked') : trans.__('GPU lease expired'),
+                  body: whole,
+                  buttons: [Dialog.okButton({ label: trans.__('OK') })]
+                });
+              }
+            }
+          ];
+    this._endedToasts.set(k.kernel_id, Notification.warning(short, { autoClose: false, actions }));
   }
 
   private _waitingToasts = new Map<string, string>();

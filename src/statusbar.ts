@@ -1,15 +1,18 @@
-// The status-bar item: the current notebook's GPU lease, or its place in the GPU queue.
+// The status-bar item: the current notebook's GPU lease (with its memory in use, when the
+// node agent reports it), or its place in the GPU queue.
 import { INotebookTracker } from '@jupyterlab/notebook';
+import { TranslationBundle } from '@jupyterlab/translation';
 import { Widget } from '@lumino/widgets';
 
 import { IKernelLease } from './api';
-import { aboutWait, statusText } from './format';
+import { aboutWait, MEMORY_WARNING, memoryUse, mib, statusText } from './format';
 import { GPULeaseModel } from './model';
 
 export class GPULeaseStatus extends Widget {
   constructor(
     private _model: GPULeaseModel,
-    private _tracker: INotebookTracker
+    private _tracker: INotebookTracker,
+    private _trans: TranslationBundle
   ) {
     super();
     this.addClass('jp-GPULease-status');
@@ -21,33 +24,61 @@ export class GPULeaseStatus extends Widget {
 
   /** The record shown now (tests and notifications read the same choice). */
   get current(): IKernelLease | null {
-    return this._model.forPanel(this._tracker.currentWidget);
+    const k = this._model.forPanel(this._tracker.currentWidget);
+    return this._model.shown(k) ? k : null;
   }
 
   protected onUpdateRequest(): void {
     const k = this.current;
-    const text = statusText(k);
+    const text = statusText(k, this._trans);
     this.node.textContent = text;
     this.node.dataset.state = k?.state ?? '';
+    const use = memoryUse(k);
+    this.node.dataset.memory = use ? (use[0] >= MEMORY_WARNING * use[1] ? 'high' : 'ok') : '';
     this.node.title = k ? this._title(k) : '';
     this.setHidden(!text);
   }
 
   private _title(k: IKernelLease): string {
+    const trans = this._trans;
     switch (k.state) {
-      case 'active':
-        return (
-          `GPU lease ${k.lease?.id ?? ''} on ${k.lease?.gpu?.name ?? 'a GPU'} ` +
-          `${k.lease?.gpu?.uuid ?? ''}: ${k.fraction} of the GPU, ` +
-          `${k.lease?.memory_limit_mb ?? '?'} MiB for your tensors. Run %gpu for details.`
-        );
+      case 'active': {
+        const lease = k.lease;
+        const lines = [
+          trans.__(
+            'GPU lease %1 on %2 %3: %4 of the GPU, %5 MiB for your tensors.',
+            lease?.id ?? '',
+            lease?.gpu?.name ?? trans.__('a GPU'),
+            lease?.gpu?.uuid ?? '',
+            k.fraction,
+            lease?.memory_limit_mb ?? '?'
+          )
+        ];
+        const use = memoryUse(k);
+        if (use) {
+          lines.push(
+            trans.__('In use at the last report of the node: %1 of %2 MiB.', mib(use[0]), mib(use[1]))
+          );
+          if (use[0] > use[1]) {
+            lines.push(
+              trans.__(
+                'That is above the cap: free memory (del, torch.cuda.empty_cache()) before the administrator revokes the lease.'
+              )
+            );
+          } else if (use[0] >= MEMORY_WARNING * use[1]) {
+            lines.push(trans.__('Near the cap: the next allocation may fail with out of memory.'));
+          }
+        }
+        lines.push(trans.__('Run %gpu for details.'));
+        return lines.join('\n');
+      }
       case 'waiting':
-        return (
-          'This kernel waits for a GPU: the number is its place in the queue' +
-          (typeof k.eta_seconds === 'number'
-            ? `; the broker estimates ${aboutWait(k.eta_seconds)} from how long leases are held.`
-            : '.')
-        );
+        return typeof k.eta_seconds === 'number'
+          ? trans.__(
+              'This kernel waits for a GPU: the number is its place in the queue; the broker estimates %1 from how long leases are held.',
+              aboutWait(k.eta_seconds, trans)
+            )
+          : trans.__('This kernel waits for a GPU: the number is its place in the queue.');
       default:
         return k.reason ?? '';
     }

@@ -226,3 +226,49 @@ def test_dashboard_behind_the_hub(chromium: Any, hub: Hub, tmp_path: Path) -> No
         page.screenshot(path=str(tmp_path / "student01-dashboard.png"), full_page=True)
         assert problems == []
         context.close()
+
+
+FITS = """() => {
+  const wrap = document.querySelector('#leases .table-wrap');
+  const w = wrap.getBoundingClientRect();
+  const right = sel => [...wrap.querySelectorAll(sel)].map(e => e.getBoundingClientRect().right);
+  const table = wrap.querySelector('table');
+  table.style.width = 'auto';  // its natural width, the room left for longer cells
+  const natural = table.getBoundingClientRect().width;
+  table.style.width = '';
+  return {wrap_right: w.right, scroll: wrap.scrollWidth, client: wrap.clientWidth,
+          natural: natural, buttons: right('button.danger'), last_th: right('th:last-child')};
+}"""
+#: room for what grows with time and names ("2 h 40 min" for "1 s", a longer user name)
+SLACK_PX = 80
+
+
+def test_dashboard_leases_fit_and_the_course_filter_is_in_the_url(
+    chromium: Any, hub: Hub, tmp_path: Path
+) -> None:
+    """The admin's leases table, "Revoke…" and its Action header included, lies inside its
+    box at 1280 and 1920 px; the course picked is in the URL, and a reload keeps it."""
+    hub.holding("student01")
+    with held_lease(hub, "student02", 0.05):
+        context, page, problems = open_dashboard(chromium, hub, "instructor")
+        for width in (1280, 1920):
+            page.set_viewport_size({"width": width, "height": 900})
+            page.evaluate(
+                "() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))"
+            )
+            g = page.evaluate(FITS)
+            assert g["scroll"] <= g["client"], (width, g)
+            assert g["natural"] + SLACK_PX <= g["client"], (width, g)
+            assert g["buttons"] and all(r <= g["wrap_right"] for r in g["buttons"]), (width, g)
+            assert g["last_th"] and all(r <= g["wrap_right"] for r in g["last_th"]), (width, g)
+            page.screenshot(path=str(tmp_path / f"dashboard-{width}.png"))
+        page.select_option("#course", "ml101")
+        assert "course=ml101" in page.url, page.url
+        page.reload()
+        page.wait_for_selector("#leases table", timeout=30_000)
+        assert page.locator("#course").input_value() == "ml101"
+        assert "Active leases in ml101" in page.inner_text("#leases")
+        page.select_option("#course", "*")
+        assert "course=" not in page.url, page.url
+        assert problems == []
+        context.close()

@@ -199,9 +199,10 @@ class GPULeaseProvisioner(LocalProvisioner):
                 )
             lease = await self.lease_keeper.acquire(await self._placed_ask())
         except GPULeaseError as exc:
+            error = for_jupyter_server(exc)
             if board is not None and self.kernel_id:
-                board.forget(str(self.kernel_id))  # its start error says why
-            raise for_jupyter_server(exc) from exc
+                board.forget(str(self.kernel_id), str(error))  # its start error says why
+            raise error from exc
         try:
             kwargs = await super().pre_launch(**kwargs)  # calls _finalize_env
             env: dict[str, str] = kwargs["env"]

@@ -154,6 +154,27 @@ class GPULeaseKernelSpecManager(KernelSpecManager):
         me = await self._my_quota()
         return specs if me is None else offered(specs, me, self.unavailable)
 
+    async def why_not(self, name: str) -> dict[str, Any] | None:
+        """Whether this user can ever start kernelspec ``name``, and if not why, in a
+        sentence (``GET {base_url}gpu-lease/api/kernelspecs/{name}``: a notebook saved with
+        a kernel the list leaves out). None if there is no such kernelspec."""
+        entry = super().get_all_specs().get(name)
+        spec = entry.get("spec") if isinstance(entry, Mapping) else None
+        if not isinstance(spec, Mapping):
+            return None
+        shown = str(spec.get("display_name") or name)
+        me = await self._my_quota()
+        why = never_startable(spec, me) if me is not None else None
+        out: dict[str, Any] = {"name": name, "display_name": shown, "startable": why is None}
+        if why is not None:
+            out["reason"] = why
+            out["message"] = (
+                f'This notebook was saved with the kernel "{shown}", which you cannot start: '
+                f"{why}. Choose another kernel next (the launcher shows the GPU kernels you "
+                "may start), or ask your instructor for this one."
+            )
+        return out
+
     async def _my_quota(self) -> dict[str, Any] | None:
         """The broker's ``/quotas/me`` for this server's token, cached; None if unavailable."""
         if self._lock is None:

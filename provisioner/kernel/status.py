@@ -88,6 +88,8 @@ class LeaseBoard:
     clock: Callable[[], float] = time.time
     live: dict[str, KernelLease] = field(default_factory=dict)
     ended: OrderedDict[str, KernelLease] = field(default_factory=OrderedDict)
+    #: kernel id -> why its start failed (the last ``keep``)
+    failed: OrderedDict[str, str] = field(default_factory=OrderedDict)
     _stoppers: dict[str, StopWaiting] = field(default_factory=dict)
 
     # -- written by the provisioner --------------------------------------------------------
@@ -103,6 +105,7 @@ class LeaseBoard:
         """``pre_launch`` is about to ask the broker: the kernel waits for its GPU."""
         now = self.clock()
         self.ended.pop(kernel_id, None)
+        self.failed.pop(kernel_id, None)
         self.live[kernel_id] = KernelLease(
             kernel_id,
             "waiting",
@@ -186,10 +189,21 @@ class LeaseBoard:
         self.ended.move_to_end(kernel_id)
         self._trim(now)
 
-    def forget(self, kernel_id: str) -> None:
-        """The kernel never started (refused, gave up, stopped waiting): its start error says why."""
+    def forget(self, kernel_id: str, why: str | None = None) -> None:
+        """The kernel never started (refused, gave up, stopped waiting): its start error says
+        why, and so does :meth:`start_error` (a page that re-attached to the waiting kernel
+        reads it there: the start's own answer went to the page that started it)."""
         self.live.pop(kernel_id, None)
         self._stoppers.pop(kernel_id, None)
+        if why:
+            self.failed[kernel_id] = why
+            self.failed.move_to_end(kernel_id)
+            while len(self.failed) > self.keep:
+                self.failed.popitem(last=False)
+
+    def start_error(self, kernel_id: str) -> str | None:
+        """Why the kernel's start failed (see :meth:`forget`), if it did."""
+        return self.failed.get(kernel_id)
 
     # -- read by the server extension -----------------------------------------------------
     def snapshot(self) -> list[KernelLease]:

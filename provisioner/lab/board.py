@@ -92,6 +92,67 @@ class GPULeaseLab(LoggingConfigurable):
         board = self.board
         return bool(board is not None and await board.stop_waiting(kernel_id))
 
+    async def attach(
+        self, kernel_id: str, where: dict[str, str], timeout: float = 30.0
+    ) -> dict[str, Any] | None:
+        """``POST .../kernels/{id}/session``: a page re-attaches to its waiting kernel.
+
+        JupyterLab finds a notebook's kernel by its session, and jupyter_server saves a
+        session only once its kernel has started: a page reloaded while the kernel waits
+        for its GPU found none and started a second kernel. Here the page waits (up to
+        ``timeout`` seconds a call: ``None`` then, ask again) until the kernel has started,
+        then the kernel's session is moved to the notebook's path (the page that started
+        it would have done so; it is gone) or, if none was saved, one is made. Returns the
+        session's model. Raises :class:`StartFailed` with the start's error when the
+        kernel did not start, ``KeyError`` when it is no kernel of this server.
+        """
+        km = self.kernel_manager
+        sessions = getattr(self.parent, "session_manager", None)
+        if km is None or sessions is None:
+            raise KeyError(kernel_id)
+        deadline = time.monotonic() + timeout
+        while kernel_id not in km:
+            pending = (getattr(km, "_pending_kernels", {}) or {}).get(kernel_id)
+            board = self.board
+            if pending is None or pending.done():
+                if kernel_id in km:
+                    break
+                why = board.start_error(kernel_id) if board is not None else None
+                if why is None and (board is None or board.get(kernel_id) is None):
+                    raise KeyError(kernel_id)
+                raise StartFailed(why or "The kernel did not start (see the server's log).")
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.2)
+        # started: the session its own start saves right after (moments later)
+        for _ in range(50):
+            mine = [
+                m
+                for m in await sessions.list_sessions()
+                if (m.get("kernel") or {}).get("id") == kernel_id
+            ]
+            for model in mine:
+                if model.get("path") == where["path"]:
+                    return dict(model)
+            if mine:
+                await sessions.update_session(mine[0]["id"], path=where["path"], name=where["name"])
+                return dict(await sessions.get_session(session_id=mine[0]["id"]))
+            await asyncio.sleep(0.2)
+        model = await sessions.create_session(
+            path=where["path"], name=where["name"], type=where["type"], kernel_id=kernel_id
+        )
+        return dict(model)
+
+    async def kernelspec(self, name: str) -> dict[str, Any] | None:
+        """``GET .../kernelspecs/{name}``: whether this user can ever start kernelspec ``name``
+        (a notebook saved with it; the kernel list leaves it out), and why not."""
+        specs = getattr(self.parent, "kernel_spec_manager", None)
+        why_not = getattr(specs, "why_not", None)
+        if why_not is None:
+            return None
+        answer = await why_not(name)
+        return dict(answer) if answer is not None else None
+
     # -- the queue look-up --------------------------------------------------------------------
     def _maybe_refresh_queue(self, board: LeaseBoard) -> None:
         now = time.monotonic()
@@ -165,4 +226,8 @@ class GPULeaseLab(LoggingConfigurable):
         return None if rel.startswith("..") else rel.replace(os.sep, "/")
 
 
-__all__ = ["GPULeaseLab"]
+class StartFailed(Exception):
+    """The kernel a page wanted to re-attach to did not start; the message says why."""
+
+
+__all__ = ["GPULeaseLab", "StartFailed"]

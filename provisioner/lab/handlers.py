@@ -3,6 +3,8 @@
 ==============================================================  ==============================
 ``GET    {base_url}gpu-lease/api/kernels``                       this server's GPU kernels
 ``DELETE {base_url}gpu-lease/api/kernels/{kernel_id}/request``   stop waiting for a GPU
+``POST   {base_url}gpu-lease/api/kernels/{kernel_id}/session``   re-attach to a waiting kernel
+``GET    {base_url}gpu-lease/api/kernelspecs/{name}``             why a kernel is not for you
 ==============================================================  ==============================
 
 Both are jupyter_server ``APIHandler``s: the caller is authenticated as this server's
@@ -22,7 +24,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
-from .board import GPULeaseLab
+from .board import GPULeaseLab, StartFailed
 
 AUTH_RESOURCE = "kernels"
 
@@ -60,6 +62,46 @@ class RequestHandler(_Base):
         self.finish()
 
 
+class SessionHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        """``{path, name, type}`` of the notebook -> 200 and its session once the waiting
+        kernel has started; 202 ``{"state": "waiting"}`` after 30 s (ask again); 409 with
+        the start's error when it did not start; 404 for no kernel of this server."""
+        body = self.get_json_body() or {}
+        where = {k: body.get(k) for k in ("path", "name", "type")}
+        if not all(isinstance(v, str) and v for v in where.values()):
+            raise web.HTTPError(
+                400, 'Send {"path", "name", "type"} of the notebook\'s session, as strings.'
+            )
+        try:
+            session = await self.lab.attach(kernel_id, where)  # type: ignore[arg-type]
+        except KeyError:
+            raise web.HTTPError(
+                404, f"Kernel {kernel_id} is no kernel of this server: start a kernel anew."
+            ) from None
+        except StartFailed as exc:
+            raise web.HTTPError(409, str(exc)) from None
+        if session is None:
+            self.set_status(202)
+            self.finish(json.dumps({"state": "waiting"}))
+            return
+        self.finish(json.dumps(session, default=str))
+
+
+class KernelspecHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def get(self, name: str) -> None:
+        """``{name, display_name, startable, message?}``; 404 if this server has no such
+        kernelspec or does not filter kernels (no ``GPULeaseKernelSpecManager``)."""
+        answer = await self.lab.kernelspec(name)
+        if answer is None:
+            raise web.HTTPError(404, f"No kernelspec {name!r} on this server.")
+        self.finish(json.dumps(answer))
+
+
 def setup_handlers(web_app: Any, lab: GPULeaseLab) -> None:
     """Called by ``_load_jupyter_server_extension`` when the server starts."""
     base = web_app.settings["base_url"]
@@ -70,8 +112,19 @@ def setup_handlers(web_app: Any, lab: GPULeaseLab) -> None:
         [
             (api + "/?", KernelsHandler),
             (api + r"/([^/]+)/request/?", RequestHandler),
+            (api + r"/([^/]+)/session/?", SessionHandler),
+            (
+                url_path_join(base, "gpu-lease", "api", "kernelspecs") + r"/([^/]+)/?",
+                KernelspecHandler,
+            ),
         ],
     )
 
 
-__all__ = ["KernelsHandler", "RequestHandler", "setup_handlers"]
+__all__ = [
+    "KernelsHandler",
+    "KernelspecHandler",
+    "RequestHandler",
+    "SessionHandler",
+    "setup_handlers",
+]

@@ -241,6 +241,11 @@
   function setCourse(name) {
     course = name;
     $("course").value = name;
+    // the filter is in the page's URL: a reload, a bookmark or a link keeps it
+    const url = new URL(window.location.href);
+    if (name === ALL) url.searchParams.delete("course");
+    else url.searchParams.set("course", name);
+    window.history.replaceState(null, "", url);
     historyAt = 0;
     if (last) draw(last, true);
     refreshHistory();
@@ -696,6 +701,8 @@
   }
 
   function init() {
+    const wanted = new URLSearchParams(window.location.search).get("course");
+    if (wanted !== null) course = wanted;
     $("course").addEventListener("change", () => setCourse($("course").value));
     $("view").addEventListener("submit", (ev) => ev.preventDefault());
     for (const b of document.querySelectorAll(".range button")) {
