@@ -39,6 +39,7 @@ from .client import BrokerClient
 from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
 from .model import GPU
 from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
+from .node.pidns import KernelFinder, KernelId
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -77,44 +78,34 @@ def node_gpus(spec: str, node: str, nvml: Any = inventory.NVML_MODULE) -> list[G
     ]
 
 
-def parent_of(pid: int, proc: str = "/proc") -> int | None:
-    """The parent pid of ``pid`` from ``/proc/PID/stat`` (None if it is gone or unreadable)."""
-    try:
-        with open(f"{proc}/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
+def attribute(samples: Sample, find: KernelFinder) -> tuple[Sample, dict[int, list[int]]]:
+    """Report each GPU process under its kernel's host pid (children count for their kernel,
+    kernels in another pid namespace too: see :mod:`provisioner.node.pidns`).
 
-
-def kernel_of(pid: int, kernels: set[int], proc: str = "/proc") -> int | None:
-    """The kernel pid in ``kernels`` that ``pid`` is or descends from, else None."""
-    seen = 0
-    current: int | None = pid
-    while current is not None and current > 1 and seen < 64:
-        if current in kernels:
-            return current
-        current = parent_of(current, proc)
-        seen += 1
-    return None
-
-
-def attribute(samples: Sample, kernels: set[int]) -> tuple[Sample, dict[int, list[int]]]:
-    """Report each GPU process under its kernel's pid (children count for their kernel).
-
-    Returns the samples as reported and, per kernel pid, its GPU processes' pids (what
+    Returns the samples as reported and, per kernel host pid, its GPU processes' pids (what
     ``--enforce kill`` kills).
     """
     out: Sample = []
     members: dict[int, list[int]] = {}
     for pid, uuid, used in samples:
-        root = kernel_of(pid, kernels) if kernels else None
+        root = find(pid)
         if root is None:
             out.append((pid, uuid, used))
         else:
             out.append((root, uuid, used))
             members.setdefault(root, []).append(pid)
     return out, members
+
+
+def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
+    """The kernels a heartbeat's answer names: ``kernels`` ``[{pid, pid_ns}]``, or from an
+    older broker ``watch`` (host pids)."""
+    if "kernels" in beat:
+        return {
+            (int(k["pid"]), int(k["pid_ns"]) if k.get("pid_ns") is not None else None)
+            for k in beat["kernels"]
+        }
+    return {(int(p), None) for p in beat.get("watch", [])}
 
 
 def kill_processes(pids: list[int], why: str = "of a revoked lease") -> None:
@@ -145,12 +136,10 @@ class UnleasedReaper:
         #: pid -> when it was first seen unleased (in consecutive samples)
         self.first_seen: dict[int, float] = {}
 
-    def __call__(self, samples: Sample, kernels: set[int]) -> list[int]:
+    def __call__(self, samples: Sample, find: KernelFinder) -> list[int]:
         now = self.clock()
         spared = {os.getpid(), 1}
-        unleased = {
-            pid for pid, _, _ in samples if pid not in spared and kernel_of(pid, kernels) is None
-        }
+        unleased = {pid for pid, _, _ in samples if pid not in spared and find(pid) is None}
         self.first_seen = {pid: self.first_seen.get(pid, now) for pid in unleased}
         due = sorted(pid for pid, t in self.first_seen.items() if now - t >= self.after)
         for pid in due:
@@ -223,8 +212,9 @@ async def run_agent(
     Called by :meth:`GPULeaseAgent.serve`. A broker that forgot the node (404) gets it
     registered again; a broker that cannot be reached is tried again at the next beat.
     A refusal (a token of another node, a GPU another node has) raises. Each heartbeat's
-    answer names the kernel pids of the node's leases (``watch``): the next sample reports
-    their descendants' memory under the kernel's pid; with ``enforce="kill"`` the GPU
+    answer names the kernels of the node's leases (``kernels``: pid and pid namespace as
+    their provisioners see them): the next sample reports their descendants' memory under
+    the kernel's host pid, and says which host pid each namespaced kernel is; with ``enforce="kill"`` the GPU
     processes of the kernels the broker names in ``kill`` are killed at once; with
     ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
     With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
@@ -232,28 +222,33 @@ async def run_agent(
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
-    kernels: set[int] = set()
+    kernels: set[KernelId] = set()
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
         raw: Sample = []
+        find = KernelFinder(kernels)
         try:
             raw = sample()
-            samples, members = attribute(raw, kernels)
+            samples, members = attribute(raw, find)
             usage = merge_samples(samples)
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
             usage = []
         try:
             beat = await client.node_heartbeat(
-                node, usage, at=time.time(), mps=mps_states() if mps_states else None
+                node,
+                usage,
+                at=time.time(),
+                mps=mps_states() if mps_states else None,
+                kernels=find.report(),
             )
-            kernels = {int(p) for p in beat.get("watch", [])}
+            kernels = kernels_named(beat)
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
             if reaper is not None:  # judged against the kernels the broker names now
-                kill_processes(reaper(raw, kernels), "that belongs to no GPU lease")
+                kill_processes(reaper(raw, KernelFinder(kernels)), "that belongs to no GPU lease")
         except LeaseNotFound:
             log.warning("The broker does not know node %s (any more); registering again", node)
             if not await _register(client, node, gpus, stop, enforce):

@@ -194,7 +194,8 @@ def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
 
 
 def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
-    return {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
+    out = {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
+    return {**out, "kernels": h.kernels, "limits": h.limits}
 
 
 def history_json(h: History) -> dict[str, Any]:
@@ -673,8 +674,12 @@ class NodeHeartbeatHandler(APIHandler):
 
     @api
     async def post(self, node: str) -> None:
-        usage, at, mps = validation.parse_node_heartbeat(self.json_body())
-        beat = await self.service.node_heartbeat(self.ident, node, usage, at, mps)
+        body = self.json_body()
+        usage, at, mps = validation.parse_node_heartbeat(body)
+        kernels, driver_limits = validation.parse_node_kernels(body)
+        beat = await self.service.node_heartbeat(
+            self.ident, node, usage, at, mps, kernels=kernels, driver_limits=driver_limits
+        )
         self.write_json(heartbeat_json(beat))
 
 

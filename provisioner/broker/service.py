@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .. import history
 from .. import scheduling as core
@@ -85,6 +85,7 @@ from ..model import (
 )
 from ..scheduling import Ask, Existing, Grant, Policy, Queued
 from ..store import Store
+from .kernel_places import KernelPlaces
 from .writer import Writer
 
 log = logging.getLogger("gpu_lease.broker")
@@ -204,6 +205,10 @@ class Heartbeat:
     at: float
     watch: list[int]
     kill: list[int]
+    #: the node's lease kernels ``{pid, pid_ns}`` and kernel cgroups' ``limits`` (see
+    #: :mod:`.kernel_places`)
+    kernels: list[dict[str, Any]] = field(default_factory=list)
+    limits: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,8 @@ class BrokerService:
         self._reconciling: asyncio.Future[None] | None = None
         #: leases renewed since the reaper last persisted their heartbeats
         self._renewed: set[str] = set()
+        #: each lease kernel's pid namespace and cgroup (renewals; see :mod:`.kernel_places`)
+        self.kernel_places = KernelPlaces()
 
     # -- start-up -----------------------------------------------------------------
     def start(self) -> None:
@@ -561,6 +568,8 @@ class BrokerService:
         pid: int | None = None,
         execution_state: str | None = None,
         last_activity: float | None = None,
+        pid_ns: int | None = None,
+        cgroup: str | None = None,
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
@@ -576,6 +585,7 @@ class BrokerService:
         fresh = core.renewed(lease, self.clock(), self.policy, pid, execution_state, last_activity)
         self.state.update_lease(fresh)
         self._renewed.add(lease_id)
+        self.kernel_places.renewed(lease_id, pid_ns, cgroup)
         return fresh
 
     async def release(self, ident: Identity, lease_id: str) -> None:
@@ -946,6 +956,8 @@ class BrokerService:
         usage: list[tuple[int, str, int]],
         at: float | None = None,
         mps: dict[str, str] | None = None,
+        kernels: dict[tuple[int, int], int] | None = None,
+        driver_limits: list[str] | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
         and (agents with ``--mps``) its GPUs' MPS daemon states.
@@ -988,7 +1000,9 @@ class BrokerService:
         node.last_seen = now
         node.usage = list(usage)
         node.mps = dict(mps or {})
-        ends, kill = self._account_usage(node, usage, now)
+        self.kernel_places.forget_ended(set(self.state.leases))
+        self.kernel_places.driver_limited[name] = set(driver_limits or ())
+        ends, kill = self._account_usage(node, usage, now, kernels)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self._close_gpus(now)
@@ -997,21 +1011,36 @@ class BrokerService:
             self._log_overuse(node, ends, kill)
         elif was == "lost":
             await self._grant_waiting()
-        watch = sorted({x.pid for x in self.state.leases.values() if x.pid and x.gpu_uuid in mine})
-        return Heartbeat(name, core.node_state(node, now, self.policy), now, watch, kill)
+        here = [x for x in self.state.leases.values() if x.gpu_uuid in mine]
+        watch = sorted({x.pid for x in here if x.pid})
+        return Heartbeat(
+            name,
+            core.node_state(node, now, self.policy),
+            now,
+            watch,
+            kill,
+            self.kernel_places.kernels(here),
+            self.kernel_places.limits(here, self.policy.context_overhead_mb),
+        )
 
     def _account_usage(
-        self, node: Node, usage: list[tuple[int, str, int]], now: float
+        self,
+        node: Node,
+        usage: list[tuple[int, str, int]],
+        now: float,
+        kernels: dict[tuple[int, int], int] | None = None,
     ) -> tuple[list[tuple[Lease, str, str | None]], list[int]]:
         """Map samples to leases by kernel pid; which leases over their cap past the grace end.
 
-        The agent reports a kernel's child processes under the kernel's pid (it walks
-        /proc). Returns the leases to revoke and the kernel pids whose processes the agent
-        should kill (``--enforce kill``). Changes no lease itself.
+        The agent reports a kernel's child processes under the kernel's host pid (it walks
+        /proc), and ``kernels`` maps namespaced kernels to host pids. Returns the leases to
+        revoke and the kernel host pids whose processes the agent should kill (``--enforce
+        kill``). Changes no lease itself.
         """
         mine = {g.uuid for g in node.gpus}
         leases = [x for x in self.state.leases.values() if x.gpu_uuid in mine]
-        by_pid = {x.pid: x for x in leases if x.pid}
+        by_pid = self.kernel_places.by_host_pid(leases, kernels)
+        host_of = {x.id: pid for pid, x in by_pid.items()}
         used: dict[str, int] = {}
         node.unleased = []
         for pid, uuid, mb in usage:
@@ -1035,8 +1064,8 @@ class BrokerService:
             reason = core.overuse_reason(mb, lease, self.policy)
             if node.enforce in ("revoke", "kill"):
                 ends.append((lease, "revoked", reason))
-                if node.enforce == "kill" and lease.pid:
-                    kill.append(lease.pid)
+                if node.enforce == "kill" and lease.id in host_of:
+                    kill.append(host_of[lease.id])
             elif lease.id not in self._over_reported:  # once per episode over the cap
                 self._over_reported.add(lease.id)
                 self.metrics.enforced("reported", 1)
@@ -1074,9 +1103,10 @@ class BrokerService:
         node = self._node_of(lease.gpu_uuid)
         if node is None:
             return LeaseUsage(None, "cooperative", None)
-        return LeaseUsage(
-            self.used_mb.get(lease.id), f"agent-{node.enforce}", node.mps.get(lease.gpu_uuid)
-        )
+        layer = f"agent-{node.enforce}"
+        if self.kernel_places.driver_limited_on(node.name, lease.id):
+            layer = f"driver+{layer}"  # the driver caps the kernel's cgroup (R615+)
+        return LeaseUsage(self.used_mb.get(lease.id), layer, node.mps.get(lease.gpu_uuid))
 
     def _node_of(self, gpu_uuid: str) -> Node | None:
         gpu = self.state.gpus.get(gpu_uuid)

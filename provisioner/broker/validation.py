@@ -44,7 +44,12 @@ DEFAULT_USAGE_WINDOW_S = 7 * 86400
 MAX_WINDOW_S = 10 * 366 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait")
-HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
+HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup")
+#: a pid namespace's inode number (``/proc/<pid>/ns/pid``)
+MAX_PID_NS = 2**64 - 1
+#: a kernel's cgroup v2 path, from the v2 hierarchy's root
+MAX_CGROUP_CHARS = 1024
+_CGROUP_PATH = re.compile(r"^(/[A-Za-z0-9._@:+=,-]+)+$")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -304,7 +309,25 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
         out["execution_state"] = text.lower()
     if body.get("last_activity") is not None:
         out["last_activity"] = _number(body["last_activity"], "last_activity", low=0.0, high=1e11)
+    # pid namespaces and cgroups (DESIGN "Accounts and boundaries"); absent: not reported
+    out["pid_ns"] = None
+    if body.get("pid_ns") is not None:
+        out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+    out["cgroup"] = None
+    if body.get("cgroup") is not None:
+        out["cgroup"] = parse_cgroup(body["cgroup"])
     return out
+
+
+def parse_cgroup(value: Any) -> str:
+    """A kernel's cgroup v2 path from the hierarchy's root, e.g. ``/gpu-lease/k-1f2e``."""
+    text = _text(value, "cgroup", max_chars=MAX_CGROUP_CHARS)
+    if not _CGROUP_PATH.match(text) or any(part in (".", "..") for part in text.split("/")):
+        raise InvalidRequest(
+            "'cgroup' must be the kernel's cgroup v2 path from the hierarchy's root, such as "
+            "/gpu-lease/kernel-1f2e (letters, digits and ._@:+=,- between slashes)."
+        )
+    return text
 
 
 # -- quotas ----------------------------------------------------------------------
@@ -477,7 +500,8 @@ __all__ = [
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 ENFORCE_MODES = ("off", "report", "revoke", "kill")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps")
+NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "kernels", "driver_limits")
+KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 #: the most GPUs one node may register
 MAX_NODE_GPUS = 64
@@ -582,3 +606,32 @@ def parse_node_heartbeat(
                 )
             mps[gpu_uuid] = state
     return usage, at, mps
+
+
+def parse_node_kernels(
+    body: dict[str, Any],
+) -> tuple[dict[tuple[int, int], int] | None, list[str] | None]:
+    """A heartbeat's pid-namespace map and driver limits (see :mod:`provisioner.node.pidns`).
+
+    ``kernels``: ``[{pid, pid_ns, host_pid}]``, which host pid each namespaced kernel the
+    agent found is -> ``{(pid, pid_ns): host_pid}``; None when absent (an older agent).
+    ``driver_limits``: the kernel cgroups whose driver memory limit is in force; None when
+    absent (no driver limits on that node).
+    """
+    kernels: dict[tuple[int, int], int] | None = None
+    if body.get("kernels") is not None:
+        kernels = {}
+        for raw in _list(body, "kernels", MAX_USAGE_SAMPLES):
+            entry = _object(raw, "'kernels'")
+            check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
+            key = (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
+            )
+            if key in kernels:
+                raise InvalidRequest("Two 'kernels' entries name the same pid and pid_ns.")
+            kernels[key] = _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID)
+    limits: list[str] | None = None
+    if body.get("driver_limits") is not None:
+        limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
+    return kernels, limits

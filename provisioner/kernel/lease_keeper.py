@@ -74,6 +74,10 @@ class KernelReport(NamedTuple):
     pid: int | None
     execution_state: str | None
     last_activity: float | None
+    #: the pid namespace ``pid`` is numbered in (see :mod:`provisioner.node.pidns`)
+    pid_ns: int | None = None
+    #: the kernel's cgroup v2 path, where it has one (see :mod:`provisioner.node.cgroups`)
+    cgroup: str | None = None
 
 
 class KernelHandle(Protocol):
@@ -261,6 +265,8 @@ class LeaseKeeper:
                     pid=report.pid,
                     execution_state=report.execution_state,
                     last_activity=report.last_activity,
+                    pid_ns=report.pid_ns,
+                    cgroup=report.cgroup,
                 )
             )
         except BrokerUnavailable as exc:
