@@ -39,6 +39,7 @@ from .client import BrokerClient
 from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
 from .model import GPU
 from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
+from .node import driver_limits
 from .node.pidns import KernelFinder, KernelId
 
 log = logging.getLogger("gpu_lease.agent")
@@ -206,6 +207,7 @@ async def run_agent(
     enforce: str = "report",
     kill_unleased_after: float = 0.0,
     mps_states: Callable[[], dict[str, str]] | None = None,
+    limits: driver_limits.DriverLimits | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -218,11 +220,14 @@ async def run_agent(
     processes of the kernels the broker names in ``kill`` are killed at once; with
     ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
     With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
-    each heartbeat carries the GPUs' MPS daemon states.
+    each heartbeat carries the GPUs' MPS daemon states. With ``limits`` (a driver that
+    offers per-cgroup memory limits), the kernel cgroups the answer names (``limits``) get
+    their lease's memory as a driver hard limit; the next heartbeat says which hold.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
     kernels: set[KernelId] = set()
+    limited: list[str] | None = [] if limits is not None else None
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
@@ -242,8 +247,11 @@ async def run_agent(
                 at=time.time(),
                 mps=mps_states() if mps_states else None,
                 kernels=find.report(),
+                driver_limits=limited,
             )
             kernels = kernels_named(beat)
+            if limits is not None:
+                limited = limits.apply(list(beat.get("limits", [])), log)
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
@@ -438,6 +446,7 @@ class GPULeaseAgent(Application):
                 self.enforce,
                 self.kill_unleased_after,
                 mps.states if mps is not None else None,
+                _driver_limits(nvml_sampler, gpus),
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
@@ -450,6 +459,21 @@ class GPULeaseAgent(Application):
             if nvml_sampler is not None:
                 nvml_sampler.close()
         return 0
+
+
+def _driver_limits(
+    sampler: NVMLSampler | None, gpus: list[GPU]
+) -> driver_limits.DriverLimits | None:
+    """Per-cgroup driver memory limits where this node's NVML offers them (logged either way)."""
+    if sampler is None:
+        return None
+    nvml = sampler.nvml
+    ok, why = driver_limits.offered(nvml)
+    log.info("Driver memory limits per kernel: %s", why)
+    if not ok:
+        return None
+    handles = {g.uuid: nvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus}
+    return driver_limits.DriverLimits(nvml, handles)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,3 +72,24 @@ def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[Any]:
     uuid = nvmlDeviceGetUUID(handle)
     procs = _state().get("processes", {}).get(uuid, [])
     return [SimpleNamespace(pid=p["pid"], usedGpuMemory=p["used_mb"] * _MiB) for p in procs]
+
+
+def _nvmlGetFunctionPointer(name: str) -> object:
+    """Like the binding's: a driver without the symbol raises FUNCTION_NOT_FOUND (13).
+    The state's ``"memory_limits": false`` (or a driver below 615) has none."""
+    if name == "nvmlDeviceSetMemoryLimits_v1":
+        state = _state()
+        major = int(str(state.get("driver", "550.54.15")).split(".")[0])
+        if not state.get("memory_limits", major >= 615):
+            err = NVMLError("Function Not Found")
+            err.value = 13
+            raise err
+    return name
+
+
+def nvmlDeviceSetMemoryLimits_v1(handle: int, limits: Any) -> None:
+    """Appends ``{uuid, nameSpace, softLimit, hardLimit}`` to ``FAKE_NVML_LIMITS_LOG``."""
+    _nvmlGetFunctionPointer("nvmlDeviceSetMemoryLimits_v1")
+    entry = {"uuid": nvmlDeviceGetUUID(handle), **dict(limits)}
+    with open(os.environ["FAKE_NVML_LIMITS_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\n")
