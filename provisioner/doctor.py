@@ -138,7 +138,9 @@ def check_driver_limits(
     try:
         nvml.nvmlInit()
     except errors as exc:
-        return Check("driver_limits", "not run", f"no NVIDIA driver here: {_nvml_reason(nvml, exc)}")
+        return Check(
+            "driver_limits", "not run", f"no NVIDIA driver here: {_nvml_reason(nvml, exc)}"
+        )
     try:
         offered, why = driver_limits.offered(nvml)
     finally:

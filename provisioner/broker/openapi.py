@@ -223,7 +223,9 @@ _SCHEMAS: dict[str, Any] = {
             "enforcement": {
                 "type": "string",
                 "description": "The layer that holds the memory cap: 'cooperative' (framework "
-                "caps only), or 'agent-off' / 'agent-report' / 'agent-revoke' / 'agent-kill'.",
+                "caps only), or 'agent-off' / 'agent-report' / 'agent-revoke' / 'agent-kill', "
+                "prefixed 'driver+' where the node's driver caps the kernel's cgroup "
+                "(nvmlDeviceSetMemoryLimits_v1, R615+).",
             },
             "mps": _nullable(
                 {
@@ -294,6 +296,22 @@ _SCHEMAS: dict[str, Any] = {
                 "example": "idle",
             },
             "last_activity": {**_TIME, "minimum": 0, "maximum": 100000000000},
+            # node boundaries (issue 26): pid namespaces and the kernel's cgroup
+            "pid_ns": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 18446744073709551615,
+                "description": "The inode of the pid namespace `pid` is numbered in "
+                "(/proc/<pid>/ns/pid); lets the node agent find a kernel that runs in a "
+                "container or under `unshare --pid`.",
+            },
+            "cgroup": {
+                "type": "string",
+                "maxLength": 1024,
+                "pattern": "^(/[A-Za-z0-9._@:+=,-]+)+$",
+                "description": "The kernel's own cgroup v2, from the hierarchy's root: "
+                "the node sets the driver's memory limit on it where the driver offers one.",
+            },
         },
     },
     "Revoke": {
@@ -508,6 +526,34 @@ _SCHEMAS: dict[str, Any] = {
             "usage": {"type": "array", "maxItems": 4096, "items": _ref("UsageSample")},
             "at": {**_TIME, "minimum": 0, "maximum": 100000000000},
             "mps": _MPS_STATES,
+            # node boundaries (issue 26)
+            "kernels": {
+                "type": "array",
+                "maxItems": 4096,
+                "description": "Which host pid each lease kernel of another pid namespace "
+                "is (found through /proc/<pid>/status NSpid); `usage` names host pids.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["pid", "pid_ns", "host_pid"],
+                    "properties": {
+                        "pid": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+                        "pid_ns": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": 18446744073709551615,
+                        },
+                        "host_pid": {"type": "integer", "minimum": 1, "maximum": 2147483647},
+                    },
+                },
+            },
+            "driver_limits": {
+                "type": "array",
+                "maxItems": 4096,
+                "items": {"type": "string", "maxLength": 1024},
+                "description": "The kernel cgroups whose driver memory limit "
+                "(nvmlDeviceSetMemoryLimits_v1) is in force.",
+            },
         },
     },
     "NodeBeat": {
@@ -527,6 +573,31 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "items": {"type": "integer"},
                 "description": "Kernel pids whose GPU processes to kill (--enforce kill).",
+            },
+            "kernels": {
+                "type": "array",
+                "description": "The node's lease kernels as their provisioners see them: "
+                "`pid_ns` null means a host pid.",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "pid": {"type": "integer"},
+                        "pid_ns": _nullable({"type": "integer"}),
+                    },
+                },
+            },
+            "limits": {
+                "type": "array",
+                "description": "Kernel cgroups and the memory their lease holds (cap + "
+                "context): the driver hard limit to set where the driver offers one.",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "cgroup": {"type": "string"},
+                        "gpu_uuid": {"type": "string"},
+                        "memory_mb": {"type": "integer"},
+                    },
+                },
             },
         },
     },
