@@ -309,11 +309,9 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
         out["execution_state"] = text.lower()
     if body.get("last_activity") is not None:
         out["last_activity"] = _number(body["last_activity"], "last_activity", low=0.0, high=1e11)
-    # pid namespaces and cgroups (DESIGN "Accounts and boundaries"); absent: not reported
-    out["pid_ns"] = None
+    # pid namespaces and cgroups (DESIGN "Accounts and boundaries"): only when reported
     if body.get("pid_ns") is not None:
         out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
-    out["cgroup"] = None
     if body.get("cgroup") is not None:
         out["cgroup"] = parse_cgroup(body["cgroup"])
     return out
