@@ -126,9 +126,10 @@ class UnleasedReaper:
     """``--kill-unleased-after SECONDS``: the GPU processes that have belonged to no lease's
     kernel (nor descended from one) in every sample for at least that long.
 
-    A kernel's pid reaches the broker with its first renewal (a third of the TTL after
-    its start), so ``after`` must exceed the lease TTL or a new kernel's first allocation
-    looks unleased. The agent's own pid and pid 1 are never returned.
+    A kernel's pid (and pid namespace) reaches the broker with the renewal right after its
+    launch, and again every third of the TTL (a restarted broker learns a kernel's pid
+    namespace then): ``after`` should exceed a third of the TTL plus a few heartbeats.
+    The agent's own pid and pid 1 are never returned.
     """
 
     def __init__(self, after: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -345,9 +346,11 @@ class GPULeaseAgent(Application):
     kill_unleased_after = Float(
         0.0,
         help="SIGKILL GPU processes that belong to no lease's kernel for this many seconds "
-        "(0, the default: never; they are reported as unleased). Set it above the lease "
-        "TTL: a kernel's pid reaches the broker with its first renewal. Only for nodes "
-        "where every GPU user goes through a lease (not shared with batch jobs).",
+        "(0, the default: never; they are reported as unleased). Set it above a third of "
+        "the lease TTL plus a few heartbeats (the TTL is the safe choice): kernels report "
+        "their pid right after launch, then every TTL/3. Only for nodes where every GPU "
+        "user goes through a lease (not shared with batch jobs); recommended on a hub "
+        "with a Unix account per student.",
     ).tag(config=True)
 
     mps = Bool(
@@ -409,7 +412,7 @@ class GPULeaseAgent(Application):
         if 0 < self.kill_unleased_after < 3 * self.interval:
             log.critical(
                 "--kill-unleased-after %g is too short: give it at least 3 heartbeats "
-                "(%g s), and more than the lease TTL.",
+                "(%g s), and more than a third of the lease TTL.",
                 self.kill_unleased_after,
                 3 * self.interval,
             )

@@ -279,3 +279,33 @@ def test_a_kernel_without_a_writable_cgroup_v2_runs_on_and_says_why(tmp_path: Pa
         "41 31 0:38 / /sys/fs/cgroup/with\\040space rw,relatime - cgroup2 cgroup2 rw\n"
     )
     assert cgroups.v2_mount(str(mountinfo)) == "/sys/fs/cgroup/with space"
+
+
+def test_empty_kernel_cgroups_left_by_a_dead_server_are_pruned(tmp_path: Path) -> None:
+    """A server killed with kill -9 never removes its kernels' cgroups; the next kernel's
+    launch removes the empty ones old enough, and never a populated or a young one."""
+    mount = cgroups.v2_mount()
+    if mount is None:
+        pytest.skip("no cgroup v2 hierarchy mounted here")
+    parent = f"/gpu-lease-test-{uuid.uuid4().hex[:8]}"
+    made = [cgroups.create(n, parent)[0] for n in ("kernel-old", "kernel-young", "kernel-busy")]
+    busy = made[2]
+    assert all(made) and busy is not None
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        busy.add(sleeper.pid)
+        long_ago = time.time() - 2 * cgroups.STALE_AFTER
+        for name in ("kernel-old", "kernel-busy"):
+            os.utime(Path(mount) / parent.lstrip("/") / name, (long_ago, long_ago))
+        new, why = cgroups.create("kernel-new", parent)
+        assert new is not None, why
+        left = sorted(p.name for p in (Path(mount) / parent.lstrip("/")).iterdir() if p.is_dir())
+        assert left == ["kernel-busy", "kernel-new", "kernel-young"]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        base = Path(mount) / parent.lstrip("/")
+        for p in base.iterdir():
+            if p.is_dir():
+                p.rmdir()
+        base.rmdir()

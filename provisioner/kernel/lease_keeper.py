@@ -5,8 +5,8 @@ hooks), the keeper does *what*:
 
 - :meth:`~LeaseKeeper.acquire` asks the broker, waiting in its queue while the pool is
   full (``queued`` holds the broker's latest answer meanwhile, and each one is logged);
-- :meth:`~LeaseKeeper.start_renewing` renews every ``renew_interval`` seconds (default: a
-  third of the lease's TTL), reporting the kernel's pid, execution state and last
+- :meth:`~LeaseKeeper.start_renewing` renews at once (right after the launch) and then
+  every ``renew_interval`` seconds (default: a third of the lease's TTL), reporting the kernel's pid, execution state and last
   activity, and rewriting the ``%gpu`` state file;
 - :meth:`~LeaseKeeper.end` stops renewing and releases the lease (idempotent).
 
@@ -230,7 +230,12 @@ class LeaseKeeper:
             self.renew_task = background.spawn(self._renew_loop())
 
     async def _renew_loop(self) -> None:
-        """Every renewal interval: renew, or find out why not. Runs until the lease ends."""
+        """Renew once at once (so the broker learns the new kernel's pid, pid namespace and
+        cgroup before its first allocation: the node agent attributes it, and sets its
+        driver memory limit, from then on), then every renewal interval: renew, or find
+        out why not. Runs until the lease ends."""
+        if self.lease is not None and not await self.renew_once():
+            return
         while self.lease is not None:
             await asyncio.sleep(self.interval())
             if not await self.renew_once():

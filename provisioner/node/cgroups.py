@@ -15,6 +15,8 @@ The v2 hierarchy is found in ``/proc/self/mountinfo`` (``cgroup2``; at ``/sys/fs
 on a unified host, ``/sys/fs/cgroup/unified`` on a hybrid one). Where there is none, or the
 directory is not writable, :func:`create` returns None with the reason, and the kernel runs
 without a cgroup of its own (so without a driver memory limit): nothing else changes.
+Empty kernel cgroups left by a server that was killed are removed by the next
+:func:`create` under the same parent (:func:`prune_stale`).
 The node agent (root) then sets the driver's limit on the cgroup; see
 :mod:`.driver_limits`.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from dataclasses import dataclass
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -94,6 +97,34 @@ class KernelCgroup:
         return None
 
 
+#: an empty kernel cgroup older than this (s) was left by a server that died: removed
+STALE_AFTER = 60.0
+
+
+def prune_stale(directory: str, now: float | None = None) -> list[str]:
+    """Remove the empty ``kernel-*`` cgroups under ``directory`` older than
+    :data:`STALE_AFTER` (left by a server killed before it could release); returns their
+    names. A young empty one may be a kernel being moved in right now: it stays."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith("kernel-")]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            with open(os.path.join(path, "cgroup.events")) as f:
+                populated = "populated 1" in f.read()
+            if populated or now - os.stat(path).st_mtime < STALE_AFTER:
+                continue
+            os.rmdir(path)
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def create(
     name: str, parent: str = "", mountinfo: str = "/proc/self/mountinfo"
 ) -> tuple[KernelCgroup | None, str]:
@@ -114,6 +145,7 @@ def create(
         parent = own.rstrip("/") + "/gpu-lease"
     path = "/" + "/".join(p for p in (parent.strip("/"), _SAFE.sub("-", name)) if p)
     group = KernelCgroup(path, mount)
+    prune_stale(os.path.dirname(group.directory))
     try:
         os.makedirs(group.directory, exist_ok=True)
     except OSError as exc:
