@@ -409,8 +409,7 @@ class GPULeaseProvisioner(LocalProvisioner):
         """The pid, and the parent KernelManager's execution state and last activity
         (jupyter_server's ``ServerKernelManager`` has both; others report none)."""
         km = self.parent
-        state = getattr(km, "execution_state", None)
-        activity = getattr(km, "last_activity", None)
+        state, activity = _trait(km, "execution_state"), _trait(km, "last_activity")
         when: float | None = None
         if isinstance(activity, datetime):
             if activity.tzinfo is None:
@@ -479,6 +478,16 @@ class GPULeaseProvisioner(LocalProvisioner):
     def _spec_name(self) -> str:
         spec = self.kernel_spec
         return str(getattr(spec, "display_name", "") or getattr(self.parent, "kernel_name", "?"))
+
+
+def _trait(obj: Any, name: str) -> Any:
+    """``obj.name``, or None while it is unset: jupyter_server's ``ServerKernelManager`` sets
+    ``last_activity`` only after the start, and reading an unset trait without a default
+    raises (the renewal right after launch comes before)."""
+    try:
+        return getattr(obj, name, None)
+    except TraitError:
+        return None
 
 
 async def _call_async(obj: Any, name: str, *args: Any, **kwargs: Any) -> None:
