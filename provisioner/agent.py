@@ -38,6 +38,8 @@ from .client import BrokerClient
 from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
 from .model import GPU
 from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
+from .node import driver_limits
+from .node.pidns import KernelFinder, KernelId
 from .wire import DEFAULT_ENFORCE_MODE, ENFORCE_MODES, NODE_NAME_VARS, this_node
 
 log = logging.getLogger("gpu_lease.agent")
@@ -75,44 +77,34 @@ def node_gpus(spec: str, node: str, nvml: Any = inventory.NVML_MODULE) -> list[G
     ]
 
 
-def parent_of(pid: int, proc: str = "/proc") -> int | None:
-    """The parent pid of ``pid`` from ``/proc/PID/stat`` (None if it is gone or unreadable)."""
-    try:
-        with open(f"{proc}/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
+def attribute(samples: Sample, find: KernelFinder) -> tuple[Sample, dict[int, list[int]]]:
+    """Report each GPU process under its kernel's host pid (children count for their kernel,
+    kernels in another pid namespace too: see :mod:`provisioner.node.pidns`).
 
-
-def kernel_of(pid: int, kernels: set[int], proc: str = "/proc") -> int | None:
-    """The kernel pid in ``kernels`` that ``pid`` is or descends from, else None."""
-    seen = 0
-    current: int | None = pid
-    while current is not None and current > 1 and seen < 64:
-        if current in kernels:
-            return current
-        current = parent_of(current, proc)
-        seen += 1
-    return None
-
-
-def attribute(samples: Sample, kernels: set[int]) -> tuple[Sample, dict[int, list[int]]]:
-    """Report each GPU process under its kernel's pid (children count for their kernel).
-
-    Returns the samples as reported and, per kernel pid, its GPU processes' pids (what
+    Returns the samples as reported and, per kernel host pid, its GPU processes' pids (what
     ``--enforce kill`` kills).
     """
     out: Sample = []
     members: dict[int, list[int]] = {}
     for pid, uuid, used in samples:
-        root = kernel_of(pid, kernels) if kernels else None
+        root = find(pid)
         if root is None:
             out.append((pid, uuid, used))
         else:
             out.append((root, uuid, used))
             members.setdefault(root, []).append(pid)
     return out, members
+
+
+def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
+    """The kernels a heartbeat's answer names: ``kernels`` ``[{pid, pid_ns}]``, or from an
+    older broker ``watch`` (host pids)."""
+    if "kernels" in beat:
+        return {
+            (int(k["pid"]), int(k["pid_ns"]) if k.get("pid_ns") is not None else None)
+            for k in beat["kernels"]
+        }
+    return {(int(p), None) for p in beat.get("watch", [])}
 
 
 def kill_processes(pids: list[int], why: str = "of a revoked lease") -> None:
@@ -132,9 +124,10 @@ class UnleasedReaper:
     """``--kill-unleased-after SECONDS``: the GPU processes that have belonged to no lease's
     kernel (nor descended from one) in every sample for at least that long.
 
-    A kernel's pid reaches the broker with its first renewal (a third of the TTL after
-    its start), so ``after`` must exceed the lease TTL or a new kernel's first allocation
-    looks unleased. The agent's own pid and pid 1 are never returned.
+    A kernel's pid (and pid namespace) reaches the broker with the renewal right after its
+    launch, and again every third of the TTL (a restarted broker learns a kernel's pid
+    namespace then): ``after`` should exceed a third of the TTL plus a few heartbeats.
+    The agent's own pid and pid 1 are never returned.
     """
 
     def __init__(self, after: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -143,12 +136,10 @@ class UnleasedReaper:
         #: pid -> when it was first seen unleased (in consecutive samples)
         self.first_seen: dict[int, float] = {}
 
-    def __call__(self, samples: Sample, kernels: set[int]) -> list[int]:
+    def __call__(self, samples: Sample, find: KernelFinder) -> list[int]:
         now = self.clock()
         spared = {os.getpid(), 1}
-        unleased = {
-            pid for pid, _, _ in samples if pid not in spared and kernel_of(pid, kernels) is None
-        }
+        unleased = {pid for pid, _, _ in samples if pid not in spared and find(pid) is None}
         self.first_seen = {pid: self.first_seen.get(pid, now) for pid in unleased}
         due = sorted(pid for pid, t in self.first_seen.items() if now - t >= self.after)
         for pid in due:
@@ -216,31 +207,38 @@ async def run_agent(
     kill_unleased_after: float = 0.0,
     mps_states: Callable[[], dict[str, str]] | None = None,
     mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
+    limits: driver_limits.DriverLimits | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
     Called by :meth:`GPULeaseAgent.serve`. A broker that forgot the node (404) gets it
     registered again; a broker that cannot be reached is tried again at the next beat.
     A refusal (a token of another node, a GPU another node has) raises. Each heartbeat's
-    answer names the kernel pids of the node's leases (``watch``): the next sample reports
-    their descendants' memory under the kernel's pid; with ``enforce="kill"`` the GPU
+    answer names the kernels of the node's leases (``kernels``: pid and pid namespace as
+    their provisioners see them): the next sample reports their descendants' memory under
+    the kernel's host pid, and says which host pid each namespaced kernel is; with ``enforce="kill"`` the GPU
     processes of the kernels the broker names in ``kill`` are killed at once; with
     ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
     With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
     each heartbeat carries the GPUs' MPS daemon states; with ``mps_uids`` (its
     :meth:`~provisioner.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
-    serves, so that the broker places no MPS kernel where it would hang.
+    serves, so that the broker places no MPS kernel where it would hang. With ``limits``
+    (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
+    (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says
+    which hold.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
-    kernels: set[int] = set()
+    kernels: set[KernelId] = set()
+    limited: list[str] | None = [] if limits is not None else None
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
         raw: Sample = []
+        find = KernelFinder(kernels)
         try:
             raw = sample()
-            samples, members = attribute(raw, kernels)
+            samples, members = attribute(raw, find)
             usage = merge_samples(samples)
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
@@ -258,13 +256,17 @@ async def run_agent(
                 at=time.time(),
                 mps=mps_states() if mps_states else None,
                 mps_uid=uids,
+                kernels=find.report(),
+                driver_limits=limited,
             )
-            kernels = {int(p) for p in beat.get("watch", [])}
+            kernels = kernels_named(beat)
+            if limits is not None:
+                limited = limits.apply(list(beat.get("limits", [])), log)
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
             if reaper is not None:  # judged against the kernels the broker names now
-                kill_processes(reaper(raw, kernels), "that belongs to no GPU lease")
+                kill_processes(reaper(raw, KernelFinder(kernels)), "that belongs to no GPU lease")
         except LeaseNotFound:
             log.warning("The broker does not know node %s (any more); registering again", node)
             if not await _register(client, node, gpus, stop, enforce):
@@ -354,9 +356,11 @@ class GPULeaseAgent(Application):
     kill_unleased_after = Float(
         0.0,
         help="SIGKILL GPU processes that belong to no lease's kernel for this many seconds "
-        "(0, the default: never; they are reported as unleased). Set it above the lease "
-        "TTL: a kernel's pid reaches the broker with its first renewal. Only for nodes "
-        "where every GPU user goes through a lease (not shared with batch jobs).",
+        "(0, the default: never; they are reported as unleased). Set it above a third of "
+        "the lease TTL plus a few heartbeats (the TTL is the safe choice): kernels report "
+        "their pid right after launch, then every TTL/3. Only for nodes where every GPU "
+        "user goes through a lease (not shared with batch jobs); recommended on a hub "
+        "with a Unix account per student.",
     ).tag(config=True)
 
     mps = Bool(
@@ -418,7 +422,7 @@ class GPULeaseAgent(Application):
         if 0 < self.kill_unleased_after < 3 * self.interval:
             log.critical(
                 "--kill-unleased-after %g is too short: give it at least 3 heartbeats "
-                "(%g s), and more than the lease TTL.",
+                "(%g s), and more than a third of the lease TTL.",
                 self.kill_unleased_after,
                 3 * self.interval,
             )
@@ -456,6 +460,7 @@ class GPULeaseAgent(Application):
                 self.kill_unleased_after,
                 mps.states if mps is not None else None,
                 mps.server_uids if mps is not None else None,
+                _driver_limits(nvml_sampler, gpus),
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
@@ -468,6 +473,21 @@ class GPULeaseAgent(Application):
             if nvml_sampler is not None:
                 nvml_sampler.close()
         return 0
+
+
+def _driver_limits(
+    sampler: NVMLSampler | None, gpus: list[GPU]
+) -> driver_limits.DriverLimits | None:
+    """Per-cgroup driver memory limits where this node's NVML offers them (logged either way)."""
+    if sampler is None:
+        return None
+    nvml = sampler.nvml
+    ok, why = driver_limits.offered(nvml)
+    log.info("Driver memory limits per kernel: %s", why)
+    if not ok:
+        return None
+    handles = {g.uuid: nvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus}
+    return driver_limits.DriverLimits(nvml, handles)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -403,15 +403,23 @@ class BrokerClient:
         pid: int | None = None,
         execution_state: str | None = None,
         last_activity: float | None = None,
+        pid_ns: int | None = None,
+        cgroup: str | None = None,
     ) -> dict[str, Any]:
         """Heartbeat: ``POST /api/v1/leases/{id}/renew``; returns the renewed lease.
 
+        ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
+        kernel's cgroup v2 path (from the v2 root) for a driver memory limit.
         Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired` (410) when
         the lease has ended; ``details['reason']`` says why.
         """
         body: dict[str, Any] = {}
         if pid is not None:
             body["pid"] = pid
+        if pid_ns is not None:
+            body["pid_ns"] = pid_ns
+        if cgroup is not None:
+            body["cgroup"] = cgroup
         if execution_state is not None:
             body["execution_state"] = execution_state
         if last_activity is not None:
@@ -452,11 +460,15 @@ class BrokerClient:
         at: float | None = None,
         mps: dict[str, str] | None = None,
         mps_uid: dict[str, int | None] | None = None,
+        kernels: list[dict[str, int]] | None = None,
+        driver_limits: list[str] | None = None,
     ) -> dict[str, Any]:
         """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
 
         ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
         ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
+        ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found;
+        ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
         """
         body: dict[str, Any] = {"usage": usage}
         if at is not None:
@@ -465,6 +477,10 @@ class BrokerClient:
             body["mps"] = mps
         if mps_uid is not None:
             body["mps_uid"] = mps_uid
+        if kernels:
+            body["kernels"] = kernels
+        if driver_limits is not None:
+            body["driver_limits"] = driver_limits
         return self._dict(
             await self._send("POST", f"/nodes/{_quote(node)}/heartbeat", body=body, retries=0)
         )

@@ -8,7 +8,8 @@ knowing, not an error) or ``not run`` (with why). The exit status says which:
 * 3: some checks could not run here (no NVIDIA GPU or driver, or not implemented yet).
 
 What it checks: NVML (nvidia-ml-py) and the driver version; each GPU with its memory;
-the MPS control daemon (``nvidia-cuda-mps-control``) for ``enforcement=mps``; which
+the MPS control daemon (``nvidia-cuda-mps-control``) for ``enforcement=mps``; whether the
+driver sets memory limits per kernel cgroup (``driver_limits``: R615+, cgroup v2); which
 frameworks are installed (PyTorch, TensorFlow, JAX, CuPy). Then, on GPU 0, for each
 installed framework that sees the GPU, ``--processes`` capped processes at once
 (:mod:`provisioner.probe`, started the way a kernel is, under the launcher with a lease's
@@ -58,6 +59,7 @@ from .inventory import (
     running_processes,
 )
 from .mps import MPS_CONTROL
+from .node import cgroups, driver_limits
 from .node.checkpoint import CheckpointFailed, CheckpointUnavailable, CudaCheckpoint, support
 from .wire import DEFAULT_CONTEXT_OVERHEAD_MB
 
@@ -129,6 +131,42 @@ def check_mps(which: Callable[[str], str | None] = shutil.which) -> Check:
             f"{MPS_CONTROL} is not on PATH: enforcement=mps is not available on this node",
         )
     return Check("mps", "ok", f"{MPS_CONTROL} at {path}", {"path": path})
+
+
+def check_driver_limits(
+    nvml: ModuleType | Any = NVML_MODULE, mountinfo: str = "/proc/self/mountinfo"
+) -> Check:
+    """Whether this node's driver caps a kernel's cgroup (``nvmlDeviceSetMemoryLimits_v1``,
+    R615+) and where cgroup v2 is: ``ok``, or ``missing`` with why (driver 580 has no such
+    function: that is said, not failed)."""
+    nvml = _nvml_module(nvml)
+    errors = _error_types(nvml)
+    mount = cgroups.v2_mount(mountinfo)
+    data: dict[str, Any] = {"cgroup_v2": mount}
+    try:
+        nvml.nvmlInit()
+    except errors as exc:
+        return Check(
+            "driver_limits", "not run", f"no NVIDIA driver here: {_nvml_reason(nvml, exc)}"
+        )
+    try:
+        offered, why = driver_limits.offered(nvml)
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except errors:
+            pass
+    data["offered"] = offered
+    if not offered:
+        return Check("driver_limits", "missing", why, data)
+    if mount is None:
+        return Check(
+            "driver_limits",
+            "missing",
+            f"{why}, but no cgroup v2 hierarchy is mounted, so kernels get no cgroup to cap",
+            data,
+        )
+    return Check("driver_limits", "ok", f"{why} (cgroup v2 at {mount})", data)
 
 
 def check_frameworks(
@@ -381,6 +419,7 @@ def run_checks(
     checks = [nvml_check, check_mps(which), *frameworks]
     if nvml_check.status != "ok":
         why = "no GPU here"
+        checks.insert(2, Check("driver_limits", "not run", f"driver memory limits: {why}"))
         checks.append(Check("context_overhead", "not run", f"CUDA context overhead: {why}"))
         checks.append(
             Check(
@@ -392,6 +431,7 @@ def run_checks(
         )
         checks.append(check_checkpoint(None, []))
         return checks
+    checks.insert(2, check_driver_limits(nvml))
     installed = [c.name.split(":", 1)[1] for c in frameworks if c.status == "ok"]
     errors: tuple[type[BaseException], ...] = (InventoryError, *_error_types(_nvml_module(nvml)))
     try:

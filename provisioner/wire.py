@@ -74,16 +74,26 @@ ENFORCE_MODES: tuple[str, ...] = ("off", "report", "revoke", "kill")
 DEFAULT_ENFORCE_MODE = "report"
 
 
-def lease_enforcement(enforce_mode: str | None) -> str:
+#: the driver holds the kernel's memory cap too: a per-cgroup hard limit (NVML
+#: ``nvmlDeviceSetMemoryLimits_v1``, driver R615+) on the kernel's cgroup, set by its agent
+DRIVER_LAYER = "driver"
+
+
+def lease_enforcement(enforce_mode: str | None, driver: bool = False) -> str:
     """A lease's ``enforcement`` field: ``cooperative`` without an agent on its node,
-    else ``agent-MODE`` (the agent's ``--enforce`` mode)."""
-    return COOPERATIVE if enforce_mode is None else f"agent-{enforce_mode}"
+    else ``agent-MODE`` (the agent's ``--enforce`` mode); ``driver+agent-MODE`` where the
+    agent reports a driver memory limit in force on the kernel's cgroup (``driver``)."""
+    if enforce_mode is None:
+        return COOPERATIVE
+    layer = f"agent-{enforce_mode}"
+    return f"{DRIVER_LAYER}+{layer}" if driver else layer
 
 
 #: every value of a lease's ``enforcement`` field
 LEASE_ENFORCEMENTS: tuple[str, ...] = (
     lease_enforcement(None),
     *(lease_enforcement(m) for m in ENFORCE_MODES),
+    *(lease_enforcement(m, driver=True) for m in ENFORCE_MODES),
 )
 
 # -- limits ------------------------------------------------------------------------------
@@ -111,6 +121,12 @@ MAX_UID = 2**32 - 2
 MAX_GPU_INDEX = 1023
 #: the largest kernel pid a lease's renewal may report
 MAX_KERNEL_PID = 2**32
+#: a pid namespace's inode number (``/proc/<pid>/ns/pid``; a renewal's ``pid_ns``)
+MAX_PID_NS = 2**64 - 1
+#: the longest kernel cgroup v2 path (from the v2 hierarchy's root; a renewal's ``cgroup``)
+MAX_CGROUP_CHARS = 1024
+#: a kernel cgroup v2 path: names of letters, digits and ``._@:+=,-`` between slashes
+CGROUP_PATTERN = r"^(/[A-Za-z0-9._@:+=,-]+)+$"
 #: the longest ``execution_state`` a renewal may report
 MAX_EXECUTION_STATE_CHARS = 32
 #: the longest reason an admin may give a revocation
@@ -220,9 +236,11 @@ def enum_schema(values: Iterable[str], *, nullable: bool = False, **more: Any) -
 
 
 __all__ = [
+    "CGROUP_PATTERN",
     "COOPERATIVE",
     "DEFAULT_CONTEXT_OVERHEAD_MB",
     "DEFAULT_ENFORCE_MODE",
+    "DRIVER_LAYER",
     "ENDED_LEASE_STATES",
     "ENFORCEMENTS",
     "ENFORCE_MODES",
@@ -233,6 +251,7 @@ __all__ = [
     "LEASE_STATES",
     "LIVE_LEASE_STATES",
     "MAX_BUDGET_FRACTION_HOURS",
+    "MAX_CGROUP_CHARS",
     "MAX_EXECUTION_STATE_CHARS",
     "MAX_GPU_INDEX",
     "MAX_GPU_MEMORY_MB",
@@ -241,6 +260,7 @@ __all__ = [
     "MAX_KERNEL_PID",
     "MAX_NODE_GPUS",
     "MAX_PID",
+    "MAX_PID_NS",
     "MAX_QUOTA_FRACTION",
     "MAX_QUOTA_LEASES",
     "MAX_REASON_CHARS",

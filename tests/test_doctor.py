@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -310,3 +311,32 @@ def test_checkpoint_on_a_driver_without_it_is_missing_not_failed(tmp_path: Path)
     check = by_name(result.stdout)["checkpoint"]
     assert check["status"] == "missing"
     assert "driver 570 or later" in check["detail"] and "reclaimed" in check["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("driver", "status", "says"),
+    [
+        (
+            "580.95.05",
+            "missing",
+            "driver 580.95.05 has no nvmlDeviceSetMemoryLimits_v1 (it needs R615 or newer)",
+        ),
+        ("615.10", "ok", "driver 615.10 offers nvmlDeviceSetMemoryLimits_v1"),
+    ],
+)
+def test_it_says_whether_the_driver_caps_a_kernels_cgroup(
+    tmp_path: Path, driver: str, status: str, says: str
+) -> None:
+    """Driver 580 has no per-cgroup memory limits: said plainly, never a failure."""
+    state = tmp_path / "nvml.json"
+    gpu = {"uuid": "GPU-aaaa", "name": "NVIDIA H100", "memory_mb": 81559}
+    state.write_text(json.dumps({"driver": driver, "gpus": [gpu]}))
+    result = doctor("--json", "--processes", "1", fake_nvml=state)
+    check = by_name(result.stdout)["driver_limits"]
+    assert check["status"] == status, check
+    assert says in check["detail"], check
+    assert check["data"]["offered"] is (status == "ok")
+    assert result.returncode != EXIT_FAILED
+    text = doctor("--processes", "1", fake_nvml=state).stdout
+    assert re.search(rf"^driver_limits +{status} +{re.escape(says)}", text, re.M), text

@@ -483,6 +483,12 @@ async def test_real_ipykernel_with_gpu_magic(tmp_path):
             ["the GPU's MPS daemon is down: not enforced", "node agent (report:"],
         ),
         ("mps", {}, "framework caps", ["no node agent reports an MPS daemon on this GPU"]),
+        (
+            "cooperative",
+            {"node_enforcement": "driver+agent-revoke"},
+            "the driver's memory limit on this kernel's cgroup (hard)",
+            ["framework caps", "node agent (revoke: revokes the lease"],
+        ),
     ],
 )
 def test_magic_says_which_layers_hold_the_cap(

@@ -362,3 +362,61 @@ def test_mps_uids_in_heartbeats_place_mps_kernels_and_a_change_drains_the_queue(
         assert a.post("/nodes/gpu-a/heartbeat", json=beat).status_code == 200
         r = u.post("/leases", json=mine)
         assert r.status_code == 200 and r.json()["gpu"]["uuid"] == a0, r.text
+
+
+@pytest.mark.slow
+def test_kernels_of_other_pid_namespaces_are_matched_by_identity_never_by_number(
+    nb: NodeBroker,
+) -> None:
+    """Two kernels both numbered pid 7 in two containers: each one's usage reaches its own
+    lease through the agent's ``kernels`` map; pid namespaces and cgroups are validated."""
+    with nb.http("agent:gpu-a") as a, nb.http("alice") as u:
+        assert register(a, "gpu-a", gpus_of("gpu-a", 1)).status_code == 200
+        ids = []
+        for kernel, ns in (("k1", 4026531001), ("k2", 4026531002)):
+            r = u.post("/leases", json={"kernel_id": kernel, "fraction": 0.25, "node": "gpu-a"})
+            assert r.status_code == 201
+            ids.append(r.json()["id"])
+            beat = {"pid": 7, "pid_ns": ns, "cgroup": f"/gpu-lease/kernel-{kernel}"}
+            assert u.post(f"/leases/{ids[-1]}/renew", json=beat).status_code == 200
+        for bad in ({"pid_ns": 0}, {"pid_ns": "x"}, {"cgroup": "../etc"}, {"cgroup": "/a/../b"}):
+            r = u.post(f"/leases/{ids[0]}/renew", json={"pid": 7, **bad})
+            assert r.status_code == 400, bad
+        answer = a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()
+        assert answer["kernels"] == [
+            {"pid": 7, "pid_ns": 4026531001},
+            {"pid": 7, "pid_ns": 4026531002},
+        ]
+        cgroups = [x["cgroup"] for x in answer["limits"]]
+        assert cgroups == ["/gpu-lease/kernel-k1", "/gpu-lease/kernel-k2"]
+        assert answer["limits"][0]["memory_mb"] == 4096  # cap + context: 0.25 of 16 GiB
+        gpu = "GPU-gpu-a-0"
+        report = {
+            "usage": [
+                {"pid": 7, "gpu_uuid": gpu, "used_mb": 50},  # a host process numbered 7
+                {"pid": 30001, "gpu_uuid": gpu, "used_mb": 100},
+                {"pid": 30002, "gpu_uuid": gpu, "used_mb": 200},
+            ],
+            "kernels": [
+                {"pid": 7, "pid_ns": 4026531001, "host_pid": 30001},
+                {"pid": 7, "pid_ns": 4026531002, "host_pid": 30002},
+            ],
+            "driver_limits": ["/gpu-lease/kernel-k2"],
+        }
+        assert a.post("/nodes/gpu-a/heartbeat", json=report).status_code == 200
+        k1, k2 = (u.get(f"/leases/{i}").json() for i in ids)
+        assert (k1["used_mb"], k2["used_mb"]) == (100, 200)
+        assert (k1["enforcement"], k2["enforcement"]) == ("agent-report", "driver+agent-report")
+        with nb.http("admin") as adm:
+            unleased = adm.get("/nodes").json()["nodes"][0]["unleased"]
+        assert unleased == [{"pid": 7, "gpu_uuid": gpu, "used_mb": 50}]
+        for bad in (
+            {"kernels": [{"pid": 7, "pid_ns": 1}]},
+            {"kernels": [{"pid": 7, "pid_ns": 1, "host_pid": 0}]},
+            {"kernels": [{"pid": 7, "pid_ns": 1, "host_pid": 2}] * 2},
+            {"kernels": {"pid": 7}},
+            {"driver_limits": ["relative/path"]},
+            {"driver_limits": "/a"},
+        ):
+            r = a.post("/nodes/gpu-a/heartbeat", json={"usage": [], **bad})
+            assert r.status_code == 400, bad

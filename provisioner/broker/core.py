@@ -67,6 +67,7 @@ from ..errors import (
 from ..model import GPU, Changes, Identity, Lease, Node, PoolState, QuotaBook, Request
 from ..scheduling import Policy
 from ..store import Store
+from .kernel_places import KernelPlaces
 from .writer import Writer
 
 log = logging.getLogger("gpu_lease.broker")
@@ -220,6 +221,8 @@ class ServiceCore:
         self._reconciling: asyncio.Future[None] | None = None
         #: leases renewed since the reaper last persisted their heartbeats
         self.renewed: set[str] = set()
+        #: each lease kernel's pid namespace and cgroup (renewals; see :mod:`.kernel_places`)
+        self.kernel_places = KernelPlaces()
 
     # -- start-up, serving or not ---------------------------------------------------------
     def drain_before_serving(self, now: float) -> None:

@@ -187,7 +187,8 @@ def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
 
 
 def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
-    return {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
+    out = {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
+    return {**out, "kernels": h.kernels, "limits": h.limits}
 
 
 def history_json(h: History) -> dict[str, Any]:
@@ -685,7 +686,10 @@ class NodeHeartbeatHandler(APIHandler):
         body = self.json_body()
         usage, at, mps = validation.parse_node_heartbeat(body)
         mps_uid = validation.parse_mps_uids(body)
-        beat = await self.service.nodes.node_heartbeat(self.ident, node, usage, at, mps, mps_uid)
+        kernels, driver_limits = validation.parse_node_kernels(body)
+        beat = await self.service.nodes.node_heartbeat(
+            self.ident, node, usage, at, mps, mps_uid, kernels=kernels, driver_limits=driver_limits
+        )
         self.write_json(heartbeat_json(beat))
 
 

@@ -177,6 +177,8 @@ class LeaseService:
         pid: int | None = None,
         execution_state: str | None = None,
         last_activity: float | None = None,
+        pid_ns: int | None = None,
+        cgroup: str | None = None,
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
@@ -194,6 +196,7 @@ class LeaseService:
         )
         self.core.state.update_lease(fresh)
         self.core.renewed.add(lease_id)
+        self.core.kernel_places.renewed(lease_id, pid_ns, cgroup)
         return fresh
 
     async def release(self, ident: Identity, lease_id: str) -> None:

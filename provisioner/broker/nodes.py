@@ -10,7 +10,8 @@ and the over-use bookkeeping live in the shared
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .. import scheduling
 from ..errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
@@ -39,6 +40,10 @@ class Heartbeat:
     at: float
     watch: list[int]
     kill: list[int]
+    #: the node's lease kernels ``{pid, pid_ns}`` and kernel cgroups' ``limits`` (see
+    #: :mod:`.kernel_places`)
+    kernels: list[dict[str, Any]] = field(default_factory=list)
+    limits: list[dict[str, Any]] = field(default_factory=list)
 
 
 class NodeService:
@@ -120,6 +125,8 @@ class NodeService:
         at: float | None = None,
         mps: dict[str, str] | None = None,
         mps_uid: dict[str, int | None] | None = None,
+        kernels: dict[tuple[int, int], int] | None = None,
+        driver_limits: list[str] | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
         and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
@@ -167,7 +174,10 @@ class NodeService:
         served = self.core.mps_uids()
         mps_changed = served != self.core.state.mps_uid
         self.core.state.mps_uid = served
-        ends, kill = self._account_usage(node, usage, now)
+        places = self.core.kernel_places
+        places.forget_ended(set(self.core.state.leases))
+        places.driver_limited[name] = set(driver_limits or ())
+        ends, kill = self._account_usage(node, usage, now, kernels)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self.core.close_gpus(now)
@@ -180,23 +190,36 @@ class NodeService:
             self._log_overuse(node, ends, kill)
         elif was == "lost" or mps_changed:
             await self.core.grant_waiting()
-        watch = sorted(
-            {x.pid for x in self.core.state.leases.values() if x.pid and x.gpu_uuid in mine}
+        here = [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
+        watch = sorted({x.pid for x in here if x.pid})
+        return Heartbeat(
+            name,
+            scheduling.node_state(node, now, self.core.policy),
+            now,
+            watch,
+            kill,
+            places.kernels(here),
+            places.limits(here, self.core.policy.context_overhead_mb),
         )
-        return Heartbeat(name, scheduling.node_state(node, now, self.core.policy), now, watch, kill)
 
     def _account_usage(
-        self, node: Node, usage: list[tuple[int, str, int]], now: float
+        self,
+        node: Node,
+        usage: list[tuple[int, str, int]],
+        now: float,
+        kernels: dict[tuple[int, int], int] | None = None,
     ) -> tuple[list[tuple[Lease, str, str | None]], list[int]]:
         """Map samples to leases by kernel pid; which leases over their cap past the grace end.
 
-        The agent reports a kernel's child processes under the kernel's pid (it walks
-        /proc). Returns the leases to revoke and the kernel pids whose processes the agent
-        should kill (``--enforce kill``). Changes no lease itself.
+        The agent reports a kernel's child processes under the kernel's host pid (it walks
+        /proc), and ``kernels`` maps namespaced kernels to host pids. Returns the leases to
+        revoke and the kernel host pids whose processes the agent should kill (``--enforce
+        kill``). Changes no lease itself.
         """
         mine = {g.uuid for g in node.gpus}
         leases = [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
-        by_pid = {x.pid: x for x in leases if x.pid}
+        by_pid = self.core.kernel_places.by_host_pid(leases, kernels)
+        host_of = {x.id: pid for pid, x in by_pid.items()}
         used: dict[str, int] = {}
         node.unleased = []
         for pid, uuid, mb in usage:
@@ -220,8 +243,8 @@ class NodeService:
             reason = scheduling.overuse_reason(mb, lease, self.core.policy)
             if node.enforce in ("revoke", "kill"):
                 ends.append((lease, "revoked", reason))
-                if node.enforce == "kill" and lease.pid:
-                    kill.append(lease.pid)
+                if node.enforce == "kill" and lease.id in host_of:
+                    kill.append(host_of[lease.id])
             elif lease.id not in self.core.over_reported:  # once per episode over the cap
                 self.core.over_reported.add(lease.id)
                 self.core.metrics.enforced("reported", 1)

@@ -55,6 +55,15 @@ _MPS_STATES: dict[str, Any] = {
 }
 #: a Unix uid (``wire.MAX_UID``: uid_t is 32 bits; (uid_t)-1 means "none")
 _UID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": wire.MAX_UID}
+_PID: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID}
+#: a pid namespace's inode number (a renewal's and a heartbeat's ``pid_ns``)
+_PID_NS: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID_NS}
+#: a kernel's cgroup v2 path from the hierarchy's root
+_CGROUP: dict[str, Any] = {
+    "type": "string",
+    "maxLength": wire.MAX_CGROUP_CHARS,
+    "pattern": wire.CGROUP_PATTERN,
+}
 _MPS_UIDS: dict[str, Any] = {
     "type": "object",
     "maxProperties": wire.MAX_NODE_GPUS,
@@ -257,7 +266,8 @@ _SCHEMAS: dict[str, Any] = {
                 wire.LEASE_ENFORCEMENTS,
                 description="The layer that holds the memory cap: 'cooperative' (framework "
                 "caps only: no agent on the lease's node), or 'agent-MODE' (the node "
-                "agent's --enforce mode).",
+                "agent's --enforce mode), prefixed 'driver+' where the node's driver caps the "
+                "kernel's cgroup (nvmlDeviceSetMemoryLimits_v1, R615+).",
             ),
             "mps": enum_schema(
                 wire.MPS_STATES,
@@ -341,6 +351,18 @@ _SCHEMAS: dict[str, Any] = {
                 "example": "idle",
             },
             "last_activity": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
+            # node boundaries (issue 26): pid namespaces and the kernel's cgroup
+            "pid_ns": {
+                **_PID_NS,
+                "description": "The inode of the pid namespace `pid` is numbered in "
+                "(/proc/<pid>/ns/pid); lets the node agent find a kernel that runs in a "
+                "container or under `unshare --pid`.",
+            },
+            "cgroup": {
+                **_CGROUP,
+                "description": "The kernel's own cgroup v2, from the hierarchy's root: "
+                "the node sets the driver's memory limit on it where the driver offers one.",
+            },
         },
     },
     "Revoke": {
@@ -569,6 +591,30 @@ _SCHEMAS: dict[str, Any] = {
             "at": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
             "mps": _MPS_STATES,
             "mps_uid": _MPS_UIDS,
+            # node boundaries (issue 26)
+            "kernels": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "description": "Which host pid each lease kernel of another pid namespace "
+                "is (found through /proc/<pid>/status NSpid); `usage` names host pids.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["pid", "pid_ns", "host_pid"],
+                    "properties": {
+                        "pid": _PID,
+                        "pid_ns": _PID_NS,
+                        "host_pid": _PID,
+                    },
+                },
+            },
+            "driver_limits": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "items": _CGROUP,
+                "description": "The kernel cgroups whose driver memory limit "
+                "(nvmlDeviceSetMemoryLimits_v1) is in force.",
+            },
         },
     },
     "NodeBeat": {
@@ -588,6 +634,33 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "items": {"type": "integer"},
                 "description": "Kernel pids whose GPU processes to kill (--enforce kill).",
+            },
+            "kernels": {
+                "type": "array",
+                "description": "The node's lease kernels as their provisioners see them: "
+                "`pid_ns` null means a host pid.",
+                "items": {
+                    "type": "object",
+                    "required": ["pid", "pid_ns"],
+                    "properties": {
+                        "pid": {"type": "integer", "minimum": 1},
+                        "pid_ns": _nullable(_PID_NS),
+                    },
+                },
+            },
+            "limits": {
+                "type": "array",
+                "description": "Kernel cgroups and the memory their lease holds (cap + "
+                "context): the driver hard limit to set where the driver offers one.",
+                "items": {
+                    "type": "object",
+                    "required": ["cgroup", "gpu_uuid", "memory_mb"],
+                    "properties": {
+                        "cgroup": _CGROUP,
+                        "gpu_uuid": {"type": "string"},
+                        "memory_mb": {"type": "integer", "minimum": 0},
+                    },
+                },
             },
         },
     },

@@ -68,7 +68,7 @@ class History:
 class LeaseUsage:
     """``used_mb``: GPU memory its kernel's processes used at the node's last heartbeat (None
     without an agent); ``enforcement``: the layer that holds the cap (``cooperative`` or
-    ``agent-MODE``); ``mps``: the state of the GPU's MPS daemon where the agent runs one;
+    ``agent-MODE``, ``driver+agent-MODE`` where the driver caps the kernel's cgroup); ``mps``: the state of the GPU's MPS daemon where the agent runs one;
     ``mps_server_uid``: the uid the GPU's MPS server serves clients of now (None: none)."""
 
     used_mb: int | None
@@ -165,7 +165,9 @@ class QueryService:
             return LeaseUsage(None, lease_enforcement(None), None)
         return LeaseUsage(
             self.core.used_mb.get(lease.id),
-            lease_enforcement(node.enforce),
+            lease_enforcement(
+                node.enforce, self.core.kernel_places.driver_limited_on(node.name, lease.id)
+            ),
             node.mps.get(lease.gpu_uuid),
             node.mps_uid.get(lease.gpu_uuid),
         )

@@ -21,9 +21,11 @@ from ..model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
 from ..model import brief as _show
 from ..scheduling import Ask
 from ..wire import (
+    CGROUP_PATTERN,
     DEFAULT_ENFORCE_MODE,
     ENFORCE_MODES,
     MAX_BUDGET_FRACTION_HOURS,
+    MAX_CGROUP_CHARS,
     MAX_EXECUTION_STATE_CHARS,
     MAX_GPU_INDEX,
     MAX_GPU_MEMORY_MB,
@@ -32,6 +34,7 @@ from ..wire import (
     MAX_KERNEL_PID,
     MAX_NODE_GPUS,
     MAX_PID,
+    MAX_PID_NS,
     MAX_QUOTA_FRACTION,
     MAX_QUOTA_LEASES,
     MAX_REASON_CHARS,
@@ -53,7 +56,8 @@ EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", 
 DEFAULT_USAGE_WINDOW_S = 7 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
-HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity")
+HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup")
+_CGROUP_PATH = re.compile(CGROUP_PATTERN)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -317,7 +321,23 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
         out["last_activity"] = _number(
             body["last_activity"], "last_activity", low=0.0, high=MAX_TIME
         )
+    # pid namespaces and cgroups (DESIGN "Accounts and boundaries"): only when reported
+    if body.get("pid_ns") is not None:
+        out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+    if body.get("cgroup") is not None:
+        out["cgroup"] = parse_cgroup(body["cgroup"])
     return out
+
+
+def parse_cgroup(value: Any) -> str:
+    """A kernel's cgroup v2 path from the hierarchy's root, e.g. ``/gpu-lease/k-1f2e``."""
+    text = _text(value, "cgroup", max_chars=MAX_CGROUP_CHARS)
+    if not _CGROUP_PATH.match(text) or any(part in (".", "..") for part in text.split("/")):
+        raise InvalidRequest(
+            "'cgroup' must be the kernel's cgroup v2 path from the hierarchy's root, such as "
+            "/gpu-lease/kernel-1f2e (letters, digits and ._@:+=,- between slashes)."
+        )
+    return text
 
 
 # -- quotas ----------------------------------------------------------------------
@@ -492,7 +512,8 @@ __all__ = [
 
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "mps_uid")
+NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "mps_uid", "kernels", "driver_limits")
+KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 
 
@@ -607,3 +628,32 @@ def parse_mps_uids(body: dict[str, Any]) -> dict[str, int | None]:
         _text(gpu_uuid, "mps_uid key", max_chars=MAX_UUID_CHARS)
         out[gpu_uuid] = None if uid is None else _int(uid, "mps_uid", low=0, high=MAX_UID)
     return out
+
+
+def parse_node_kernels(
+    body: dict[str, Any],
+) -> tuple[dict[tuple[int, int], int] | None, list[str] | None]:
+    """A heartbeat's pid-namespace map and driver limits (see :mod:`provisioner.node.pidns`).
+
+    ``kernels``: ``[{pid, pid_ns, host_pid}]``, which host pid each namespaced kernel the
+    agent found is -> ``{(pid, pid_ns): host_pid}``; None when absent (an older agent).
+    ``driver_limits``: the kernel cgroups whose driver memory limit is in force; None when
+    absent (no driver limits on that node).
+    """
+    kernels: dict[tuple[int, int], int] | None = None
+    if body.get("kernels") is not None:
+        kernels = {}
+        for raw in _list(body, "kernels", MAX_USAGE_SAMPLES):
+            entry = _object(raw, "'kernels'")
+            check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
+            key = (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
+            )
+            if key in kernels:
+                raise InvalidRequest("Two 'kernels' entries name the same pid and pid_ns.")
+            kernels[key] = _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID)
+    limits: list[str] | None = None
+    if body.get("driver_limits") is not None:
+        limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
+    return kernels, limits

@@ -5,9 +5,10 @@ hooks), the keeper does *what*:
 
 - :meth:`~LeaseKeeper.acquire` asks the broker, waiting in its queue while the pool is
   full (``queued`` holds the broker's latest answer meanwhile, and each one is logged);
-- :meth:`~LeaseKeeper.start_renewing` renews every ``renew_interval`` seconds (default: a
-  third of the lease's TTL), reporting the kernel's pid, execution state and last
-  activity, and rewriting the ``%gpu`` state file;
+- :meth:`~LeaseKeeper.start_renewing` renews at once (right after the launch) and then
+  every ``renew_interval`` seconds (default: a third of the lease's TTL), reporting the
+  kernel's pid (with its pid namespace and cgroup), execution state and last activity,
+  and rewriting the ``%gpu`` state file;
 - :meth:`~LeaseKeeper.end` stops renewing and releases the lease (idempotent).
 
 What ends a lease from the broker's side, seen on renewal:
@@ -77,6 +78,10 @@ class KernelReport(NamedTuple):
     pid: int | None
     execution_state: str | None
     last_activity: float | None
+    #: the pid namespace ``pid`` is numbered in (see :mod:`provisioner.node.pidns`)
+    pid_ns: int | None = None
+    #: the kernel's cgroup v2 path, where it has one (see :mod:`provisioner.node.cgroups`)
+    cgroup: str | None = None
 
 
 class KernelHandle(Protocol):
@@ -232,7 +237,12 @@ class LeaseKeeper:
             self.renew_task = background.spawn(self._renew_loop())
 
     async def _renew_loop(self) -> None:
-        """Every renewal interval: renew, or find out why not. Runs until the lease ends."""
+        """Renew once at once (so the broker learns the new kernel's pid, pid namespace and
+        cgroup before its first allocation: the node agent attributes it, and sets its
+        driver memory limit, from then on), then every renewal interval: renew, or find
+        out why not. Runs until the lease ends."""
+        if self.lease is not None and not await self.renew_once():
+            return
         while self.lease is not None:
             await asyncio.sleep(self.interval())
             if not await self.renew_once():
@@ -267,6 +277,8 @@ class LeaseKeeper:
                     pid=report.pid,
                     execution_state=report.execution_state,
                     last_activity=report.last_activity,
+                    pid_ns=report.pid_ns,
+                    cgroup=report.cgroup,
                 )
             )
         except GPULeaseError as exc:

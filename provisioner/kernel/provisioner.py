@@ -53,6 +53,8 @@ from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import validate_fraction
 from ..mps import DEFAULT_MPS_DIR, pipe_directory
+from ..node import cgroups
+from ..node.pidns import own_pid_ns
 from ..wire import COOPERATIVE, ENFORCEMENTS
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
@@ -138,6 +140,15 @@ class GPULeaseProvisioner(LocalProvisioner):
         "the broker caps it at 300). Default: 30.",
     ).tag(config=True)
 
+    cgroup_parent = Unicode(
+        "",
+        help="Where each kernel's own cgroup (v2) is made, as a path from the v2 "
+        "hierarchy's root (the node agent sets the driver's memory limit on it where the "
+        "driver offers one). Default '': the server's own cgroup + /gpu-lease (on a per-user "
+        "hub, delegate the server's unit to its user: systemd Delegate=yes). 'off': no "
+        "cgroup per kernel. See provisioner/node/cgroups.py.",
+    ).tag(config=True)
+
     # -- trait defaults and validation (the environment is read here, never at import) --
     @default("broker_url")
     def _default_broker_url(self) -> str:
@@ -171,6 +182,8 @@ class GPULeaseProvisioner(LocalProvisioner):
         #: ``lease_keeper.queued`` the broker's latest answer while the request waits
         self.lease_keeper = LeaseKeeper(self, self._clients, log=self.log)
         self._death = DeathWatch(self, on_death=lambda: self.lease_keeper.end("the kernel died"))
+        #: the kernel's own cgroup (None: none could be made; see :meth:`_enter_cgroup`)
+        self._cgroup: cgroups.KernelCgroup | None = None
 
     # -- jupyter_client hooks ------------------------------------------------------------
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
@@ -284,7 +297,46 @@ class GPULeaseProvisioner(LocalProvisioner):
             await self.lease_keeper.end("the kernel could not be launched")
             raise
         self._death.launched()
+        self._enter_cgroup()
         return info
+
+    def _enter_cgroup(self) -> None:
+        """Move the kernel just launched into its own cgroup (made at its first launch; a
+        restart reuses it). Without a writable cgroup v2 the kernel runs on, logged once."""
+        if self.cgroup_parent.strip().lower() == "off" or not self.pid:
+            return
+        if self._cgroup is None:
+            self._cgroup, why = cgroups.create(f"kernel-{self.kernel_id}", self.cgroup_parent)
+            if self._cgroup is None:
+                self.log.warning(
+                    "Kernel %s runs without a cgroup of its own, so without a driver memory "
+                    "limit: %s.",
+                    self.kernel_id,
+                    why,
+                )
+                self.cgroup_parent = "off"  # said once; the framework caps still hold
+                return
+        try:
+            self._cgroup.add(self.pid)
+        except OSError as exc:
+            self.log.warning(
+                "Could not move kernel %s (pid %s) into cgroup %s (%s); it gets no driver "
+                "memory limit.",
+                self.kernel_id,
+                self.pid,
+                self._cgroup.path,
+                exc.strerror,
+            )
+            self._drop_cgroup()
+
+    def _drop_cgroup(self) -> None:
+        """Remove the kernel's cgroup once its processes are gone (release, death)."""
+        if self._cgroup is not None:
+            why = self._cgroup.remove()
+            if why is None:
+                self._cgroup = None
+            else:
+                self.log.info("Kernel %s: %s.", self.kernel_id, why)
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Watch for death and start renewing.
@@ -310,6 +362,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 self._death.restarting()
             else:
                 await self.lease_keeper.end("the kernel was shut down")
+                self._drop_cgroup()
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         """``LocalProvisioner``'s info plus the lease, so a restarted server resumes renewing.
@@ -358,8 +411,7 @@ class GPULeaseProvisioner(LocalProvisioner):
         """The pid, and the parent KernelManager's execution state and last activity
         (jupyter_server's ``ServerKernelManager`` has both; others report none)."""
         km = self.parent
-        state = getattr(km, "execution_state", None)
-        activity = getattr(km, "last_activity", None)
+        state, activity = _trait(km, "execution_state"), _trait(km, "last_activity")
         when: float | None = None
         if isinstance(activity, datetime):
             if activity.tzinfo is None:
@@ -367,7 +419,13 @@ class GPULeaseProvisioner(LocalProvisioner):
             when = activity.timestamp()
         elif isinstance(activity, (int, float)) and not isinstance(activity, bool):
             when = float(activity)
-        return KernelReport(self.pid, state if isinstance(state, str) else None, when)
+        return KernelReport(
+            self.pid,
+            state if isinstance(state, str) else None,
+            when,
+            own_pid_ns() if self.pid else None,  # self.pid is numbered in our namespace
+            self._cgroup.path if self._cgroup is not None else None,
+        )
 
     def kernel_exited_for_good(self) -> bool:
         return self._death.exited_for_good()
@@ -390,6 +448,7 @@ class GPULeaseProvisioner(LocalProvisioner):
 
     def lease_ended(self) -> None:
         self._death.stop()
+        self._drop_cgroup()
 
     # -- helpers -------------------------------------------------------------------------
     async def _placed_ask(self) -> LeaseAsk:
@@ -423,6 +482,16 @@ class GPULeaseProvisioner(LocalProvisioner):
     def _spec_name(self) -> str:
         spec = self.kernel_spec
         return str(getattr(spec, "display_name", "") or getattr(self.parent, "kernel_name", "?"))
+
+
+def _trait(obj: Any, name: str) -> Any:
+    """``obj.name``, or None while it is unset: jupyter_server's ``ServerKernelManager`` sets
+    ``last_activity`` only after the start, and reading an unset trait without a default
+    raises (the renewal right after launch comes before)."""
+    try:
+        return getattr(obj, name, None)
+    except TraitError:
+        return None
 
 
 async def _call_async(obj: Any, name: str, *args: Any, **kwargs: Any) -> None:

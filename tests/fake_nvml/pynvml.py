@@ -10,6 +10,10 @@ change them while the agent runs::
 With the stand-in libcuda beside it (``STANDIN_LIBCUDA_DIR``, tests/standin_libcuda), a
 process that the driver holds CHECKPOINTED has its GPU memory in host RAM, so NVML lists it
 with 0 MiB on the GPU, as the real driver does after ``cuCheckpointProcessCheckpoint``.
+
+A driver of 615 or later (the state's ``"driver"``; ``"memory_limits"`` overrides) offers
+``nvmlDeviceSetMemoryLimits_v1``, which records each call in ``FAKE_NVML_LIMITS_LOG``; an
+older one lacks the function, as the real binding reports it.
 """
 
 from __future__ import annotations
@@ -92,3 +96,24 @@ def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[Any]:
         )
         for p in procs
     ]
+
+
+def _nvmlGetFunctionPointer(name: str) -> object:
+    """Like the binding's: a driver without the symbol raises FUNCTION_NOT_FOUND (13).
+    The state's ``"memory_limits": false`` (or a driver below 615) has none."""
+    if name == "nvmlDeviceSetMemoryLimits_v1":
+        state = _state()
+        major = int(str(state.get("driver", "550.54.15")).split(".")[0])
+        if not state.get("memory_limits", major >= 615):
+            err = NVMLError("Function Not Found")
+            err.value = 13
+            raise err
+    return name
+
+
+def nvmlDeviceSetMemoryLimits_v1(handle: int, limits: Any) -> None:
+    """Appends ``{uuid, nameSpace, softLimit, hardLimit}`` to ``FAKE_NVML_LIMITS_LOG``."""
+    _nvmlGetFunctionPointer("nvmlDeviceSetMemoryLimits_v1")
+    entry = {"uuid": nvmlDeviceGetUUID(handle), **dict(limits)}
+    with open(os.environ["FAKE_NVML_LIMITS_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\n")

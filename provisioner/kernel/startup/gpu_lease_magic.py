@@ -129,6 +129,9 @@ def enforced_by(enforcement, state):
         else:
             layers.append("MPS requested; no node agent reports an MPS daemon on this GPU")
     node = state.get("node_enforcement")
+    if node and node.startswith("driver+"):  # the node's driver caps the kernel's cgroup
+        layers.insert(0, "the driver's memory limit on this kernel's cgroup (hard)")
+        node = node[len("driver+") :]
     if node and node.startswith("agent-"):
         mode = node[len("agent-") :]
         what = {

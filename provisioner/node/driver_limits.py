@@ -1,0 +1,104 @@
+"""Driver-enforced GPU memory limits per kernel cgroup (NVML ``nvmlDeviceSetMemoryLimits_v1``).
+
+Drivers R615 and newer let a root process set, per GPU, a soft and a hard memory limit for
+a cgroup v2 (``{nameSpace, softLimit, hardLimit}``); nvidia-ml-py 13.615 binds it as
+``pynvml.nvmlDeviceSetMemoryLimits_v1(handle, c_nvmlSetMemoryLimits_v1_t(...))``. Older
+drivers lack the symbol: the binding raises ``NVMLError`` with
+``NVML_ERROR_FUNCTION_NOT_FOUND`` (13). Older bindings lack the function itself.
+
+The node agent (root) calls :func:`set_limit` for each kernel cgroup its broker names
+(heartbeat answer ``limits``), with the lease's memory (cap + context) as the hard limit,
+and reports the cgroups it holds (``driver_limits``) so the lease's ``enforcement`` names
+``driver``. ``nameSpace`` is the cgroup's path from the v2 root as ``/proc/<pid>/cgroup``
+shows it; the limits are passed in bytes. Both are how the binding's structure reads, not
+yet checked against an R615 driver (none was available; tests use ``tests/fake_nvml``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FUNCTION = "nvmlDeviceSetMemoryLimits_v1"
+#: NVML_ERROR_FUNCTION_NOT_FOUND: the driver has no such symbol
+FUNCTION_NOT_FOUND = 13
+_MiB = 1024 * 1024
+
+
+def _driver(nvml: Any) -> str:
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - only for the message
+        return "this driver"
+    return f"driver {version.decode() if isinstance(version, bytes) else version}"
+
+
+def offered(nvml: Any) -> tuple[bool, str]:
+    """Whether this node's NVML (initialized) sets memory limits per cgroup, and a sentence
+    that says so (and, when not, why and what it would take)."""
+    if not hasattr(nvml, FUNCTION):
+        return False, (
+            f"the installed nvidia-ml-py has no {FUNCTION}: kernels get no driver-enforced "
+            "memory cap (install nvidia-ml-py 13.615 or newer, and a driver R615+)"
+        )
+    lookup = getattr(nvml, "_nvmlGetFunctionPointer", None)
+    if lookup is not None:
+        try:
+            lookup(FUNCTION)
+        except nvml.NVMLError as exc:
+            if getattr(exc, "value", None) == FUNCTION_NOT_FOUND:
+                return False, (
+                    f"{_driver(nvml)} has no {FUNCTION} (it needs R615 or newer): kernels "
+                    "get no driver-enforced memory cap; the agent's --enforce and the "
+                    "framework caps still apply"
+                )
+            return False, f"NVML cannot look {FUNCTION} up: {exc}"
+    return True, f"{_driver(nvml)} offers {FUNCTION}: each kernel's cgroup gets a hard limit"
+
+
+def set_limit(nvml: Any, handle: Any, cgroup: str, memory_mb: int) -> None:
+    """Set the hard (and soft) limit of ``cgroup`` on the GPU ``handle`` to ``memory_mb``
+    MiB. Raises ``nvml.NVMLError``."""
+    limit = int(memory_mb) * _MiB
+    struct = getattr(nvml, "c_nvmlSetMemoryLimits_v1_t", None)
+    if struct is not None:
+        limits = struct()
+        limits.nameSpace = cgroup.encode()
+        limits.softLimit = limit
+        limits.hardLimit = limit
+    else:  # a binding without the ctypes structure (the tests' stand-in)
+        limits = {"nameSpace": cgroup, "softLimit": limit, "hardLimit": limit}
+    getattr(nvml, FUNCTION)(handle, limits)
+
+
+class DriverLimits:
+    """The agent's limits in force: ``(cgroup, gpu uuid) -> MiB``; sets each once."""
+
+    def __init__(self, nvml: Any, handles: dict[str, Any]) -> None:
+        self.nvml = nvml
+        self.handles = handles
+        self.held: dict[tuple[str, str], int] = {}
+        self.failed: set[tuple[str, str, int]] = set()
+
+    def apply(self, wanted: list[dict[str, Any]], log: Any) -> list[str]:
+        """Set the limits the broker names (``limits``) not yet set; forget the others.
+        Returns the cgroups whose limit is in force."""
+        keep: dict[tuple[str, str], int] = {}
+        for entry in wanted:
+            key = (str(entry["cgroup"]), str(entry["gpu_uuid"]))
+            mb = int(entry["memory_mb"])
+            if self.held.get(key) == mb:
+                keep[key] = mb
+                continue
+            handle = self.handles.get(key[1])
+            if handle is None or (key[0], key[1], mb) in self.failed:
+                continue
+            try:
+                set_limit(self.nvml, handle, key[0], mb)
+            except self.nvml.NVMLError as exc:
+                self.failed.add((key[0], key[1], mb))
+                log.warning("Cannot set a %d MiB driver limit on cgroup %s: %s", mb, key[0], exc)
+                continue
+            log.info("Driver memory limit %d MiB on cgroup %s (GPU %s)", mb, key[0], key[1])
+            keep[key] = mb
+        self.held = keep
+        return sorted({c for c, _ in keep})
