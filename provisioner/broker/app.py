@@ -53,7 +53,7 @@ from .._version import __version__
 from ..errors import GPULeaseError, NotActive, StoreError
 from ..inventory import load_gpus
 from ..model import GPU, fraction_to_ppm, ppm_to_fraction
-from ..scheduling import Policy
+from ..policy import Policy
 from ..store import (
     DEFAULT_PG_TIMEOUT,
     DEFAULT_SQLITE_BUSY_TIMEOUT,

@@ -50,16 +50,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import GPULeaseError
+from ..estimates import HoldTimes, estimate_waits
 from ..model import GPU, PPM, Changes, PoolState, Quota, Request, fraction_to_ppm
+from ..policy import Ask, Policy
 from ..scheduling import (
-    Ask,
     Grant,
-    HoldTimes,
-    Policy,
     apply_grants,
     check_invariants,
     end,
-    estimate_waits,
     expired,
     grant_waiting,
     new_lease,
