@@ -52,5 +52,5 @@ class Ask:
     gpu_uuids: tuple[str, ...] | None = None
     group: str | None = None
     #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reports it (None: not
-    #: an MPS kernel); a placement hint (:func:`mps_blocked`), never an identity
+    #: an MPS kernel); a placement hint (``node_rules.mps_blocked``), never an identity
     mps_uid: int | None = None
