@@ -749,7 +749,7 @@ def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     from provisioner.broker.service import BrokerService, new_id
     from provisioner.inventory import load_gpus
     from provisioner.model import Identity, Lease
-    from provisioner.scheduling import Ask, Policy
+    from provisioner.policy import Ask, Policy
     from provisioner.store import Store
 
     gpus = load_gpus("1x81920:A100")

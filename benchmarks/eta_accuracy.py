@@ -1,7 +1,7 @@
 """How good are the broker's estimated waits? Predicted vs actual wait on the simulator's traces.
 
 Each request that joins the queue gets the estimate the broker would answer at that moment
-(``scheduling.estimate_waits``, from the hold times of leases that ended before); when it
+(``estimates.estimate_waits``, from the hold times of leases that ended before); when it
 is granted, its real wait is compared with it. "warm": the hold history starts with the
 holds of a first run of the same trace (a broker that ran yesterday's class); "cold": it
 starts empty (a broker's first day: no estimate until 5 leases have ended).

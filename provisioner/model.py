@@ -198,7 +198,7 @@ class Node:
     #: GPU uuid -> its MPS control daemon's state, from the last heartbeat (agent ``--mps``)
     mps: dict[str, str] = field(default_factory=dict)
     #: GPU uuid -> the Unix uid its MPS server serves clients of now (absent: none), from
-    #: the last heartbeat (agent ``--mps``); see :func:`provisioner.scheduling.mps_blocked`
+    #: the last heartbeat (agent ``--mps``); see :func:`provisioner.node_rules.mps_blocked`
     mps_uid: dict[str, int] = field(default_factory=dict)
 
     def summary(self, state: str) -> dict[str, Any]:
@@ -244,7 +244,7 @@ class Lease:
     #: the user's groups (courses) when the lease was granted, sorted; see :func:`attribution`
     groups: tuple[str, ...] = ()
     #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reported it (None: not
-    #: an MPS kernel). A placement hint, not an identity: see ``scheduling.mps_blocked``.
+    #: an MPS kernel). A placement hint, not an identity: see ``node_rules.mps_blocked``.
     #: Kept in memory only (a restarted broker learns it again from the agents' reports)
     mps_uid: int | None = None
 
@@ -372,6 +372,26 @@ class QuotaBook:
     default: Quota = field(default_factory=Quota)
     groups: dict[str, Quota] = field(default_factory=dict)
     users: dict[str, Quota] = field(default_factory=dict)
+
+
+def never_allowed(quota: Quota, ppm: int) -> str | None:
+    """Why ``quota`` can never admit one kernel of ``ppm``, whatever else is held; else None.
+
+    A per-kernel limit below the fraction, a total below it, no leases or no budget at
+    all. Used by the launcher (which kernels to offer); the broker's admission
+    (``admission.admit``) mirrors it.
+    """
+    if quota.max_leases is not None and quota.max_leases <= 0:
+        return "max_leases"
+    if quota.max_fraction_ppm is not None and quota.max_fraction_ppm <= 0:
+        return "max_fraction"
+    if quota.max_lease_fraction_ppm is not None and ppm > quota.max_lease_fraction_ppm:
+        return "max_lease_fraction"
+    if quota.max_fraction_ppm is not None and ppm > quota.max_fraction_ppm:
+        return "max_fraction"
+    if quota.budget_fraction_hours is not None and quota.budget_fraction_hours <= 0:
+        return "budget_fraction_hours"
+    return None
 
 
 @dataclass

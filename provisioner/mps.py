@@ -22,7 +22,7 @@ asks each running daemon which uid its server serves (:meth:`MPSDaemon.server_ui
 ``get_server_list``, then ``get_client_list PID`` for each server, and the server
 process's uid from ``/proc/PID/status``); a server without clients counts as none (it
 gives way to the next uid at once). The broker then places an ``enforcement=mps`` kernel
-only on a GPU whose server serves its uid or none (``scheduling.mps_blocked``).
+only on a GPU whose server serves its uid or none (``node_rules.mps_blocked``).
 
 The provisioner computes the same pipe directory from its ``mps_dir`` (default
 :data:`DEFAULT_MPS_DIR`, the agent's default too).

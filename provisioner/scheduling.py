@@ -1,8 +1,12 @@
-"""The pure allocation core: placement, quota admission, queue order, expiry, idle reclaim.
+"""The pure allocation core: placement, queue order, expiry, idle reclaim.
 
 Everything here is a plain function over plain data (``model.PoolState``, ``Quota``,
 ``Request``, ...) with ``now`` passed in: no ``await``, no SQL, no HTTP, no
-traitlets.
+traitlets. Its neighbours, as pure and on the same terms: ``policy`` (the knobs,
+:class:`Policy`, and an acquire, :class:`Ask`), ``admission`` (quota precedence, the
+course check and the quota checks :func:`decide_acquire` runs), ``node_rules`` (a node's
+state, over-use, MPS's one user per GPU) below it, and ``estimates`` (estimated waits,
+which replay :func:`drain`) above it.
 
 Two layers. *Decisions* (``decide_acquire``, ``drain``, ``expired``, ``idle_victims``
 ...) never mutate the state they are given. *Mutations* (``acquire``, ``end``,
@@ -29,84 +33,36 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   all end than one (``Policy.reservation``; "emptiest" is kept for the simulator).
 * MPS serves one Unix user per GPU at a time (a second user's client hangs until the
   first user's clients are gone): an ``enforcement=mps`` request (``mps_uid`` set) is
-  placed only on a GPU whose MPS server serves its uid or none (:func:`mps_blocked`),
-  else it waits, and the student reads why (:func:`why_waiting`).
+  placed only on a GPU whose MPS server serves its uid or none
+  (``node_rules.mps_blocked``), else it waits, and the student reads why
+  (:func:`why_waiting`).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked.
-* Estimated waits (``estimate_waits``): the future replayed on a copy of the state, each
-  lease ending after its expected remaining hold given its age (from observed hold
-  times), ``drain`` granting as the broker will.
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
-from .errors import CannotFit, Conflict, Forbidden, QuotaExceeded, UnknownGPU
+from .admission import admit, check_course
+from .errors import CannotFit, Conflict, UnknownGPU
 from .model import (
     GPU,
     Changes,
     Grant,
     Lease,
-    Node,
     PoolState,
     Quota,
-    QuotaBook,
     Request,
     memory_cap_mb,
     min_ppm_for,
     reserved_mb,
 )
-from .wire import DEFAULT_CONTEXT_OVERHEAD_MB, PPM, may_use_course, ppm_to_fraction
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The knobs of the core. The broker fills these from its traitlets config."""
-
-    ttl: float = 90.0
-    context_overhead_mb: int = DEFAULT_CONTEXT_OVERHEAD_MB
-    reserve_ppm: int = 0
-    placement: str = "best-fit"  # or "spread"; "first-fit" is the simulator's baseline
-    backfill: bool = True
-    reservation: str = "fewest-leases"  # or "emptiest" (the simulator's comparison)
-    starvation_after: float = 600.0
-    idle_reclaim_after: float | None = None
-    queue_poll_grace: float = 30.0
-    max_queued_per_user: int = 10
-    #: seconds a node agent may stay silent before its node is lost (nothing new placed there)
-    node_grace: float = 30.0
-    #: MiB a kernel may use above its lease's reservation before it counts as over it
-    overuse_tolerance_mb: int = 256
-    #: seconds a kernel must stay over its lease before an enforcing agent's node revokes it
-    overuse_grace: float = 10.0
-
-    @property
-    def capacity_ppm(self) -> int:
-        return PPM - self.reserve_ppm
-
-
-@dataclass(frozen=True)
-class Ask:
-    """A validated acquire, with the identity the broker verified."""
-
-    user: str
-    kernel_id: str
-    fraction_ppm: int
-    groups: frozenset[str] = frozenset()
-    admin: bool = False
-    node: str | None = None
-    gpu_uuids: tuple[str, ...] | None = None
-    group: str | None = None
-    #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reports it (None: not
-    #: an MPS kernel); a placement hint (:func:`mps_blocked`), never an identity
-    mps_uid: int | None = None
-
+from .node_rules import mps_blocked, mps_owners
+from .policy import Ask, Policy
+from .wire import ppm_to_fraction
 
 # -- decisions -----------------------------------------------------------------
 
@@ -219,68 +175,6 @@ def check_can_ever_fit(state: PoolState, ask: Ask, policy: Policy) -> list[GPU]:
     return [g for g in ok if g.uuid not in state.closed] if state.closed else list(ok)
 
 
-# -- nodes ----------------------------------------------------------------------
-
-
-def node_state(node: Node, now: float, policy: Policy) -> str:
-    """``drained`` (its agent stopped cleanly), ``lost`` (silent longer than the grace) or ``up``."""
-    if node.drained:
-        return "drained"
-    if now - node.last_seen > policy.node_grace:
-        return "lost"
-    return "up"
-
-
-def closed_gpus(nodes: Iterable[Node], now: float, policy: Policy) -> set[str]:
-    """The uuids of GPUs on nodes that are not up: nothing new is placed there."""
-    return {g.uuid for n in nodes if node_state(n, now, policy) != "up" for g in n.gpus}
-
-
-def over_lease(lease: Lease, used_mb: int, policy: Policy) -> bool:
-    """True when a kernel uses more than its lease: cap + context overhead + tolerance."""
-    allowed = lease.memory_limit_mb + policy.context_overhead_mb + policy.overuse_tolerance_mb
-    return used_mb > allowed
-
-
-def overuse_reason(used_mb: int, lease: Lease, policy: Policy) -> str:
-    """What the student reads: ``used 2.1 GiB of a 655 MiB lease``."""
-    held = lease.memory_limit_mb + policy.context_overhead_mb
-    return (
-        f"the kernel used {_mib(used_mb)} of GPU memory on a {_mib(held)} lease "
-        f"({lease.memory_limit_mb} MiB cap + {policy.context_overhead_mb} MiB CUDA context) for "
-        f"more than {policy.overuse_grace:g} s; start a kernel with a larger GPU fraction or "
-        "use less memory"
-    )
-
-
-def _mib(mb: int) -> str:
-    return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
-
-
-# -- MPS: one Unix user per GPU at a time ---------------------------------------
-
-
-def mps_owners(state: PoolState) -> dict[str, set[int]]:
-    """GPU uuid -> the uids whose MPS clients use, or may use at any moment, its MPS server:
-    the uid its node agent reports the server serving (``state.mps_uid``), and those of
-    the active ``enforcement=mps`` leases there (a granted kernel may not have touched
-    CUDA yet; a kernel whose lease ended may still run, which the report shows)."""
-    owners: dict[str, set[int]] = {u: {uid} for u, uid in state.mps_uid.items()}
-    for lease in state.leases.values():
-        if lease.mps_uid is not None:
-            owners.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
-    return owners
-
-
-def mps_blocked(owners: dict[str, set[int]], uid: int | None) -> set[str]:
-    """The GPUs an MPS kernel of ``uid`` must not be placed on: their MPS server serves
-    (or is about to serve) another uid, and a client of ``uid`` would hang there until
-    that uid's clients are all gone. None for a kernel that does not use MPS."""
-    if uid is None:
-        return set()
-    return {gpu for gpu, uids in owners.items() if uids - {uid}}
-
-
 # -- placement ----------------------------------------------------------------
 
 
@@ -311,182 +205,6 @@ def place(
             if mode == "best-fit" and a == fullest:
                 return g
     return best
-
-
-# -- quotas -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EffectiveQuota:
-    """A user's effective quota and, per field, the level that set it.
-
-    ``sources`` maps each :attr:`Quota.FIELDS` name to ``"user"``, ``"group NAME"`` or
-    ``"default"`` (also for a value the default leaves unset: unlimited).
-    """
-
-    quota: Quota
-    sources: dict[str, str]
-
-
-def quota_sources(book: QuotaBook, user: str, groups: Iterable[str]) -> EffectiveQuota:
-    """default -> group -> user: a user's own value wins, else the most generous group's, else default.
-
-    The one home of quota precedence: admission (:func:`effective_quota`), ``GET
-    /api/v1/quotas/me`` and the admin's ``gpu-lease quota show --user NAME`` all call it.
-    Groups are taken in name order, so of two groups with the same value the first
-    name is the source.
-    """
-    mine = book.users.get(user)
-    group_quotas = [(g, book.groups[g]) for g in sorted(groups) if g in book.groups]
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for name in Quota.FIELDS:
-        value = getattr(mine, name) if mine is not None else None
-        source = "user"
-        if value is None:
-            best: tuple[str, Any] | None = None
-            for group, q in group_quotas:
-                v = getattr(q, name)
-                if v is not None and (best is None or v > best[1]):
-                    best = (group, v)
-            if best is not None:
-                value, source = best[1], f"group {best[0]}"
-        if value is None:
-            value, source = getattr(book.default, name), "default"
-        values[name] = value
-        sources[name] = source
-    return EffectiveQuota(Quota(**values), sources)
-
-
-def effective_quota(book: QuotaBook, user: str, groups: Iterable[str]) -> Quota:
-    """The quota admission applies to ``user`` in ``groups`` (see :func:`quota_sources`)."""
-    return quota_sources(book, user, groups).quota
-
-
-def never_allowed(quota: Quota, ppm: int) -> str | None:
-    """Why ``quota`` can never admit one kernel of ``ppm``, whatever else is held; else None.
-
-    A per-kernel limit below the fraction, a total below it, no leases or no budget at
-    all. Used by the launcher (which kernels to offer) and mirrored by :func:`admit`.
-    """
-    if quota.max_leases is not None and quota.max_leases <= 0:
-        return "max_leases"
-    if quota.max_fraction_ppm is not None and quota.max_fraction_ppm <= 0:
-        return "max_fraction"
-    if quota.max_lease_fraction_ppm is not None and ppm > quota.max_lease_fraction_ppm:
-        return "max_lease_fraction"
-    if quota.max_fraction_ppm is not None and ppm > quota.max_fraction_ppm:
-        return "max_fraction"
-    if quota.budget_fraction_hours is not None and quota.budget_fraction_hours <= 0:
-        return "budget_fraction_hours"
-    return None
-
-
-def check_course(ask: Ask) -> None:
-    """Course kernelspecs carry ``group``: only its members (and admins) may use them."""
-    if not may_use_course(ask.group, ask.groups, ask.admin):
-        raise Forbidden(
-            f"This kernel is reserved for course {ask.group!r}, and you are not a member of it. "
-            "Ask your instructor to add you to the course, or choose another kernel.",
-            group=ask.group,
-        )
-
-
-def admit(
-    state: PoolState,
-    ask: Ask,
-    quota: Quota,
-    used_fraction_hours: float = 0.0,
-    policy: Policy | None = None,
-) -> None:
-    """Raise ``QuotaExceeded`` (403) with the reason if the ask would exceed ``quota``.
-
-    Waiting requests of the user count as held, so one user cannot fill the queue.
-    """
-    fraction = ppm_to_fraction(ask.fraction_ppm)
-    waiting = [r for r in state.queue.values() if r.user == ask.user]
-    held = state.held_by_user.get(ask.user, 0) + sum(r.fraction_ppm for r in waiting)
-    count = state.leases_by_user.get(ask.user, 0) + len(waiting)
-    for field_name, value in (
-        ("max_leases", quota.max_leases),
-        ("max_fraction", quota.max_fraction_ppm),
-        ("max_lease_fraction", quota.max_lease_fraction_ppm),
-    ):
-        if value is not None and value <= 0:
-            raise QuotaExceeded(
-                f"Your quota allows no GPU kernels (its {field_name} is 0), so no GPU kernel "
-                "can start. Choose a kernel without a GPU, or ask your instructor or "
-                "administrator for a GPU quota.",
-                quota=field_name,
-                limit=0,
-            )
-    if quota.max_lease_fraction_ppm is not None and ask.fraction_ppm > quota.max_lease_fraction_ppm:
-        limit = ppm_to_fraction(quota.max_lease_fraction_ppm)
-        raise QuotaExceeded(
-            f"A GPU fraction of {fraction:g} is above your per-kernel limit of {limit:g}. "
-            f"Choose a kernel with a GPU fraction of at most {limit:g}.",
-            quota="max_lease_fraction",
-            limit=limit,
-        )
-    if quota.max_fraction_ppm is not None and ask.fraction_ppm > quota.max_fraction_ppm:
-        limit = ppm_to_fraction(quota.max_fraction_ppm)
-        raise QuotaExceeded(
-            f"A GPU fraction of {fraction:g} is above your limit of {limit:g} of a GPU held "
-            f"at once. Choose a kernel with a GPU fraction of at most {limit:g}.",
-            quota="max_fraction",
-            limit=limit,
-        )
-    if quota.max_leases is not None and count + 1 > quota.max_leases:
-        raise QuotaExceeded(
-            f"You already hold or wait for {_kernels(count)}, the most your quota allows "
-            f"({quota.max_leases}). Shut down a GPU kernel you no longer use and try again.",
-            quota="max_leases",
-            limit=quota.max_leases,
-        )
-    if quota.max_fraction_ppm is not None and held + ask.fraction_ppm > quota.max_fraction_ppm:
-        limit = ppm_to_fraction(quota.max_fraction_ppm)
-        raise QuotaExceeded(
-            f"This kernel would bring your GPU share to {ppm_to_fraction(held + ask.fraction_ppm):g}, "
-            f"above your limit of {limit:g} at once; you hold or wait for "
-            f"{ppm_to_fraction(held):g} in {_kernels(count)}. Shut down a GPU kernel you no "
-            "longer use and try again.",
-            quota="max_fraction",
-            limit=limit,
-        )
-    if quota.budget_fraction_hours is not None and quota.budget_fraction_hours <= 0:
-        raise QuotaExceeded(
-            "Your quota allows no GPU time (a budget of 0 fraction-hours), so no GPU kernel "
-            "can start. Choose a kernel without a GPU, or ask your instructor or "
-            "administrator for a GPU budget.",
-            quota="budget_fraction_hours",
-            limit=quota.budget_fraction_hours,
-            used=round(used_fraction_hours, 6),
-        )
-    if (
-        quota.budget_fraction_hours is not None
-        and used_fraction_hours >= quota.budget_fraction_hours
-    ):
-        window_h = (quota.budget_window_s or 0) / 3600
-        raise QuotaExceeded(
-            f"You have used {used_fraction_hours:.2f} of your {quota.budget_fraction_hours:g} "
-            f"GPU fraction-hours for the last {window_h:g} hours. Try again later or ask "
-            "your instructor for a larger budget.",
-            quota="budget_fraction_hours",
-            limit=quota.budget_fraction_hours,
-            used=round(used_fraction_hours, 6),
-        )
-    if policy is not None and len(waiting) >= policy.max_queued_per_user:
-        raise QuotaExceeded(
-            f"You already have {len(waiting)} GPU kernels waiting in the queue, the most allowed. "
-            "Wait for them to start, or shut them down.",
-            quota="max_queued",
-            limit=policy.max_queued_per_user,
-        )
-
-
-def _kernels(count: int) -> str:
-    """1 -> "1 GPU kernel", 2 -> "2 GPU kernels"."""
-    return f"{count} GPU kernel" + ("" if count == 1 else "s")
 
 
 # -- queue ------------------------------------------------------------------
@@ -1060,19 +778,6 @@ def reap(
 # -- accounting -------------------------------------------------------------------
 
 
-def fraction_hours(
-    intervals: Iterable[tuple[int, float, float | None]], since: float, until: float
-) -> float:
-    """Sum of fraction x hours over ``(ppm, start, end-or-None)`` clipped to ``[since, until]``."""
-    total = 0.0
-    for ppm, start, end in intervals:
-        lo = max(start, since)
-        hi = min(end if end is not None else until, until)
-        if hi > lo:
-            total += ppm * (hi - lo)
-    return total / PPM / 3600.0
-
-
 def check_invariants(state: PoolState, policy: Policy) -> None:
     """Assert the capacity and bookkeeping invariants (used by tests and the simulator)."""
     totals: dict[str, int] = {u: 0 for u in state.gpus}
@@ -1087,114 +792,3 @@ def check_invariants(state: PoolState, policy: Policy) -> None:
     for uuid, total in totals.items():
         assert total <= policy.capacity_ppm, f"GPU {uuid} over-allocated: {total} ppm"
         assert state.allocated.get(uuid, 0) == total, f"allocated map drifted on {uuid}"
-
-
-# -- estimated waits -----------------------------------------------------------------
-
-
-@dataclass
-class HoldTimes:
-    """Observed hold times (seconds from grant to end) of recent leases, for estimated waits.
-
-    The broker's service adds each lease's hold when it ends (released, revoked or
-    expired) and seeds it from the store's recent history at start; the simulator does
-    the same on its clock. ``limit`` bounds memory: the oldest observations go first.
-    """
-
-    limit: int = 1000
-    holds: list[float] = field(default_factory=list)
-    _sorted: list[float] | None = field(default=None, repr=False)
-
-    def add(self, seconds: float) -> None:
-        if seconds >= 0:
-            self.holds.append(float(seconds))
-            if len(self.holds) > self.limit:
-                del self.holds[: len(self.holds) - self.limit]
-            self._sorted = None
-
-    def __len__(self) -> int:
-        return len(self.holds)
-
-    def ordered(self) -> list[float]:
-        if self._sorted is None:
-            self._sorted = sorted(self.holds)
-        return self._sorted
-
-    def mean(self) -> float:
-        return sum(self.holds) / len(self.holds) if self.holds else 0.0
-
-    def remaining(self, age: float, floor: float) -> float:
-        """Expected seconds left for a lease held ``age`` seconds: the mean residual life.
-
-        The mean of ``h - age`` over the observed holds ``h`` longer than ``age`` (leases
-        that lived this long lived that much longer); with fewer than
-        ``MIN_LONGER_HOLDS`` such observations (a lease older than almost all seen),
-        half the mean hold. Never less than ``floor`` (the TTL: a lease ends at the
-        earliest when its kernel stops, and then at once; an unrenewed one takes a TTL).
-        """
-        ordered = self.ordered()
-        longer = ordered[bisect.bisect_right(ordered, age) :]
-        if len(longer) >= MIN_LONGER_HOLDS:
-            left = sum(longer) / len(longer) - age
-        else:
-            left = self.mean() / 2
-        return max(floor, left)
-
-
-#: fewer observed holds than this make no estimate at all
-MIN_HOLDS_FOR_ETA = 5
-#: a lease's residual life is averaged over at least this many longer holds
-MIN_LONGER_HOLDS = 3
-
-
-def expected_end(lease: Lease, now: float, policy: Policy, holds: HoldTimes) -> float:
-    """When ``lease`` is expected to end: after its expected remaining hold, or, with idle
-    reclaim on and its kernel idle now, when it will have been idle for
-    ``idle_reclaim_after`` (someone waits, so the reaper then revokes it), if sooner."""
-    end = now + holds.remaining(now - lease.created_at, policy.ttl)
-    limit = policy.idle_reclaim_after
-    if limit is not None and lease.execution_state != "busy":
-        since = lease.last_activity if lease.last_activity is not None else lease.created_at
-        end = min(end, max(now, since + limit))
-    return end
-
-
-def estimate_waits(
-    state: PoolState, now: float, policy: Policy, holds: HoldTimes
-) -> dict[tuple[str, str], float]:
-    """Estimated seconds until each waiting request gets its lease (by request key).
-
-    Replays the future on a copy of the state: every active lease ends when
-    :func:`expected_end` says (its expected remaining hold given its age, or its idle
-    reclaim, if sooner); after each
-    end, ``drain`` (queue order, placement and the head's reservation, exactly as the
-    broker will) grants what fits, and each grant's lease is expected to last the mean
-    hold. A request's estimate is the time of its grant. New arrivals, idle reclaim and
-    kernels that stop earlier or later than the average are not foreseen: it is an
-    estimate. Requests that no foreseen end makes room for, and every request while
-    fewer than ``MIN_HOLDS_FOR_ETA`` holds were observed, get none.
-    """
-    if not state.queue or len(holds) < MIN_HOLDS_FOR_ETA:
-        return {}
-    sim = state.copy()
-    mean_hold = max(policy.ttl, holds.mean())
-    ends: list[tuple[float, str]] = [
-        (expected_end(lease, now, policy, holds), lease.id) for lease in sim.leases.values()
-    ]
-    heapq.heapify(ends)
-    out: dict[tuple[str, str], float] = {}
-    t = now
-    while sim.queue and ends:
-        t, lease_id = heapq.heappop(ends)
-        # every lease ending at the same moment ends before the drain
-        gone = [lease_id]
-        while ends and ends[0][0] <= t:
-            gone.append(heapq.heappop(ends)[1])
-        apply_ends(sim, gone)
-        grants = drain(sim, t, policy)
-        apply_grants(sim, grants)
-        for grant in grants:
-            if grant.request is not None:
-                out[grant.request.key] = t - now
-            heapq.heappush(ends, (t + mean_hold, grant.lease.id))
-    return out

@@ -37,7 +37,7 @@ from provisioner.broker.service import BrokerService
 from provisioner.devtools import classday
 from provisioner.devtools.testing import BrokerProcess, free_port, wait_for_http
 from provisioner.inventory import parse_gpu_spec
-from provisioner.scheduling import Policy
+from provisioner.policy import Policy
 from provisioner.store import Store
 
 from .conftest import ROOT, Broker

@@ -1,4 +1,4 @@
-"""Estimated waits (``scheduling.estimate_waits``): tables on the pure core, and the simulator.
+"""Estimated waits (``estimates.estimate_waits``): tables on the pure core, and the simulator.
 
 The broker answers ``eta_seconds`` in queued answers and ``GET /api/v1/queue`` from this
 function (see docs/developers.md, "Estimated waits"); JupyterLab shows it as "about 4 min".
@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from provisioner import estimates
 from provisioner import scheduling as core
 from provisioner.devtools.simulate import SCHEMES, eta_accuracy, load_trace
+from provisioner.estimates import HoldTimes
 from provisioner.model import GPU, PPM, PoolState
-from provisioner.scheduling import Ask, HoldTimes, Policy, Queued
+from provisioner.policy import Ask, Policy
+from provisioner.scheduling import Queued
 
 V100 = GPU("GPU-v100", "local", "V100", 32768, 0)
 T4 = GPU("GPU-t4", "other", "T4", 16384, 0)
@@ -55,9 +58,9 @@ def test_remaining_hold_is_the_mean_residual_life(observed, age, expect):
 def test_no_estimate_without_enough_history_or_without_a_queue():
     state = PoolState.build([V100])
     queue_up(state, "a", "k1", PPM, 0.0)
-    assert core.estimate_waits(state, 0.0, POLICY, holds(600, 600, 600, 600, 600)) == {}
+    assert estimates.estimate_waits(state, 0.0, POLICY, holds(600, 600, 600, 600, 600)) == {}
     queue_up(state, "b", "k2", PPM // 2, 0.0)  # waits
-    assert core.estimate_waits(state, 0.0, POLICY, holds(600, 600)) == {}
+    assert estimates.estimate_waits(state, 0.0, POLICY, holds(600, 600)) == {}
 
 
 def test_each_waiting_request_gets_the_time_its_turn_comes():
@@ -69,7 +72,7 @@ def test_each_waiting_request_gets_the_time_its_turn_comes():
     assert len(state.queue) == 3
     # every lease lasts 1000 s: a's ends at 1000, b's at 1300; c and d take their places,
     # each for 1000 s more, e follows when c's lease ends at 2000
-    etas = core.estimate_waits(state, 400.0, POLICY, holds(*[1000.0] * 5))
+    etas = estimates.estimate_waits(state, 400.0, POLICY, holds(*[1000.0] * 5))
     assert etas == {("c", "w0"): 600.0, ("d", "w1"): 900.0, ("e", "w2"): 1600.0}
     assert len(state.queue) == 3 and len(state.leases) == 2  # the state is left alone
 
@@ -80,7 +83,7 @@ def test_placement_limits_hold_in_the_replay():
     queue_up(state, "b", "k2", PPM, 5.0, node="other")
     queue_up(state, "c", "k3", PPM, 10.0, node="local")  # waits for a's V100
     queue_up(state, "d", "k4", PPM, 10.0, node="other")  # waits for b's T4
-    etas = core.estimate_waits(state, 10.0, POLICY, holds(*[100.0] * 5))
+    etas = estimates.estimate_waits(state, 10.0, POLICY, holds(*[100.0] * 5))
     assert etas == {("c", "k3"): 90.0, ("d", "k4"): 95.0}
 
 

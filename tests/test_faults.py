@@ -38,7 +38,7 @@ from provisioner.errors import LeaseExpired
 from provisioner.inventory import parse_gpu_spec
 from provisioner.kernelspecs import build_kernelspec, spec_json
 from provisioner.model import Identity
-from provisioner.scheduling import Ask, Policy
+from provisioner.policy import Ask, Policy
 from provisioner.store import Store
 
 from .conftest import PG_URL, ROOT, Broker

@@ -2,7 +2,7 @@
 
 Every refusal the broker makes (quota, course, can never fit) and the provisioner's
 queue-timeout sentence, built from plain data with the pure core
-(:mod:`provisioner.scheduling`) and :func:`provisioner.client.no_capacity_message`. Each
+(:mod:`provisioner.scheduling`, :mod:`provisioner.admission`) and :func:`provisioner.client.no_capacity_message`. Each
 row says what the sentence must say and what it must not (issue 13's defects: a remedy
 that does not apply, the place in the queue said twice, a GPU named by its UUID).
 """
@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from provisioner import admission
 from provisioner import scheduling as core
 from provisioner.client import no_capacity_message
 from provisioner.errors import CannotFit, Forbidden, GPULeaseError, QuotaExceeded
-from provisioner.model import GPU, PPM, Lease, PoolState, Quota, QuotaBook, Request
-from provisioner.scheduling import Ask, Policy
+from provisioner.model import GPU, PPM, Lease, PoolState, Quota, QuotaBook, Request, never_allowed
+from provisioner.policy import Ask, Policy
 
 V100 = GPU("GPU-5b1e0c4d-aaaa-bbbb-cccc-0123456789ab", "local", "V100", 32768, 0)
 A100 = GPU("GPU-9f8e7d6c-aaaa-bbbb-cccc-0123456789ab", "local", "A100", 81920, 1)
@@ -92,10 +93,10 @@ def test_quota_refusals(
     ],
 )
 def test_never_allowed_matches_admission(quota: Quota, ppm: int, why: str | None) -> None:
-    assert core.never_allowed(quota, ppm) == why
+    assert never_allowed(quota, ppm) == why
     if why is not None:  # admission refuses it on an empty pool, for that very quota
         with pytest.raises(QuotaExceeded) as info:
-            core.admit(state_with(), Ask("alice", "k", ppm), quota)
+            admission.admit(state_with(), Ask("alice", "k", ppm), quota)
         assert info.value.details["quota"] == why
 
 
@@ -103,7 +104,7 @@ def test_course_refusal() -> None:
     message = refusal(state_with(), Ask("guest", "k", 50_000, group="ml101"))
     assert "reserved for course 'ml101'" in message and "not a member" in message
     with pytest.raises(Forbidden):
-        core.check_course(Ask("guest", "k", 50_000, group="ml101", groups=frozenset({"cs50"})))
+        admission.check_course(Ask("guest", "k", 50_000, group="ml101", groups=frozenset({"cs50"})))
 
 
 @pytest.mark.parametrize(
@@ -231,7 +232,7 @@ def test_effective_quota_sources() -> None:
         groups={"cs50": Quota(max_leases=3), "ml101": Quota(max_leases=2, priority=10)},
         users={"bob": Quota(max_lease_fraction_ppm=250_000)},
     )
-    eff = core.quota_sources(book, "bob", {"ml101", "cs50", "unknown"})
+    eff = admission.quota_sources(book, "bob", {"ml101", "cs50", "unknown"})
     assert eff.quota == Quota(max_leases=3, max_lease_fraction_ppm=250_000, priority=10)
     assert eff.sources == {
         "max_fraction_ppm": "default",
@@ -241,7 +242,7 @@ def test_effective_quota_sources() -> None:
         "budget_window_s": "default",
         "priority": "group ml101",
     }
-    assert core.effective_quota(book, "bob", {"ml101", "cs50"}) == eff.quota
+    assert admission.effective_quota(book, "bob", {"ml101", "cs50"}) == eff.quota
 
 
 # -- the kernel side's edge: what jupyter_server shows in "Error Starting Kernel" ---------------

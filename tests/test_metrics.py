@@ -23,7 +23,7 @@ from provisioner.broker.service import BrokerService
 from provisioner.errors import CannotFit
 from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Identity, Lease, PoolState, Request
-from provisioner.scheduling import Ask, Policy
+from provisioner.policy import Ask, Policy
 from provisioner.store import Store
 
 MIB = 1024 * 1024

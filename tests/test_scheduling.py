@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from provisioner import admission
 from provisioner import scheduling as core
 from provisioner.errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
 from provisioner.model import (
@@ -19,7 +20,8 @@ from provisioner.model import (
     memory_cap_mb,
     min_ppm_for,
 )
-from provisioner.scheduling import Ask, Existing, Grant, Policy, Queued
+from provisioner.policy import Ask, Policy
+from provisioner.scheduling import Existing, Grant, Queued
 
 V100 = GPU("GPU-v100", "local", "V100", 32768, 0)
 A100s = [GPU(f"GPU-a{i}", "local", "A100", 81920, i) for i in range(3)]
@@ -195,7 +197,7 @@ BOOK = QuotaBook(
     ],
 )
 def test_effective_quota(user, groups, expect):
-    assert core.effective_quota(BOOK, user, groups) == expect
+    assert admission.effective_quota(BOOK, user, groups) == expect
 
 
 @pytest.mark.parametrize(
@@ -358,7 +360,7 @@ def test_idle_reclaim_only_while_someone_waits():
     ],
 )
 def test_fraction_hours(intervals, since, until, expect):
-    assert core.fraction_hours(intervals, since, until) == pytest.approx(expect)
+    assert admission.fraction_hours(intervals, since, until) == pytest.approx(expect)
 
 
 def test_check_invariants_catches_over_allocation():

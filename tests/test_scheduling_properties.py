@@ -17,10 +17,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from provisioner import admission, node_rules
 from provisioner import scheduling as core
 from provisioner.errors import GPULeaseError
 from provisioner.model import GPU, Changes, PoolState, Quota, QuotaBook
-from provisioner.scheduling import Ask, Existing, Grant, Policy, Queued
+from provisioner.policy import Ask, Policy
+from provisioner.scheduling import Existing, Grant, Queued
 
 GPUS = [
     GPU("g-v100", "a", "V100", 32768, 0),
@@ -66,7 +68,7 @@ class Broker(RuleBasedStateMachine):
     def acquire(self, user, kernel, ppm, node, mps=False):
         uid = UIDS[user] if mps else None
         ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node, mps_uid=uid)
-        quota = core.effective_quota(BOOK, user, GROUPS[user])
+        quota = admission.effective_quota(BOOK, user, GROUPS[user])
         before = (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
         try:
             d, _ = core.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
@@ -79,7 +81,7 @@ class Broker(RuleBasedStateMachine):
             )
             return
         if isinstance(d.outcome, Grant) and uid is not None:  # never where another uid is served
-            owners = core.mps_owners(self.state)[d.outcome.lease.gpu_uuid]
+            owners = node_rules.mps_owners(self.state)[d.outcome.lease.gpu_uuid]
             assert owners == {uid}, owners
         # idempotency: asking again at once yields the same lease or the same queue place
         again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
@@ -145,7 +147,7 @@ class Broker(RuleBasedStateMachine):
     @invariant()
     def quotas_hold(self):
         for user in USERS:
-            quota = core.effective_quota(BOOK, user, GROUPS[user])
+            quota = admission.effective_quota(BOOK, user, GROUPS[user])
             mine = [x for x in self.state.leases.values() if x.user == user]
             waiting = [r for r in self.state.queue.values() if r.user == user]
             assert len(mine) + len(waiting) <= quota.max_leases
@@ -163,7 +165,7 @@ class Broker(RuleBasedStateMachine):
             ok = core.usable_gpus(
                 self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
             )
-            blocked = core.mps_blocked(core.mps_owners(self.state), head.mps_uid)
+            blocked = node_rules.mps_blocked(node_rules.mps_owners(self.state), head.mps_uid)
             placed = core.place(ok, self.state.allocated, head.fraction_ppm, self.policy, blocked)
             assert placed is None
 

@@ -19,7 +19,7 @@ from provisioner.devtools.simulate import (
     percentile,
 )
 from provisioner.model import PPM
-from provisioner.scheduling import Policy
+from provisioner.policy import Policy
 
 SMALL = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "small.jsonl"
 BY_NAME = {s.name: s for s in SCHEMES}

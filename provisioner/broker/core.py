@@ -52,7 +52,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from .. import scheduling
+from .. import estimates, node_rules, scheduling
 from ..errors import (
     CapacityConflict,
     DuplicateRequest,
@@ -65,7 +65,7 @@ from ..errors import (
     NotActive,
 )
 from ..model import GPU, Changes, Identity, Lease, Node, PoolState, QuotaBook, Request
-from ..scheduling import Policy
+from ..policy import Policy
 from ..store import Store
 from .kernel_places import KernelPlaces
 from .writer import Writer
@@ -207,7 +207,7 @@ class ServiceCore:
         #: leases over their cap whose overuse was already reported (``--enforce report``)
         self.over_reported: set[str] = set()
         #: hold times of recent leases: what estimated waits are made of
-        self.holds = scheduling.HoldTimes()
+        self.holds = estimates.HoldTimes()
         self.etas: tuple[float, tuple[int, int], dict[tuple[str, str], float]] | None = None
         #: raises NotActive while this broker may not answer with state (``app.py`` sets
         #: ``Leadership.check`` with ``--ha-lock``)
@@ -478,12 +478,12 @@ class ServiceCore:
     def eta(self, key: tuple[str, str], now: float) -> float | None:
         """Estimated seconds until the waiting request ``key`` is granted, or None.
 
-        ``scheduling.estimate_waits`` over the whole queue, computed at most once per
+        ``estimates.estimate_waits`` over the whole queue, computed at most once per
         second (every ``GET /api/v1/queue`` and queued answer asks).
         """
         shape = (len(self.state.queue), len(self.state.leases))
         if self.etas is None or self.etas[1] != shape or not 0 <= now - self.etas[0] < ETA_CACHE_S:
-            etas = scheduling.estimate_waits(self.state, now, self.policy, self.holds)
+            etas = estimates.estimate_waits(self.state, now, self.policy, self.holds)
             self.etas = (now, shape, etas)
         eta = self.etas[2].get(key)
         return None if eta is None else round(eta)
@@ -502,7 +502,7 @@ class ServiceCore:
 
     def close_gpus(self, now: float) -> None:
         self.state.closed = (
-            scheduling.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
+            node_rules.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
         )
 
     async def forget_vanished(self) -> None:

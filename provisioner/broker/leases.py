@@ -13,10 +13,11 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from .. import scheduling
+from .. import admission, scheduling
 from ..errors import GPULeaseError, LeaseGone, NotActive, UnknownGPU
 from ..model import Changes, Identity, Lease, Request, ppm_to_fraction
-from ..scheduling import Ask, Existing, Grant, Queued
+from ..policy import Ask
+from ..scheduling import Existing, Grant, Queued
 from .core import ServiceCore, Waiter, check_owner, require_admin
 
 log = logging.getLogger("gpu_lease.broker")
@@ -35,7 +36,7 @@ class AcquireResult:
     request: Request | None = None
     position: int = 0
     reason: str = ""
-    #: estimated seconds until the grant (``scheduling.estimate_waits``), if it has one
+    #: estimated seconds until the grant (``estimates.estimate_waits``), if it has one
     eta_seconds: float | None = None
     #: how many requests wait in the queue (a queued outcome's answer says so)
     queue_length: int = 0
@@ -62,7 +63,7 @@ class LeaseService:
         return result
 
     async def _acquire_once(self, ident: Identity, ask: Ask) -> AcquireResult:
-        quota = scheduling.effective_quota(self.core.book, ident.user, ident.groups)
+        quota = admission.effective_quota(self.core.book, ident.user, ident.groups)
         used = 0.0
         if quota.budget_fraction_hours is not None and quota.budget_window_s:
             until = self.core.clock()

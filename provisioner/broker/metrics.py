@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from .._version import __version__
 from ..model import PoolState, reserved_mb
-from ..scheduling import Policy
+from ..policy import Policy
 from ..wire import ppm_to_fraction
 
 #: group-commit batch sizes (mutations per transaction)

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import scheduling
+from .. import node_rules, scheduling
 from ..errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
 from ..model import GPU, Identity, Lease, Node
 from ..wire import NODE_STATES
@@ -115,7 +115,7 @@ class NodeService:
             "" if old is None else " again",
         )
         await self.core.grant_waiting()
-        return NodeView(node, scheduling.node_state(node, now, self.core.policy))
+        return NodeView(node, node_rules.node_state(node, now, self.core.policy))
 
     async def node_heartbeat(
         self,
@@ -166,7 +166,7 @@ class NodeService:
                     gpu_uuid=uuid,
                 )
         now = self.core.clock()
-        was = scheduling.node_state(node, now, self.core.policy)
+        was = node_rules.node_state(node, now, self.core.policy)
         node.last_seen = now
         node.usage = list(usage)
         node.mps = dict(mps or {})
@@ -194,7 +194,7 @@ class NodeService:
         watch = sorted({x.pid for x in here if x.pid})
         return Heartbeat(
             name,
-            scheduling.node_state(node, now, self.core.policy),
+            node_rules.node_state(node, now, self.core.policy),
             now,
             watch,
             kill,
@@ -233,14 +233,14 @@ class NodeService:
         for lease in leases:
             mb = used.get(lease.id, 0)
             self.core.used_mb[lease.id] = mb
-            if node.enforce == "off" or not scheduling.over_lease(lease, mb, self.core.policy):
+            if node.enforce == "off" or not node_rules.over_lease(lease, mb, self.core.policy):
                 self.core.over_since.pop(lease.id, None)
                 self.core.over_reported.discard(lease.id)
                 continue
             since = self.core.over_since.setdefault(lease.id, now)
             if now - since < self.core.policy.overuse_grace:
                 continue
-            reason = scheduling.overuse_reason(mb, lease, self.core.policy)
+            reason = node_rules.overuse_reason(mb, lease, self.core.policy)
             if node.enforce in ("revoke", "kill"):
                 ends.append((lease, "revoked", reason))
                 if node.enforce == "kill" and lease.id in host_of:
@@ -288,7 +288,7 @@ class NodeService:
         await self.core.ready()
         now = self.core.clock()
         return [
-            NodeView(node, scheduling.node_state(node, now, self.core.policy))
+            NodeView(node, node_rules.node_state(node, now, self.core.policy))
             for node in sorted(self.core.nodes.values(), key=lambda n: n.name)
         ]
 
@@ -297,7 +297,7 @@ class NodeService:
         now = self.core.clock()
         counts = dict.fromkeys(NODE_STATES, 0)
         for node in self.core.nodes.values():
-            counts[scheduling.node_state(node, now, self.core.policy)] += 1
+            counts[node_rules.node_state(node, now, self.core.policy)] += 1
         return counts
 
     def unleased_processes(self) -> int:

@@ -5,7 +5,7 @@
 (``--GPULeaseBroker.x``, the aliases) and ``--generate-config`` still name
 ``GPULeaseBroker``. ``BrokerOptions`` is not a ``Configurable``: it never becomes a
 section of its own. A default lives in one place: the policy knobs' in
-:class:`~provisioner.scheduling.Policy`, the others in the trait or in the constant of
+:class:`~provisioner.policy.Policy`, the others in the trait or in the constant of
 the module that uses it.
 """
 
@@ -28,7 +28,7 @@ from traitlets import (
 )
 
 from ..model import fraction_to_ppm, ppm_to_fraction
-from ..scheduling import Policy
+from ..policy import Policy
 from ..store import (
     DEFAULT_PG_TIMEOUT,
     DEFAULT_SQLITE_BUSY_TIMEOUT,
@@ -64,7 +64,7 @@ class OptionalType(Type):
 
 class BrokerOptions(HasTraits):
     """The broker's configurable traits (``c.GPULeaseBroker.<name>``), and the
-    :class:`~provisioner.scheduling.Policy` they make."""
+    :class:`~provisioner.policy.Policy` they make."""
 
     generate_config = Bool(
         False,
@@ -258,7 +258,7 @@ class BrokerOptions(HasTraits):
         f"within this time. Default: {HUB_CACHE_MAX_AGE}, as JupyterHub's own HubAuth.",
     ).tag(config=True)
 
-    # -- policy (defaults: the fields of scheduling.Policy) --------------------------
+    # -- policy (defaults: the fields of policy.Policy) --------------------------
     ttl = Float(
         Policy.ttl,
         help="Lease time to live in seconds; provisioners renew well within it. "

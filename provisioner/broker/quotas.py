@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .. import scheduling
+from .. import admission
 from ..errors import Forbidden, InvalidRequest, LeaseNotFound
 from ..model import Identity, Quota, QuotaBook, quota_key_problem
 from .core import ServiceCore, require_admin
@@ -25,7 +25,7 @@ class QuotaStanding:
 
     user: str
     groups: frozenset[str]
-    effective: scheduling.EffectiveQuota
+    effective: admission.EffectiveQuota
     own: Quota | None
     held_ppm: int
     leases: int
@@ -54,7 +54,7 @@ class QuotaService:
         if level != "user":
             return quota, None
         groups = ident.groups if name == ident.user else frozenset()
-        return quota, scheduling.effective_quota(self.core.book, name, groups)
+        return quota, admission.effective_quota(self.core.book, name, groups)
 
     def my_quota(self, ident: Identity) -> QuotaStanding:
         """The caller's effective quota (with each value's source) and what they hold now."""
@@ -65,7 +65,7 @@ class QuotaService:
         return QuotaStanding(
             user,
             groups,
-            scheduling.quota_sources(self.core.book, user, groups),
+            admission.quota_sources(self.core.book, user, groups),
             self.core.book.users.get(user),
             self.core.state.held_by_user.get(user, 0),
             self.core.state.leases_by_user.get(user, 0),
@@ -82,7 +82,7 @@ class QuotaService:
     ) -> QuotaStanding:
         """``GET /api/v1/quotas/users/{name}?effective=1``: the quota admission applies.
 
-        Computed by :func:`scheduling.quota_sources`, the function every acquire's
+        Computed by :func:`admission.quota_sources`, the function every acquire's
         admission uses, for ``user`` in ``groups`` (the handler asks the authenticator).
         Its ``effective.sources`` names, per field, the level that set it (``default``,
         ``group NAME`` or ``user``); ``own`` is the user-level record (None when none).

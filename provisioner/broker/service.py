@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
-from ..scheduling import Policy
+from ..policy import Policy
 from ..store import Store
 from ..wire import ENDED_LEASE_STATES
 from .core import REAP_INTERVAL, Metrics, ServiceCore, new_id

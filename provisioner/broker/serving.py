@@ -27,7 +27,7 @@ from tornado.web import Application as WebApplication
 
 from ..errors import NotActive, StoreError
 from ..model import GPU
-from ..scheduling import Policy
+from ..policy import Policy
 from ..store import Store
 from .auth import Authenticator
 from .fronts import COOKIE_SECRET_ENV, Fronts

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import BodyTooLarge, InvalidRequest
 from ..model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
 from ..model import brief as _show
-from ..scheduling import Ask
+from ..policy import Ask
 from ..wire import (
     CGROUP_PATTERN,
     DEFAULT_ENFORCE_MODE,

@@ -32,7 +32,7 @@ import httpx
 from ..broker.service import BrokerService
 from ..inventory import parse_gpu_spec
 from ..model import Identity, fraction_to_ppm
-from ..scheduling import Ask, Policy
+from ..policy import Ask, Policy
 from ..store import Store
 from .testing import BrokerProcess
 

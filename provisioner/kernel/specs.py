@@ -34,11 +34,10 @@ from traitlets import Enum, Float
 
 from ..errors import GPULeaseError, InvalidRequest
 from ..kernelspecs import gpu_config
-from ..model import Quota, validate_fraction
-from ..scheduling import never_allowed
+from ..model import Quota, never_allowed, validate_fraction
 from ..wire import fraction_to_ppm, may_use_course
 
-#: what each reason of :func:`scheduling.never_allowed` says in a marked display name
+#: what each reason of :func:`model.never_allowed` says in a marked display name
 _WHY = {
     "max_leases": "your quota allows no GPU kernels",
     "max_fraction": "above your GPU limit",
@@ -72,8 +71,8 @@ def never_startable(spec: Mapping[str, Any], me: Mapping[str, Any]) -> str | Non
     """Why the user of ``me`` (``GET /api/v1/quotas/me``) can never start kernel.json
     ``spec``, as a phrase for a display name, or None (it may start, or is no GPU kernel).
 
-    The broker's own rules: the course check (``scheduling.check_course``) and the
-    quota's per-kernel limits (``scheduling.never_allowed``, which admission mirrors).
+    The broker's own rules: the course check (``admission.check_course``) and the
+    quota's per-kernel limits (``model.never_allowed``, which admission mirrors).
     """
     config = gpu_config(dict(spec))
     if config is None:

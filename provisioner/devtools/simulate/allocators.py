@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...model import GPU, Changes, PoolState, Quota, Request
+from ...policy import Ask, Policy
 from ...scheduling import (
-    Ask,
     Grant,
-    Policy,
     apply_grants,
     check_invariants,
     end,

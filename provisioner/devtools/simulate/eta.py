@@ -6,13 +6,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ...estimates import HoldTimes, estimate_waits
 from ...model import GPU
-from ...scheduling import (
-    HoldTimes,
-    Policy,
-    estimate_waits,
-    expired,
-)
+from ...policy import Policy
+from ...scheduling import expired
 from .allocators import CoreAllocator, Key
 from .measures import percentile
 from .schemes import Scheme

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...scheduling import (
-    Policy,
-)
+from ...policy import Policy
 
 # -- schemes -------------------------------------------------------------------------
 

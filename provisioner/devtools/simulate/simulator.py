@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import GPULeaseError
 from ...model import PPM, fraction_to_ppm
-from ...scheduling import (
-    Policy,
-)
+from ...policy import Policy
 from .allocators import Allocator, ClairvoyantAllocator, CoreAllocator, FluidAllocator, Key
 from .schemes import Scheme
 from .traces import Session, Trace

@@ -1,0 +1,73 @@
+"""The core's rules about nodes: a node's state, the GPUs closed to placement, over-use,
+and MPS's one Unix user per GPU.
+
+Pure (``now`` passed in). The node service (``broker/nodes.py``) reads a node's state and
+over-use from here; placement (``scheduling``) keeps lost or drained nodes' GPUs and GPUs
+whose MPS server serves another user out of an ask's reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .model import Lease, Node, PoolState
+from .policy import Policy
+
+
+def node_state(node: Node, now: float, policy: Policy) -> str:
+    """``drained`` (its agent stopped cleanly), ``lost`` (silent longer than the grace) or ``up``."""
+    if node.drained:
+        return "drained"
+    if now - node.last_seen > policy.node_grace:
+        return "lost"
+    return "up"
+
+
+def closed_gpus(nodes: Iterable[Node], now: float, policy: Policy) -> set[str]:
+    """The uuids of GPUs on nodes that are not up: nothing new is placed there."""
+    return {g.uuid for n in nodes if node_state(n, now, policy) != "up" for g in n.gpus}
+
+
+def over_lease(lease: Lease, used_mb: int, policy: Policy) -> bool:
+    """True when a kernel uses more than its lease: cap + context overhead + tolerance."""
+    allowed = lease.memory_limit_mb + policy.context_overhead_mb + policy.overuse_tolerance_mb
+    return used_mb > allowed
+
+
+def overuse_reason(used_mb: int, lease: Lease, policy: Policy) -> str:
+    """What the student reads: ``used 2.1 GiB of a 655 MiB lease``."""
+    held = lease.memory_limit_mb + policy.context_overhead_mb
+    return (
+        f"the kernel used {_mib(used_mb)} of GPU memory on a {_mib(held)} lease "
+        f"({lease.memory_limit_mb} MiB cap + {policy.context_overhead_mb} MiB CUDA context) for "
+        f"more than {policy.overuse_grace:g} s; start a kernel with a larger GPU fraction or "
+        "use less memory"
+    )
+
+
+def _mib(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB" if mb >= 1024 else f"{mb} MiB"
+
+
+# -- MPS: one Unix user per GPU at a time ---------------------------------------
+
+
+def mps_owners(state: PoolState) -> dict[str, set[int]]:
+    """GPU uuid -> the uids whose MPS clients use, or may use at any moment, its MPS server:
+    the uid its node agent reports the server serving (``state.mps_uid``), and those of
+    the active ``enforcement=mps`` leases there (a granted kernel may not have touched
+    CUDA yet; a kernel whose lease ended may still run, which the report shows)."""
+    owners: dict[str, set[int]] = {u: {uid} for u, uid in state.mps_uid.items()}
+    for lease in state.leases.values():
+        if lease.mps_uid is not None:
+            owners.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
+    return owners
+
+
+def mps_blocked(owners: dict[str, set[int]], uid: int | None) -> set[str]:
+    """The GPUs an MPS kernel of ``uid`` must not be placed on: their MPS server serves
+    (or is about to serve) another uid, and a client of ``uid`` would hang there until
+    that uid's clients are all gone. None for a kernel that does not use MPS."""
+    if uid is None:
+        return set()
+    return {gpu for gpu, uids in owners.items() if uids - {uid}}
