@@ -14,7 +14,7 @@ two phases that alternate, round after round, in the same run:
 ``agents``  the 100 agents heartbeat every ``--interval`` s (default 5), staggered, each
             reporting two GPU processes per GPU (16 usage rows, as NVML lists them):
             99 simulated by this process over keep-alive HTTP with the real body, and one
-            real ``python -m provisioner.agent`` (``--gpus nvml`` with the stand-in
+            real ``python -m provisioner.node.agent`` (``--gpus nvml`` with the stand-in
             ``pynvml`` of ``tests/fake_nvml``, 8 GPUs, 16 processes), which runs
             through both phases (one heartbeat per interval: noise for ``quiet``).
 
@@ -150,7 +150,7 @@ async def heartbeats(
 
 
 class RealAgent:
-    """``python -m provisioner.agent`` with the stand-in NVML: 8 GPUs, 16 processes."""
+    """``python -m provisioner.node.agent`` with the stand-in NVML: 8 GPUs, 16 processes."""
 
     def __init__(self, broker: BrokerProcess, node: str, token: str, tmp: Path, interval: float):
         self.node = node
@@ -176,7 +176,7 @@ class RealAgent:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable, "-m", "provisioner.agent", "--broker-url", broker.url,
+                    sys.executable, "-m", "provisioner.node.agent", "--broker-url", broker.url,
                     "--node", node, "--interval", str(interval), "--log-level", "WARN",
                 ],
                 env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 ::
 
     gpu-lease broker [broker options]            run the broker (provisioner.broker.app)
-    gpu-lease agent --broker-url URL [...]       run a node agent (provisioner.agent)
+    gpu-lease agent --broker-url URL [...]       run a node agent (provisioner.node.agent)
     gpu-lease kernelspec install --fraction F    publish a GPU kernelspec
     gpu-lease kernelspec list | remove NAME...
     gpu-lease top [--watch N] | leases | quota ... | usage | revoke ID --reason TEXT
@@ -28,9 +28,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from . import __version__, tables
-from . import kernelspecs as ks
 from .client import BrokerClient, broker_env
 from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
+from .kernel import kernelspecs as ks
 from .model import QUOTA_FIELDS, validate_fraction
 from .wire import ENFORCEMENTS
 
@@ -418,7 +418,7 @@ async def _resolve_lease_id(client: BrokerClient, given: str) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from . import doctor
+    from .node import doctor
 
     if args.processes < 1:
         print("error: --processes must be at least 1", file=sys.stderr)
@@ -462,7 +462,7 @@ def _brokers_context_overhead(args: argparse.Namespace) -> tuple[int, str]:
 # -- parser ----------------------------------------------------------------------
 def cmd_agent(argv: list[str]) -> int:
     """Run a node agent (``agent.main``) on ``argv``, untouched (its parser is traitlets')."""
-    from .agent import main as agent_main
+    from .node.agent import main as agent_main
 
     return int(agent_main(argv) or 0)
 

@@ -235,6 +235,15 @@ def enum_schema(values: Iterable[str], *, nullable: bool = False, **more: Any) -
     return schema
 
 
+#: where the agent puts each GPU's MPS pipe and log directories (and provisioners look)
+DEFAULT_MPS_DIR = "/run/gpu-lease/mps"
+
+
+def pipe_directory(mps_dir: str, gpu_uuid: str) -> str:
+    """The ``CUDA_MPS_PIPE_DIRECTORY`` of ``gpu_uuid``'s daemon."""
+    return os.path.join(mps_dir, gpu_uuid, "pipe")
+
+
 __all__ = [
     "CGROUP_PATTERN",
     "COOPERATIVE",
@@ -287,4 +296,6 @@ __all__ = [
     "node_from_env",
     "ppm_to_fraction",
     "this_node",
+    "DEFAULT_MPS_DIR",
+    "pipe_directory",
 ]

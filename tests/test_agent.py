@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from provisioner.devtools.testing import wait_for, wait_for_async
-from provisioner.mps import MPSDaemon, pipe_directory
+from provisioner.node.mps import MPSDaemon
+from provisioner.wire import pipe_directory
 
 from .test_nodes import NodeBroker, node_state, pool
 
@@ -33,7 +34,7 @@ FAKE_NVML = HERE / "fake_nvml"
 
 
 class Agent:
-    """``python -m provisioner.agent`` for one node, its NVML state in a JSON file."""
+    """``python -m provisioner.node.agent`` for one node, its NVML state in a JSON file."""
 
     def __init__(self, broker: NodeBroker, node: str, tmp: Path, *args: str) -> None:
         self.broker = broker
@@ -58,7 +59,7 @@ class Agent:
         env["PYTHONPATH"] = os.pathsep.join([str(FAKE_NVML), str(ROOT), env.get("PYTHONPATH", "")])
         env["FAKE_NVML_FILE"] = str(self.nvml_file)
         env["GPU_LEASE_AGENT_TOKEN"] = self.broker.tokens[f"agent:{token_of or self.node}"]
-        cmd = [sys.executable, "-m", "provisioner.agent", "--broker-url", self.broker.url]
+        cmd = [sys.executable, "-m", "provisioner.node.agent", "--broker-url", self.broker.url]
         cmd += ["--node", self.node, "--interval", "0.3", *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

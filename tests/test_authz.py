@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner import kernelspecs as ks
 from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
+from provisioner.kernel import kernelspecs as ks
 
 from .conftest import Broker
 from .hostile import FORGED, add_tokens, assert_capacity, secrets_of

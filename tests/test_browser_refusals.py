@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from provisioner import kernelspecs as ks
+from provisioner.kernel import kernelspecs as ks
 
 from .test_browser_hub import (
     KERNEL_MS,

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from provisioner import kernelspecs as ks
 from provisioner.cli import build_parser, main
+from provisioner.kernel import kernelspecs as ks
 
 
 @pytest.fixture(autouse=True)

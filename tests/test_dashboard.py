@@ -32,13 +32,13 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 
 from provisioner.broker.auth import HubTokens, make_hub_oauth
+from provisioner.broker.policy import Policy
 from provisioner.broker.routes import make_app
 from provisioner.broker.service import BrokerService
+from provisioner.broker.store import Store
 from provisioner.devtools import classday
 from provisioner.devtools.testing import BrokerProcess, free_port, wait_for_http
 from provisioner.inventory import parse_gpu_spec
-from provisioner.policy import Policy
-from provisioner.store import Store
 
 from .conftest import ROOT, Broker
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from provisioner.doctor import EXIT_FAILED, EXIT_NOT_RUN, FRAMEWORKS, Check, exit_status
+from provisioner.node.doctor import EXIT_FAILED, EXIT_NOT_RUN, FRAMEWORKS, Check, exit_status
 
 from .conftest import Broker
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from provisioner import estimates
-from provisioner import scheduling as core
+from provisioner.broker import estimates
+from provisioner.broker import scheduling as core
+from provisioner.broker.estimates import HoldTimes
+from provisioner.broker.policy import Ask, Policy
+from provisioner.broker.scheduling import Queued
 from provisioner.devtools.simulate import SCHEMES, eta_accuracy, load_trace
-from provisioner.estimates import HoldTimes
 from provisioner.model import GPU, PPM, PoolState
-from provisioner.policy import Ask, Policy
-from provisioner.scheduling import Queued
 
 V100 = GPU("GPU-v100", "local", "V100", 32768, 0)
 T4 = GPU("GPU-t4", "other", "T4", 16384, 0)

@@ -26,7 +26,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from provisioner.kernelspecs import ready_kernelspecs, spec_json
+from provisioner.kernel.kernelspecs import ready_kernelspecs, spec_json
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -36,9 +36,9 @@ import psutil
 import pytest
 import sqlalchemy as sa
 
+from provisioner.broker.store import leases as leases_table
+from provisioner.broker.store import requests as requests_table
 from provisioner.devtools.testing import wait_for, wait_for_async
-from provisioner.store import leases as leases_table
-from provisioner.store import requests as requests_table
 
 from .conftest import Broker
 from .test_faults import (

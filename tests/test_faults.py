@@ -31,15 +31,15 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
+from provisioner.broker.policy import Ask, Policy
 from provisioner.broker.service import BrokerService
+from provisioner.broker.store import Store
 from provisioner.client import BrokerClient
 from provisioner.devtools.testing import wait_for_async
 from provisioner.errors import LeaseExpired
 from provisioner.inventory import parse_gpu_spec
-from provisioner.kernelspecs import build_kernelspec, spec_json
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.model import Identity
-from provisioner.policy import Ask, Policy
-from provisioner.store import Store
 
 from .conftest import PG_URL, ROOT, Broker
 

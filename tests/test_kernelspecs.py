@@ -1,4 +1,4 @@
-"""provisioner.kernelspecs: builder tables, the ready specs, and an install/list/remove round-trip."""
+"""provisioner.kernel.kernelspecs: builder tables, the ready specs, and an install/list/remove round-trip."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from provisioner import kernelspecs as ks
 from provisioner.cli import fraction_arg
 from provisioner.errors import InvalidRequest
+from provisioner.kernel import kernelspecs as ks
 from provisioner.model import validate_fraction
 
 REPO = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from typing import IO, Any
 import pytest
 
 from provisioner.devtools.testing import wait_for
-from provisioner.kernelspecs import build_kernelspec, spec_json
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 
 from .test_agent import FAKE_MPS, Agent, nodes_of
 from .test_nodes import NodeBroker

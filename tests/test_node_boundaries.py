@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from provisioner.devtools.testing import wait_for
-from provisioner.kernelspecs import build_kernelspec, spec_json
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.node import cgroups
 
 from .test_agent import Agent, nodes_of

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner import kernelspecs as ks
 from provisioner.devtools.testing import free_port, stop_process, wait_for_http
+from provisioner.kernel import kernelspecs as ks
 from provisioner.kernel.specs import never_startable, offered
 
 from .conftest import ROOT, Broker

@@ -43,8 +43,8 @@ from provisioner.devtools.testing import (
     wait_for_http,
 )
 from provisioner.errors import BrokerUnavailable, InvalidRequest, NoCapacity
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.kernel.provisioner import GPULeaseProvisioner
-from provisioner.kernelspecs import build_kernelspec, spec_json
 
 #: every broker here: TTL 6 s, reaper twice a second
 BROKER = ("--ttl", "6", "--GPULeaseBroker.reap_interval=0.5")

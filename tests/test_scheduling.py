@@ -6,8 +6,10 @@ import itertools
 
 import pytest
 
-from provisioner import admission
-from provisioner import scheduling as core
+from provisioner.broker import admission
+from provisioner.broker import scheduling as core
+from provisioner.broker.policy import Ask, Policy
+from provisioner.broker.scheduling import Existing, Grant, Queued
 from provisioner.errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
 from provisioner.model import (
     GPU,
@@ -20,8 +22,6 @@ from provisioner.model import (
     memory_cap_mb,
     min_ppm_for,
 )
-from provisioner.policy import Ask, Policy
-from provisioner.scheduling import Existing, Grant, Queued
 
 V100 = GPU("GPU-v100", "local", "V100", 32768, 0)
 A100s = [GPU(f"GPU-a{i}", "local", "A100", 81920, i) for i in range(3)]

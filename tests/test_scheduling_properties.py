@@ -17,12 +17,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from provisioner import admission, node_rules
-from provisioner import scheduling as core
+from provisioner.broker import admission, node_rules
+from provisioner.broker import scheduling as core
+from provisioner.broker.policy import Ask, Policy
+from provisioner.broker.scheduling import Existing, Grant, Queued
 from provisioner.errors import GPULeaseError
 from provisioner.model import GPU, Changes, PoolState, Quota, QuotaBook
-from provisioner.policy import Ask, Policy
-from provisioner.scheduling import Existing, Grant, Queued
 
 GPUS = [
     GPU("g-v100", "a", "V100", 32768, 0),

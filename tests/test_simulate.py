@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from provisioner.broker.policy import Policy
 from provisioner.devtools.simulate import (
     SCHEMES,
     PoolSpec,
@@ -19,7 +20,6 @@ from provisioner.devtools.simulate import (
     percentile,
 )
 from provisioner.model import PPM
-from provisioner.policy import Policy
 
 SMALL = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "small.jsonl"
 BY_NAME = {s.name: s for s in SCHEMES}

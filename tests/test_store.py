@@ -1,4 +1,4 @@
-"""Tests of provisioner.store against real databases: an SQLite file and PostgreSQL.
+"""Tests of provisioner.broker.store against real databases: an SQLite file and PostgreSQL.
 
 Every test that takes ``store`` (or ``db_url``) runs twice: on a fresh SQLite file and
 on a fresh, uniquely named PostgreSQL schema of the ``test`` database (skipped, with
@@ -26,6 +26,13 @@ import pytest
 import sqlalchemy as sa
 
 import provisioner
+from provisioner.broker.store import (
+    MIGRATIONS,
+    Fence,
+    Migration,
+    Store,
+    upgrade_schema,
+)
 from provisioner.devtools.testing import wait_for
 from provisioner.errors import (
     CapacityConflict,
@@ -36,13 +43,6 @@ from provisioner.errors import (
     StoreError,
 )
 from provisioner.model import GPU, PPM, Changes, Grant, Lease, Quota, QuotaBook, Request
-from provisioner.store import (
-    MIGRATIONS,
-    Fence,
-    Migration,
-    Store,
-    upgrade_schema,
-)
 
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REPO_ROOT = Path(provisioner.__file__).resolve().parent.parent
@@ -947,7 +947,7 @@ def test_processes_racing_never_overallocate(store: Store, db_url: str) -> None:
 _CRASH_CHILD = """
 import sys, time
 from provisioner.model import Lease
-from provisioner.store import Store
+from provisioner.broker.store import Store
 store = Store(sys.argv[1])
 store.open()
 i = 0

@@ -13,7 +13,7 @@ What it does, each step on its own (a step that fails is recorded, the next one 
    (``--gpus nvml --enforce report``): the GPUs it registers from NVML;
 4. for each framework and fraction: a real ipykernel started through ``GPULeaseProvisioner``
    (``AsyncKernelManager``), which imports the framework and creates its CUDA context
-   (:class:`provisioner.probe.Probe`), then asks for more than its cap: one block, then
+   (:class:`provisioner.node.probe.Probe`), then asks for more than its cap: one block, then
    chunks. NVML's memory for the kernel's pid is read when idle and at the peak, beside what
    the agent reported to the broker for the lease (``GET /leases/{id}``'s ``used_mb``);
 5. escape: in a PyTorch kernel at the smallest fraction the user's code lifts the
@@ -64,7 +64,7 @@ from provisioner.devtools.testing import (  # noqa: E402
     stop_process,
     wait_for,
 )
-from provisioner.kernelspecs import build_kernelspec, spec_json  # noqa: E402
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import park_density  # noqa: E402
@@ -192,7 +192,7 @@ class Site:
         env["GPU_LEASE_AGENT_TOKEN"] = self.agent_token
         path = self.tmp / f"agent-{len(self.agent_logs)}.log"
         self.agent_logs.append(path)
-        cmd = [sys.executable, "-m", "provisioner.agent", "--broker-url", self.broker.url]
+        cmd = [sys.executable, "-m", "provisioner.node.agent", "--broker-url", self.broker.url]
         cmd += ["--node", NODE, "--interval", "1", "--gpus", "nvml", *extra]
         with open(path, "ab") as f:
             self.agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -321,7 +321,7 @@ async def probe_init(km: AsyncKernelManager, framework: str, rec: dict[str, Any]
     the error in ``rec["init_error"]`` (then False)."""
     out, reply = await run(
         km,
-        "import json, os\nfrom provisioner.probe import Probe\n"
+        "import json, os\nfrom provisioner.node.probe import Probe\n"
         f"_probe = Probe({framework!r})\nprint(json.dumps(_probe.init()))",
     )
     if reply["status"] != "ok":

@@ -46,7 +46,6 @@ from .._version import __version__
 from ..errors import GPULeaseError
 from ..inventory import load_gpus
 from ..model import GPU
-from ..store import Store
 from . import serving
 from .auth import AUTHENTICATORS, Authenticator
 from .fronts import FRONT_ENV, Fronts
@@ -56,6 +55,7 @@ from .metrics import BrokerMetrics
 from .options import BrokerOptions
 from .routes import make_app
 from .service import BrokerService
+from .store import Store
 
 log = logging.getLogger("gpu_lease.broker.app")
 

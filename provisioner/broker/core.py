@@ -52,7 +52,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from .. import estimates, node_rules, scheduling
 from ..errors import (
     CapacityConflict,
     DuplicateRequest,
@@ -65,9 +64,10 @@ from ..errors import (
     NotActive,
 )
 from ..model import GPU, Changes, Identity, Lease, Node, PoolState, QuotaBook, Request
-from ..policy import Policy
-from ..store import Store
+from . import estimates, node_rules, scheduling
 from .kernel_places import KernelPlaces
+from .policy import Policy
+from .store import Store
 from .writer import Writer
 
 log = logging.getLogger("gpu_lease.broker")

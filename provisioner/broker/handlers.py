@@ -38,13 +38,13 @@ from tornado import web
 
 from .. import errors
 from .._version import __version__
-from ..admission import EffectiveQuota
 from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
 from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, reserved_mb
-from ..policy import Policy
 from ..wire import error_code, ppm_to_fraction
 from . import validation
+from .admission import EffectiveQuota
 from .auth import Authenticator, token_from_header
+from .policy import Policy
 from .service import (
     AcquireResult,
     BrokerService,

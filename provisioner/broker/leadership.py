@@ -1,7 +1,7 @@
 """Fenced leadership of active/standby brokers on PostgreSQL (``--ha-lock``).
 
 Who calls this: ``app.py``, with one :class:`Leadership` per broker process. The SQL is
-the store's (``store.fencing``: :meth:`~provisioner.store_fencing.Fencing.take`, ``renew``,
+the store's (``store.fencing``: :meth:`~provisioner.broker.store_fencing.Fencing.take`, ``renew``,
 ``release``, ``set``); this module keeps the time.
 
 - A standby runs :meth:`Leadership.wait_until_leader`: it tries to take the leadership
@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import NotActive, StoreError
-from ..store import Fence, Store
+from .store import Fence, Store
 
 log = logging.getLogger("gpu_lease.broker.leadership")
 

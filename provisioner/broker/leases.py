@@ -13,12 +13,12 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from .. import admission, scheduling
 from ..errors import GPULeaseError, LeaseGone, NotActive, UnknownGPU
 from ..model import Changes, Identity, Lease, Request, ppm_to_fraction
-from ..policy import Ask
-from ..scheduling import Existing, Grant, Queued
+from . import admission, scheduling
 from .core import ServiceCore, Waiter, check_owner, require_admin
+from .policy import Ask
+from .scheduling import Existing, Grant, Queued
 
 log = logging.getLogger("gpu_lease.broker")
 

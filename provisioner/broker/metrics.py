@@ -47,8 +47,8 @@ from prometheus_client.registry import Collector
 
 from .._version import __version__
 from ..model import PoolState, reserved_mb
-from ..policy import Policy
 from ..wire import ppm_to_fraction
+from .policy import Policy
 
 #: group-commit batch sizes (mutations per transaction)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

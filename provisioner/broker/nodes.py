@@ -13,10 +13,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import node_rules, scheduling
 from ..errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
 from ..model import GPU, Identity, Lease, Node
 from ..wire import NODE_STATES
+from . import node_rules, scheduling
 from .core import ServiceCore, require_admin
 
 log = logging.getLogger("gpu_lease.broker")

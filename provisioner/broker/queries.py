@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .. import history, scheduling
 from .._version import __version__
 from ..errors import Forbidden, InvalidRequest
 from ..model import GPU, Identity, Lease, Node, Request, ppm_to_fraction
 from ..wire import lease_enforcement
+from . import history, scheduling
 from .core import ServiceCore, check_owner
 
 log = logging.getLogger("gpu_lease.broker")

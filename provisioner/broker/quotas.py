@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .. import admission
 from ..errors import Forbidden, InvalidRequest, LeaseNotFound
 from ..model import Identity, Quota, QuotaBook, quota_key_problem
+from . import admission
 from .core import ServiceCore, require_admin
 
 log = logging.getLogger("gpu_lease.broker")

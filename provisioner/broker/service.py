@@ -24,14 +24,14 @@ from collections.abc import Callable
 
 from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
-from ..policy import Policy
-from ..store import Store
 from ..wire import ENDED_LEASE_STATES
 from .core import REAP_INTERVAL, Metrics, ServiceCore, new_id
 from .leases import AcquireResult, LeaseService
 from .nodes import Heartbeat, NodeService, NodeView
+from .policy import Policy
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
 from .quotas import QuotaService, QuotaStanding
+from .store import Store
 
 log = logging.getLogger("gpu_lease.broker")
 

@@ -27,16 +27,16 @@ from tornado.web import Application as WebApplication
 
 from ..errors import NotActive, StoreError
 from ..model import GPU
-from ..policy import Policy
-from ..store import Store
 from .auth import Authenticator
 from .fronts import COOKIE_SECRET_ENV, Fronts
 from .handlers import DRAIN_LIMIT
 from .leadership import Leadership
 from .metrics import BrokerMetrics
+from .policy import Policy
 from .remote import RemoteMetrics, RemoteService
 from .routes import make_app
 from .service import BrokerService
+from .store import Store
 
 #: the logger a step reports to (the Application's)
 Log = Union[logging.Logger, "logging.LoggerAdapter[Any]"]

@@ -19,7 +19,6 @@ from typing import Any
 from ..errors import BodyTooLarge, InvalidRequest
 from ..model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
 from ..model import brief as _show
-from ..policy import Ask
 from ..wire import (
     CGROUP_PATTERN,
     DEFAULT_ENFORCE_MODE,
@@ -49,6 +48,7 @@ from ..wire import (
     PRIORITY_RANGE,
     fraction_to_ppm,
 )
+from .policy import Ask
 
 #: kernel execution states as jupyter_client reports them (others are accepted too)
 EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", "dead", "unknown")

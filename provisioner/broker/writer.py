@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ..errors import GPULeaseError, StoreError
 from ..model import Changes
-from ..store import Store
+from .store import Store
 
 log = logging.getLogger("gpu_lease.broker")
 

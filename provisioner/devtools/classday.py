@@ -29,11 +29,11 @@ from typing import Any
 
 import httpx
 
+from ..broker.policy import Ask, Policy
 from ..broker.service import BrokerService
+from ..broker.store import Store
 from ..inventory import parse_gpu_spec
 from ..model import Identity, fraction_to_ppm
-from ..policy import Ask, Policy
-from ..store import Store
 from .testing import BrokerProcess
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from .. import kernelspecs as ks
 from ..errors import GPULeaseError
+from ..kernel import kernelspecs as ks
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "hub_config" / "jupyterhub_config.py"

@@ -240,13 +240,13 @@ def agent_tokens(path: Path, nodes: Sequence[str]) -> dict[str, str]:
 def start_agent(
     broker_url: str, node: str, token: str, gpus: str, log: Path, interval: float = 0.5
 ) -> subprocess.Popen[bytes]:
-    """``python -m provisioner.agent`` for ``node`` declaring ``gpus``, logging to ``log``."""
+    """``python -m provisioner.node.agent`` for ``node`` declaring ``gpus``, logging to ``log``."""
     env = {**os.environ, "GPU_LEASE_AGENT_TOKEN": token}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with open(log, "ab") as out:
         return subprocess.Popen(
             [
-                sys.executable, "-m", "provisioner.agent", "--broker-url", broker_url,
+                sys.executable, "-m", "provisioner.node.agent", "--broker-url", broker_url,
                 "--node", node, "--gpus", gpus, "--interval", str(interval),
             ],
             env=env, stdout=out, stderr=subprocess.STDOUT,

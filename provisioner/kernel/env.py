@@ -38,7 +38,7 @@ How each framework's GPU memory is capped, and why here or in the launcher:
 - ``enforcement="mps"`` adds ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<cap>M``, which the
   MPS server enforces for every framework, including code that calls CUDA directly, and
   ``CUDA_MPS_PIPE_DIRECTORY`` of the GPU's daemon, which the node agent runs (``--mps``;
-  :func:`provisioner.mps.pipe_directory` under ``mps_dir``).
+  :func:`provisioner.wire.pipe_directory` under ``mps_dir``).
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import InvalidRequest
-from ..kernelspecs import format_fraction
-from ..mps import DEFAULT_MPS_DIR, pipe_directory
-from ..wire import COOPERATIVE, ENFORCEMENTS
+from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, pipe_directory
+from .kernelspecs import format_fraction
 from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)

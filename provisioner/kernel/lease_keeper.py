@@ -39,8 +39,8 @@ from ..errors import (
     LeaseNotFound,
     NoCapacity,
 )
-from ..kernelspecs import format_fraction
 from .broker_clients import BrokerClients
+from .kernelspecs import format_fraction
 from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
 from .state_file import StateFile

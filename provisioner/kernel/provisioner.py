@@ -52,10 +52,9 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import validate_fraction
-from ..mps import DEFAULT_MPS_DIR, pipe_directory
 from ..node import cgroups
 from ..node.pidns import own_pid_ns
-from ..wire import COOPERATIVE, ENFORCEMENTS
+from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, pipe_directory
 from .broker_clients import BrokerClients
 from .death_watch import DeathWatch
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment

@@ -33,9 +33,9 @@ from jupyter_client.kernelspec import KernelSpecManager
 from traitlets import Enum, Float
 
 from ..errors import GPULeaseError, InvalidRequest
-from ..kernelspecs import gpu_config
 from ..model import Quota, never_allowed, validate_fraction
 from ..wire import fraction_to_ppm, may_use_course
+from .kernelspecs import gpu_config
 
 #: what each reason of :func:`model.never_allowed` says in a marked display name
 _WHY = {

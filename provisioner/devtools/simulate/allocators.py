@@ -9,9 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ...model import GPU, Changes, PoolState, Quota, Request
-from ...policy import Ask, Policy
-from ...scheduling import (
+from ...broker.policy import Ask, Policy
+from ...broker.scheduling import (
     Grant,
     apply_grants,
     check_invariants,
@@ -24,7 +23,8 @@ from ...scheduling import (
     reap,
     usable_gpus,
 )
-from ...scheduling import acquire as core_acquire
+from ...broker.scheduling import acquire as core_acquire
+from ...model import GPU, Changes, PoolState, Quota, Request
 
 #: a kernel's request and lease in the simulation: (user, "SESSION.ATTEMPT")
 Key = tuple[str, str]

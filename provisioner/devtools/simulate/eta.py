@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...estimates import HoldTimes, estimate_waits
+from ...broker.estimates import HoldTimes, estimate_waits
+from ...broker.policy import Policy
+from ...broker.scheduling import expired
 from ...model import GPU
-from ...policy import Policy
-from ...scheduling import expired
 from .allocators import CoreAllocator, Key
 from .measures import percentile
 from .schemes import Scheme

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...policy import Policy
+from ...broker.policy import Policy
 
 # -- schemes -------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ...broker.policy import Policy
 from ...errors import GPULeaseError
 from ...model import PPM, fraction_to_ppm
-from ...policy import Policy
 from .allocators import Allocator, ClairvoyantAllocator, CoreAllocator, FluidAllocator, Key
 from .schemes import Scheme
 from .traces import Session, Trace

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .wire import DEFAULT_CONTEXT_OVERHEAD_MB, PPM
+from ..wire import DEFAULT_CONTEXT_OVERHEAD_MB, PPM
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from .model import Lease, QueueRecord, attribution
-from .wire import ppm_to_fraction
+from ..model import Lease, QueueRecord, attribution
+from ..wire import ppm_to_fraction
 
 __all__ = ["MAX_POINTS", "Point", "bucket_starts", "compute"]
 

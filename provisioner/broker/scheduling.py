@@ -46,9 +46,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from .admission import admit, check_course
-from .errors import CannotFit, Conflict, UnknownGPU
-from .model import (
+from ..errors import CannotFit, Conflict, UnknownGPU
+from ..model import (
     GPU,
     Changes,
     Grant,
@@ -60,9 +59,10 @@ from .model import (
     min_ppm_for,
     reserved_mb,
 )
+from ..wire import ppm_to_fraction
+from .admission import admit, check_course
 from .node_rules import mps_blocked, mps_owners
 from .policy import Ask, Policy
-from .wire import ppm_to_fraction
 
 # -- decisions -----------------------------------------------------------------
 

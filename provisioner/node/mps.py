@@ -36,12 +36,10 @@ import os
 import signal
 from collections.abc import Sequence
 
-from .wire import MPS_STATES
+from ..wire import DEFAULT_MPS_DIR, MPS_STATES, pipe_directory
 
 log = logging.getLogger("gpu_lease.agent.mps")
 
-#: where the agent puts each GPU's MPS pipe and log directories (and provisioners look)
-DEFAULT_MPS_DIR = "/run/gpu-lease/mps"
 #: the MPS control program of the NVIDIA driver
 MPS_CONTROL = "nvidia-cuda-mps-control"
 #: seconds before the first restart of a daemon that exited, and the most between two
@@ -67,11 +65,6 @@ def uid_of(pid: int, proc: str = "/proc") -> int | None:
 def _pids(text: str | None) -> list[int]:
     """The pids a ``get_*_list`` answer lists, one a line (other lines are skipped)."""
     return [int(w) for w in (text or "").split() if w.isdigit()]
-
-
-def pipe_directory(mps_dir: str, gpu_uuid: str) -> str:
-    """The ``CUDA_MPS_PIPE_DIRECTORY`` of ``gpu_uuid``'s daemon."""
-    return os.path.join(mps_dir, gpu_uuid, "pipe")
 
 
 def log_directory(mps_dir: str, gpu_uuid: str) -> str:

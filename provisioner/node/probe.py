@@ -4,7 +4,7 @@ Runs on a GPU node, started the way a kernel is (under ``kernel/startup/gpu_leas
 with a lease's environment from :func:`provisioner.kernel.env.lease_environment`), so each
 framework is capped exactly as in a kernel::
 
-    python .../gpu_lease_launcher.py -m provisioner.probe torch
+    python .../gpu_lease_launcher.py -m provisioner.node.probe torch
 
 It speaks JSON lines on stdout and waits for a line on stdin between the steps, so that its
 parent can read the process's GPU memory from NVML at each step:
@@ -261,7 +261,7 @@ def _say(event: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0] not in FRAMEWORKS:
-        sys.stderr.write(f"usage: python -m provisioner.probe {{{','.join(FRAMEWORKS)}}}\n")
+        sys.stderr.write(f"usage: python -m provisioner.node.probe {{{','.join(FRAMEWORKS)}}}\n")
         return 2
     cap = cap_mb()
     if cap is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .model import Lease, Node, PoolState
+from ..model import Lease, Node, PoolState
 from .policy import Policy
 
 

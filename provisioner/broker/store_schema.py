@@ -16,10 +16,10 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
 
-from .errors import (
+from ..errors import (
     StoreError,
 )
-from .model import (
+from ..model import (
     PPM,
     Lease,
     Quota,

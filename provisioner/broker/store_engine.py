@@ -1,7 +1,7 @@
 """The store's connections: the engine (SQLite or PostgreSQL), its settings, one
 transaction at a time, the schema upgrade at open, SQLite's checkpoints off the loop.
 
-:class:`Database` is the base of :class:`~provisioner.store.Store`; every error of the
+:class:`Database` is the base of :class:`~provisioner.broker.store.Store`; every error of the
 driver becomes :class:`~provisioner.errors.StoreError` here (``_tx``).
 """
 
@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
-from .errors import (
+from ..errors import (
     StoreError,
 )
 from .store_fencing import Fencing

@@ -32,15 +32,15 @@ from typing import Any
 from traitlets import Bool, CaselessStrEnum, Float, Unicode, default
 from traitlets.config import Application
 
-from . import inventory
-from ._version import __version__
-from .client import BrokerClient
-from .errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
-from .model import GPU
-from .mps import DEFAULT_MPS_DIR, MPS_CONTROL, MPSSupervisor
-from .node import driver_limits
-from .node.pidns import KernelFinder, KernelId
-from .wire import DEFAULT_ENFORCE_MODE, ENFORCE_MODES, NODE_NAME_VARS, this_node
+from .. import inventory
+from .._version import __version__
+from ..client import BrokerClient
+from ..errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
+from ..model import GPU
+from ..wire import DEFAULT_ENFORCE_MODE, DEFAULT_MPS_DIR, ENFORCE_MODES, NODE_NAME_VARS, this_node
+from . import driver_limits
+from .mps import MPS_CONTROL, MPSSupervisor
+from .pidns import KernelFinder, KernelId
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -219,9 +219,9 @@ async def run_agent(
     the kernel's host pid, and says which host pid each namespaced kernel is; with ``enforce="kill"`` the GPU
     processes of the kernels the broker names in ``kill`` are killed at once; with
     ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
-    With ``mps_states`` (the agent's :class:`~provisioner.mps.MPSSupervisor` states),
+    With ``mps_states`` (the agent's :class:`~provisioner.node.mps.MPSSupervisor` states),
     each heartbeat carries the GPUs' MPS daemon states; with ``mps_uids`` (its
-    :meth:`~provisioner.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
+    :meth:`~provisioner.node.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
     serves, so that the broker places no MPS kernel where it would hang. With ``limits``
     (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
     (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from .errors import (
+from ..errors import (
     NotActive,
     StoreError,
 )

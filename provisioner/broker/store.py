@@ -39,13 +39,13 @@ Tables (schema version 6)::
 Times are float POSIX seconds; fractions are integer parts per million.
 
 Fenced leadership (PostgreSQL, ``--ha-lock``): ``store.fencing``
-(:class:`~provisioner.store_fencing.Fencing`, ``store_fencing.py``) takes, renews and
+(:class:`~provisioner.broker.store_fencing.Fencing`, ``store_fencing.py``) takes, renews and
 gives up the ``leadership`` row, and once its fence is set every write transaction first
 checks it: a deposed broker can never commit.
 
 The parts: ``store_schema.py`` (tables, migrations, statements), ``store_engine.py``
-(connections and transactions: :class:`~provisioner.store_engine.Database`),
-``store_writes.py`` (grants and the group commit: :class:`~provisioner.store_writes.LeaseWrites`),
+(connections and transactions: :class:`~provisioner.broker.store_engine.Database`),
+``store_writes.py`` (grants and the group commit: :class:`~provisioner.broker.store_writes.LeaseWrites`),
 and this module's :class:`Store`, the one class its callers use.
 
 Errors: every SQLAlchemy or driver error is translated here into
@@ -65,10 +65,10 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from .errors import (
+from ..errors import (
     DuplicateRequest,
 )
-from .model import (
+from ..model import (
     GPU,
     LEASE_STATES,
     QUEUE_OUTCOMES,
@@ -357,7 +357,7 @@ class Store(LeaseWrites):
     ) -> tuple[list[Lease], list[QueueRecord]]:
         """Leases held and requests queued at some time in ``[since, until)``.
 
-        Read for :func:`provisioner.history.compute` (``GET /api/v1/history``); an active
+        Read for :func:`provisioner.broker.history.compute` (``GET /api/v1/history``); an active
         lease or a request still waiting counts as lasting up to ``until``. ``user``:
         only that user's.
         """

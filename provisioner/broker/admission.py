@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import Forbidden, QuotaExceeded
-from .model import PoolState, Quota, QuotaBook
+from ..errors import Forbidden, QuotaExceeded
+from ..model import PoolState, Quota, QuotaBook
+from ..wire import PPM, may_use_course, ppm_to_fraction
 from .policy import Ask, Policy
-from .wire import PPM, may_use_course, ppm_to_fraction
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ the MPS control daemon (``nvidia-cuda-mps-control``) for ``enforcement=mps``; wh
 driver sets memory limits per kernel cgroup (``driver_limits``: R615+, cgroup v2); which
 frameworks are installed (PyTorch, TensorFlow, JAX, CuPy). Then, on GPU 0, for each
 installed framework that sees the GPU, ``--processes`` capped processes at once
-(:mod:`provisioner.probe`, started the way a kernel is, under the launcher with a lease's
+(:mod:`provisioner.node.probe`, started the way a kernel is, under the launcher with a lease's
 environment and a cap of ``--cap-mb``):
 
 * ``context_overhead``: the GPU memory NVML shows for each framework's process right after
@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
 
-from .inventory import (
+from ..inventory import (
     NVML_MODULE,
     InventoryError,
     _error_types,
@@ -58,10 +58,10 @@ from .inventory import (
     _text,
     running_processes,
 )
+from ..wire import DEFAULT_CONTEXT_OVERHEAD_MB
+from . import cgroups, driver_limits
+from .checkpoint import CheckpointFailed, CheckpointUnavailable, CudaCheckpoint, support
 from .mps import MPS_CONTROL
-from .node import cgroups, driver_limits
-from .node.checkpoint import CheckpointFailed, CheckpointUnavailable, CudaCheckpoint, support
-from .wire import DEFAULT_CONTEXT_OVERHEAD_MB
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -186,11 +186,11 @@ def check_frameworks(
 
 
 class _ProbeProcess:
-    """One ``provisioner.probe`` subprocess, capped like a kernel; its JSON lines in a queue."""
+    """One ``provisioner.node.probe`` subprocess, capped like a kernel; its JSON lines in a queue."""
 
     def __init__(self, framework: str, gpu: dict[str, Any], cap: int, overhead: int) -> None:
-        from .kernel.env import kernel_argv, lease_environment
-        from .kernel.lease import GrantedLease
+        from ..kernel.env import kernel_argv, lease_environment
+        from ..kernel.lease import GrantedLease
 
         self.framework = framework
         self.cap = cap
@@ -205,9 +205,9 @@ class _ProbeProcess:
         env = dict(os.environ)
         env.update(lease_environment(lease, base_env=os.environ))
         # the probe imports this package: the same one, wherever it was imported from
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        argv = kernel_argv([sys.executable, "-m", "provisioner.probe", framework]).argv
+        argv = kernel_argv([sys.executable, "-m", "provisioner.node.probe", framework]).argv
         self.proc = subprocess.Popen(
             argv,
             env=env,

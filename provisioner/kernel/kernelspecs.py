@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequest
-from .model import memory_cap_mb, min_memory_mb_for, min_ppm_for, reserved_mb, validate_fraction
-from .wire import DEFAULT_CONTEXT_OVERHEAD_MB, ENFORCEMENTS, fraction_to_ppm, ppm_to_fraction
+from ..errors import InvalidRequest
+from ..model import memory_cap_mb, min_memory_mb_for, min_ppm_for, reserved_mb, validate_fraction
+from ..wire import DEFAULT_CONTEXT_OVERHEAD_MB, ENFORCEMENTS, fraction_to_ppm, ppm_to_fraction
 
 PROVISIONER_NAME = "gpu-lease-provisioner"
 READY_FRACTIONS = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0)

@@ -13,7 +13,7 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
-from .model import Lease, PoolState
+from ..model import Lease, PoolState
 from .policy import Policy
 from .scheduling import apply_ends, apply_grants, drain
 

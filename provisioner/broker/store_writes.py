@@ -1,7 +1,7 @@
 """The store's lease writes: grants re-checked against capacity and uniqueness in their
 own transaction, and the group commit of a batch of changes (``write_changes``).
 
-:class:`LeaseWrites` is a base of :class:`~provisioner.store.Store`; see ``store.py``
+:class:`LeaseWrites` is a base of :class:`~provisioner.broker.store.Store`; see ``store.py``
 for the capacity invariant these writes keep.
 """
 
@@ -14,12 +14,12 @@ from typing import Any
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from .errors import (
+from ..errors import (
     CapacityConflict,
     DuplicateLease,
     DuplicateRequest,
 )
-from .model import (
+from ..model import (
     LEASE_STATES,
     PPM,
     Changes,
