@@ -408,7 +408,13 @@ async def test_a_queued_request_the_broker_does_not_hold_is_cancelled_in_the_dat
             last_polled_at=now,
         ),
     )
-    assert api(broker, "DELETE", f"/leases/{rid}", "alice").status_code == 403
+    # another user's request is answered as one that does not exist (no oracle), and stays
+    theirs = api(broker, "DELETE", f"/leases/{rid}", "alice")
+    assert theirs.status_code == 404
+    assert (
+        theirs.json()["error"] == api(broker, "DELETE", "/leases/req-none", "alice").json()["error"]
+    )
+    assert db_rows_of_kernels(broker.db_url, ["k-queued"]) != []
     assert api(broker, "DELETE", f"/leases/{rid}", "bob").status_code == 204
     assert db_rows_of_kernels(broker.db_url, ["k-queued"]) == []
     assert api(broker, "DELETE", f"/leases/{rid}", "bob").status_code == 404
