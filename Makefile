@@ -49,7 +49,8 @@ $(STAMP): pyproject.toml requirements-test.txt $(LAB_SOURCES)
 	$(BIN)/python -m pip install -q -r requirements-test.txt -e .
 	touch $@
 
-$(CHP): package.json
+# npm's packages: configurable-http-proxy, and the extension's build, unit test and lint tools
+$(CHP): package.json package-lock.json
 	npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
@@ -70,16 +71,18 @@ $(DEMO_STAMP): pyproject.toml requirements-demo.txt $(LAB_SOURCES)
 demo: demo-install
 	$(BIN)/python -m provisioner.devtools.demo $(DEMO_ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP) $(CHP)
 	$(BIN)/ruff check provisioner tests benchmarks examples hub_config
 	$(BIN)/ruff format --check provisioner tests benchmarks examples hub_config
+	npm run -s lint
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) $(CHP)
 	$(BIN)/mypy
 	npx tsc --noEmit -p .
+	npx tsc --noEmit -p tsconfig.test.json
 
-# the JupyterLab extension's text (src/format.ts): Node's own test runner, no extra packages
-unit-js: $(STAMP)
+# the JupyterLab extension's model and text (test/unit/*.spec.ts): jest, with ts-jest
+unit-js: $(CHP)
 	npm run -s test:unit
 
 # the broker's API, authorization, fuzzing, crash, failover, kernel and hub tests once

@@ -34,10 +34,7 @@ export interface IKernelLease {
 
 const NAMESPACE = 'gpu-lease';
 
-async function request(
-  endpoint: string,
-  init: RequestInit = {}
-): Promise<Response> {
+async function request(endpoint: string, init: RequestInit = {}): Promise<Response> {
   const settings = ServerConnection.makeSettings();
   const url = URLExt.join(settings.baseUrl, NAMESPACE, 'api', endpoint);
   let response: Response;

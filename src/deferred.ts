@@ -48,10 +48,7 @@ export class DeferredCells {
     return (this._pending.get(panel) ?? []).length > 0;
   }
 
-  private _onScheduled(
-    _: unknown,
-    args: { notebook: Notebook; cell: Cell }
-  ): void {
+  private _onScheduled(_: unknown, args: { notebook: Notebook; cell: Cell }): void {
     const { notebook, cell } = args;
     if (cell.model.type !== 'code' || !cell.model.sharedModel.getSource().trim()) {
       return;

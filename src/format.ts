@@ -129,8 +129,7 @@ export function waitingMessage(k: IKernelLease, trans: TranslationBundle): strin
       ? trans.__('%1 of %2 in the GPU queue', ordinal(k.position), k.waiting)
       : trans.__('%1 in the GPU queue', ordinal(k.position))
     : trans.__('in the GPU queue');
-  const eta =
-    typeof k.eta_seconds === 'number' ? ` (${aboutWait(k.eta_seconds, trans)})` : '';
+  const eta = typeof k.eta_seconds === 'number' ? ` (${aboutWait(k.eta_seconds, trans)})` : '';
   const name = label(k, trans);
   const share = fraction(k.fraction);
   const cells = trans.__('Cells you run now run when it starts.');
@@ -162,8 +161,11 @@ export function endedToast(k: IKernelLease, trans: TranslationBundle): string {
   const whole = endedMessage(k, trans);
   return fitting(
     whole,
-    trans.__('The GPU lease of %1 %2, so the kernel was shut down.', label(k, trans), how(k, trans)) +
-      (k.reason ? ' ' + trans.__('Read why above the notebook.') : ''),
+    trans.__(
+      'The GPU lease of %1 %2, so the kernel was shut down.',
+      label(k, trans),
+      how(k, trans)
+    ) + (k.reason ? ' ' + trans.__('Read why above the notebook.') : ''),
     trans.__('A GPU lease %1, so its kernel was shut down.', how(k, trans))
   );
 }

@@ -2,10 +2,7 @@
 // status bar, notifications while waiting ("Stop waiting") and when a lease ends, cells
 // run while the kernel waits that are not lost, and a notebook that keeps its waiting
 // kernel over a reload. Data: the server extension provisioner.lab.
-import {
-  JupyterFrontEnd,
-  JupyterFrontEndPlugin
-} from '@jupyterlab/application';
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';

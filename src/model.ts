@@ -39,16 +39,26 @@ export class GPULeaseModel {
 
   /** Ask the server now (after a start, a stop, or a user action). */
   async refresh(): Promise<void> {
-    this._kernels = await fetchKernels();
-    const now = Date.now();
+    if (this.update(await fetchKernels())) {
+      // a kernel shown from QUIET_MS on even if the broker said nothing yet: ask again then
+      setTimeout(() => this.refreshSoon(), QUIET_MS + 50);
+    }
+  }
+
+  /**
+   * Take the server's answer (at time `now`): true when a kernel started waiting, which
+   * the status bar shows after QUIET_MS even if the broker did not queue it yet.
+   */
+  update(kernels: IKernelLease[], now: number = Date.now()): boolean {
+    this._kernels = kernels;
     const waiting = new Set<string>();
-    for (const k of this._kernels) {
+    let newlyWaiting = false;
+    for (const k of kernels) {
       if (k.state === 'waiting') {
         waiting.add(k.kernel_id);
         if (!this._firstSeen.has(k.kernel_id)) {
           this._firstSeen.set(k.kernel_id, now);
-          // shown from this long on even if the broker said nothing yet: ask again then
-          setTimeout(() => this.refreshSoon(), QUIET_MS + 50);
+          newlyWaiting = true;
         }
       }
     }
@@ -58,6 +68,7 @@ export class GPULeaseModel {
       }
     }
     this._changed.emit();
+    return newlyWaiting;
   }
 
   /**
@@ -65,12 +76,12 @@ export class GPULeaseModel {
    * it (its place is known), or after QUIET_MS: on a free GPU the lease comes first, and
    * "GPU queue: waiting" only flashed before it.
    */
-  shown(k: IKernelLease | null): boolean {
+  shown(k: IKernelLease | null, now: number = Date.now()): boolean {
     if (!k || k.state !== 'waiting' || k.position) {
       return !!k;
     }
     const since = this._firstSeen.get(k.kernel_id);
-    return since !== undefined && Date.now() - since >= QUIET_MS;
+    return since !== undefined && now - since >= QUIET_MS;
   }
 
   /** The kernel that waits for its GPU for the notebook at `path`, if any. */
@@ -102,9 +113,7 @@ export class GPULeaseModel {
       return this._kernels.find(k => k.kernel_id === kernel.id) ?? null;
     }
     const path = context.path;
-    const starting = ['initializing', 'starting'].includes(
-      context.kernelDisplayStatus
-    );
+    const starting = ['initializing', 'starting'].includes(context.kernelDisplayStatus);
     if (starting) {
       return this.waitingFor(path);
     }

@@ -107,7 +107,12 @@ export class GPULeaseNotifier {
       id,
       message: fitting(
         gpu
-          ? trans.__('%1 got its GPU: %2 of a %3. The kernel is starting.', label(k, trans), share, gpu)
+          ? trans.__(
+              '%1 got its GPU: %2 of a %3. The kernel is starting.',
+              label(k, trans),
+              share,
+              gpu
+            )
           : trans.__('%1 got its GPU: %2 of one. The kernel is starting.', label(k, trans), share),
         trans.__('Your kernel got its GPU (%1 of one). The kernel is starting.', share)
       ),
@@ -128,10 +133,8 @@ export class GPULeaseNotifier {
       this._waitingToasts.delete(k.kernel_id);
     }
     panel = panel ?? this._tracker.find(p => p.context.path === k.path);
-    const toldPanel = panel ? this._toldPanels.get(panel) ?? new Set<string>() : null;
-    const fresh = panel
-      ? !toldPanel!.has(k.kernel_id)
-      : !this._toldPage.has(k.kernel_id);
+    const toldPanel = panel ? (this._toldPanels.get(panel) ?? new Set<string>()) : null;
+    const fresh = panel ? !toldPanel!.has(k.kernel_id) : !this._toldPage.has(k.kernel_id);
     this._toldPage.add(k.kernel_id);
     if (panel && toldPanel) {
       toldPanel.add(k.kernel_id);
@@ -154,7 +157,10 @@ export class GPULeaseNotifier {
               callback: (event: Event) => {
                 event.preventDefault(); // keep the notification
                 void showDialog({
-                  title: k.state === 'revoked' ? trans.__('GPU lease revoked') : trans.__('GPU lease expired'),
+                  title:
+                    k.state === 'revoked'
+                      ? trans.__('GPU lease revoked')
+                      : trans.__('GPU lease expired'),
                   body: whole,
                   buttons: [Dialog.okButton({ label: trans.__('OK') })]
                 });

@@ -57,7 +57,11 @@ export class GPULeaseStatus extends Widget {
         const use = memoryUse(k);
         if (use) {
           lines.push(
-            trans.__('In use at the last report of the node: %1 of %2 MiB.', mib(use[0]), mib(use[1]))
+            trans.__(
+              'In use at the last report of the node: %1 of %2 MiB.',
+              mib(use[0]),
+              mib(use[1])
+            )
           );
           if (use[0] > use[1]) {
             lines.push(

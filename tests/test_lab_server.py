@@ -13,6 +13,7 @@ that says so; an admin's revoke reason kept after the kernel is gone.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,3 +189,100 @@ def test_server_stop_releases_everything(stack: Any, tmp_path: Path) -> None:
         headers={"Authorization": f"token {broker.tokens['admin']}"},
     ).json()["leases"]
     assert [x for x in leases if x["state"] == "active"] == []
+
+
+def test_culling_and_server_stop_leave_no_request_for_nobody(tmp_path: Path) -> None:
+    """jupyter_server's kernel culler and a server stopped while a kernel waits for a GPU.
+
+    The culler (``MappingKernelManager.cull_idle_timeout``) sees only started kernels
+    (jupyter_client keeps a starting one out of ``list_kernel_ids``), so a waiting kernel is
+    not culled: its request stays queued as long as the server polls for it. Granted, the
+    kernel is culled once idle for the timeout, and its lease is released. A server stopped
+    (SIGTERM) while a kernel waits no longer polls: the broker drops the request after
+    ``queue_poll_grace``, and nothing is granted to the stopped server.
+    """
+    grace = 4.0
+    broker = BrokerProcess(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        USERS,
+        extra=(
+            "--ttl",
+            "30",
+            "--GPULeaseBroker.reap_interval=0.5",
+            f"--GPULeaseBroker.queue_poll_grace={grace}",
+        ),
+    )
+    broker.start()
+    (spec,) = install_kernelspecs(tmp_path / "prefix", [0.5])
+    server = JupyterServerProcess(
+        tmp_path,
+        broker.url,
+        broker.tokens["alice"],
+        kernels_prefix=tmp_path / "prefix",
+        config={
+            "GPULeaseProvisioner": {"long_poll": 2.0},
+            "MappingKernelManager": {"cull_idle_timeout": 3, "cull_interval": 1},
+        },
+    )
+    server.spec = spec  # type: ignore[attr-defined]
+    admin = {"Authorization": f"token {broker.tokens['admin']}"}
+
+    def queue() -> list[dict[str, Any]]:
+        r = httpx.get(f"{broker.url}/api/v1/queue", headers=admin)
+        return list(r.json()["queue"])
+
+    def active(user: str) -> list[dict[str, Any]]:
+        r = httpx.get(f"{broker.url}/api/v1/leases", params={"all": "1"}, headers=admin)
+        return [x for x in r.json()["leases"] if x["state"] == "active" and x["user"] == user]
+
+    try:
+        server.start()
+        # the admin holds the whole V100 (a lease without a kernel: the culler cannot free it)
+        held = httpx.post(
+            f"{broker.url}/api/v1/leases",
+            headers=admin,
+            json={"kernel_id": str(uuid.uuid4()), "fraction": 1.0, "wait": 0},
+        )
+        assert held.status_code == 201, held.text
+        start = Start(server, "wait.ipynb")
+        wait_for(lambda: len(queue()) == 1, what="the kernel never joined the queue")
+        # three cull intervals past the idle timeout: still waiting, still queued
+        time.sleep(7)
+        assert [k["state"] for k in by_path(server).values()] == ["waiting"]
+        assert len(queue()) == 1
+        # the GPU frees: the kernel starts, sits idle, and the culler takes it and its lease
+        r = httpx.delete(f"{broker.url}/api/v1/leases/{held.json()['id']}", headers=admin)
+        assert r.status_code in (200, 204), r.text
+        assert start.result().status_code == 201
+        assert len(active("alice")) == 1
+        wait_for(lambda: active("alice") == [], timeout=30, what="the culled kernel kept its lease")
+        assert server.http.get("/api/kernels").json() == []
+        assert "Culling" in server.log(50_000), server.log()
+        # a server stopped while a kernel waits: the broker drops the unpolled request
+        held = httpx.post(
+            f"{broker.url}/api/v1/leases",
+            headers=admin,
+            json={"kernel_id": str(uuid.uuid4()), "fraction": 1.0, "wait": 0},
+        )
+        assert held.status_code == 201, held.text
+        body = server.session_body(str(uuid.uuid4()), spec)
+
+        def start_then_lose_the_server() -> None:  # its answer never comes: the server stops
+            try:
+                server.http.post("/api/sessions", json=body, timeout=60)
+            except httpx.TransportError:
+                pass
+
+        threading.Thread(target=start_then_lose_the_server, daemon=True).start()
+        wait_for(lambda: len(queue()) == 1, what="the kernel never joined the queue")
+        server.stop()
+        stopped = time.monotonic()
+        wait_for(lambda: queue() == [], timeout=grace + 10, what="the request stayed queued")
+        assert time.monotonic() - stopped <= grace + 10
+        httpx.delete(f"{broker.url}/api/v1/leases/{held.json()['id']}", headers=admin)
+        time.sleep(2)
+        assert active("alice") == []
+    finally:
+        server.stop()
+        broker.stop()
