@@ -205,9 +205,6 @@ class BrokerClient:
         #: the httpx client of each event loop this client was used on (see the module docstring)
         self._https: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._https_lock = threading.Lock()
-        self.leases = LeaseCalls(self)
-        self.quotas = QuotaCalls(self)
-        self.nodes = NodeCalls(self)
 
     @classmethod
     def from_env(
@@ -302,6 +299,23 @@ class BrokerClient:
         await self.aclose()
 
     # -- API -----------------------------------------------------------------
+    # The call groups are made on each use: held, each would make a reference cycle, and a
+    # client dropped unclosed would keep its connections until the garbage collector ran.
+    @property
+    def leases(self) -> LeaseCalls:
+        """Lease calls: acquire (long-poll queueing), renew, release, revoke, list, queue."""
+        return LeaseCalls(self)
+
+    @property
+    def quotas(self) -> QuotaCalls:
+        """Quota and usage calls."""
+        return QuotaCalls(self)
+
+    @property
+    def nodes(self) -> NodeCalls:
+        """The node agent's calls: register, heartbeat, drain; the node list."""
+        return NodeCalls(self)
+
     async def health(self) -> dict[str, Any]:
         """``GET /api/v1/health``: status, version, GPU count, active leases."""
         return self.json_object(await self.send("GET", "/health"))

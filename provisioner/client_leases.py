@@ -13,14 +13,11 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import Any
 
 from . import errors
+from .client_calls import Core, segment
 from .wire import MAX_WAIT
-
-if TYPE_CHECKING:
-    from .client import BrokerClient
 
 log = logging.getLogger("gpu_lease.client")
 
@@ -58,13 +55,13 @@ def _waited(seconds: float) -> str:
 
 
 def _lease_path(lease_id: str, action: str = "") -> str:
-    return f"/leases/{quote(lease_id, safe='')}" + (f"/{action}" if action else "")
+    return f"/leases/{segment(lease_id)}" + (f"/{action}" if action else "")
 
 
 class LeaseCalls:
     """``/api/v1/leases`` and ``/api/v1/queue`` over ``client``'s core."""
 
-    def __init__(self, client: BrokerClient) -> None:
+    def __init__(self, client: Core) -> None:
         self._client = client
 
     async def acquire(

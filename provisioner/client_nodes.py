@@ -6,21 +6,19 @@ nodes. Each call goes through the client's core (:meth:`BrokerClient.send`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import Any
 
-if TYPE_CHECKING:
-    from .client import BrokerClient
+from .client_calls import Core, segment
 
 
 def _node_path(node: str, action: str = "") -> str:
-    return f"/nodes/{quote(node, safe='')}" + (f"/{action}" if action else "")
+    return f"/nodes/{segment(node)}" + (f"/{action}" if action else "")
 
 
 class NodeCalls:
     """``/api/v1/nodes`` over ``client``'s core."""
 
-    def __init__(self, client: BrokerClient) -> None:
+    def __init__(self, client: Core) -> None:
         self._client = client
 
     async def register(

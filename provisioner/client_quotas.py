@@ -8,14 +8,11 @@ Each call goes through the client's core (:meth:`BrokerClient.send`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
+from typing import Any
 
 from . import errors
+from .client_calls import Core, segment
 from .model import QUOTA_LEVEL_PLURALS, quota_key_problem
-
-if TYPE_CHECKING:
-    from .client import BrokerClient
 
 
 def quota_path(level: str, name: str | None) -> str:
@@ -29,13 +26,13 @@ def quota_path(level: str, name: str | None) -> str:
         raise errors.InvalidRequest(why)
     if level == "default":
         return "/quotas/default"
-    return f"/quotas/{QUOTA_LEVEL_PLURALS[level]}/{quote(name or '', safe='')}"
+    return f"/quotas/{QUOTA_LEVEL_PLURALS[level]}/{segment(name or '')}"
 
 
 class QuotaCalls:
     """``/api/v1/quotas`` and ``/api/v1/usage`` over ``client``'s core."""
 
-    def __init__(self, client: BrokerClient) -> None:
+    def __init__(self, client: Core) -> None:
         self._client = client
 
     async def get(self, level: str, name: str | None = None) -> dict[str, Any]:
