@@ -140,11 +140,11 @@ async def acquire_rtt(url: str, token: str, n: int) -> dict[str, float]:
         client = BrokerClient(url, token)
         try:
             t1 = time.perf_counter()
-            lease = await client.acquire(kernel_id, FRACTION)
+            lease = await client.leases.acquire(kernel_id, FRACTION)
             t2 = time.perf_counter()
-            await client.acquire(kernel_id, FRACTION)
+            await client.leases.acquire(kernel_id, FRACTION)
             t3 = time.perf_counter()
-            await client.release(lease["id"])
+            await client.leases.release(lease["id"])
             t4 = time.perf_counter()
         finally:
             await client.aclose()

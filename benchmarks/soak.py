@@ -100,8 +100,8 @@ async def release(client: BrokerClient, lease_id: str, t: Tally) -> None:
     """Release, and count what the lease became: released, or expired before the release
     came (this driver renewed too late on an overloaded machine; ``release`` is idempotent
     and does not say which)."""
-    await client.release(lease_id)
-    state = (await client.get_lease(lease_id)).get("state")
+    await client.leases.release(lease_id)
+    state = (await client.leases.get(lease_id)).get("state")
     if state == "expired":
         t.expired_alive += 1
     else:
@@ -118,7 +118,7 @@ async def student(
             kernel_id = str(uuid.uuid4())
             fraction = rng.choice(FRACTIONS)
             try:
-                lease = await client.acquire(
+                lease = await client.leases.acquire(
                     kernel_id,
                     fraction,
                     wait=2.0,
@@ -139,14 +139,16 @@ async def student(
                 await asyncio.sleep(min(ttl / 3, max(0.0, end - time.monotonic())))
                 state = rng.choice(("idle", "busy"))
                 try:
-                    await client.renew(lease["id"], pid=os.getpid(), execution_state=state)
+                    await client.leases.renew(lease["id"], pid=os.getpid(), execution_state=state)
                 except LeaseExpired:
                     # this driver renewed too late (an overloaded box): like the provisioner,
                     # try once to get the same fraction back, else the kernel stops
                     t.expired_alive += 1
                     t.max_renew_gap_s = max(t.max_renew_gap_s, time.monotonic() - last_ok)
                     try:
-                        lease = await client.acquire(kernel_id, fraction, wait=2.0, queue_timeout=0)
+                        lease = await client.leases.acquire(
+                            kernel_id, fraction, wait=2.0, queue_timeout=0
+                        )
                     except NoCapacity:
                         gone = True  # the kernel stops; its lease is already counted (expired)
                         break
@@ -158,11 +160,11 @@ async def student(
                 last_ok = time.monotonic()
                 t.renewals += 1
                 if rng.random() < 0.05:  # kernel restart: same kernel id, same lease
-                    again = await client.acquire(kernel_id, fraction, wait=2.0)
+                    again = await client.leases.acquire(kernel_id, fraction, wait=2.0)
                     t.restarts += 1
                     if again.get("id") != lease["id"]:
                         # a new lease is right only if the old one expired meanwhile
-                        if (await client.get_lease(lease["id"])).get("state") == "expired":
+                        if (await client.leases.get(lease["id"])).get("state") == "expired":
                             t.expired_alive += 1
                             t.acquired += 1
                             lease = again

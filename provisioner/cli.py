@@ -235,10 +235,10 @@ def _run(work: Callable[[BrokerClient], Awaitable[str]], args: argparse.Namespac
 async def _top_text(client: BrokerClient) -> str:
     gpus = await client.gpus()
     try:
-        leases = await client.list_leases(all=True)
+        leases = await client.leases.listing(all=True)
     except Forbidden:  # a student sees the pool and their own leases
-        leases = await client.list_leases()
-    queue = await client.queue()
+        leases = await client.leases.listing()
+    queue = await client.leases.queue()
     return tables.format_top(gpus, leases, queue, time.time())
 
 
@@ -268,12 +268,12 @@ def cmd_leases(args: argparse.Namespace) -> int:
     """List leases: the caller's own, ``--user NAME``'s or ``--all`` (admin)."""
 
     async def work(client: BrokerClient) -> str:
-        leases = await client.list_leases(all=args.all, user=args.user)
+        leases = await client.leases.listing(all=args.all, user=args.user)
         if args.json:
             return json.dumps({"leases": leases}, indent=1)
         if not leases and not args.all and args.user is None:
             try:  # an admin's own list is empty: say how to see everyone's
-                others = await client.list_leases(all=True)
+                others = await client.leases.listing(all=True)
             except Forbidden:
                 others = []
             if others:
@@ -334,20 +334,20 @@ def cmd_quota(args: argparse.Namespace) -> int:
 
     async def work(client: BrokerClient) -> str:
         if args.action == "list":
-            return tables.format_quota_list(await client.list_quotas())
+            return tables.format_quota_list(await client.quotas.book())
         if args.action == "show":
             if target is None:
-                return tables.format_my_quota(await client.my_quota())
+                return tables.format_my_quota(await client.quotas.mine())
             level, name = target
             if level == "user" and name is not None:
-                return tables.format_effective_quota(await client.effective_quota(name))
+                return tables.format_effective_quota(await client.quotas.effective(name))
             return tables.format_quota(
-                _quota_title(level, name), await client.get_quota(level, name)
+                _quota_title(level, name), await client.quotas.get(level, name)
             )
         assert target is not None
         level, name = target
         if args.action == "remove":
-            await client.delete_quota(level, name)
+            await client.quotas.delete(level, name)
             return f"Removed the {'default quota' if level == 'default' else f'quota of {level} {name}'}."
         if not changes:
             raise InvalidRequest(
@@ -355,12 +355,12 @@ def cmd_quota(args: argparse.Namespace) -> int:
                 "--max-lease-fraction, --budget-fraction-hours with --budget-window, or --priority."
             )
         try:  # set changes only the limits given; the others keep their values
-            current = await client.get_quota(level, name)
+            current = await client.quotas.get(level, name)
         except LeaseNotFound:
             current = {}
         body = {k: current.get(k) for k in QUOTA_FIELDS}
         body.update(changes)
-        stored = await client.set_quota(level, name, body)
+        stored = await client.quotas.put(level, name, body)
         return tables.format_quota(f"Set {_quota_title(level, name)[:-1].lower()}:", stored)
 
     return _run(work, args)
@@ -370,7 +370,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     """Fraction-hours used ``--since`` a time, ``--by user|group``, optionally as ``--csv``."""
 
     async def work(client: BrokerClient) -> str:
-        usage = await client.usage(since=args.since, by=args.by)
+        usage = await client.quotas.usage(since=args.since, by=args.by)
         if args.csv:
             return tables.usage_csv(usage, args.by)
         return tables.format_usage(usage, args.by)
@@ -383,7 +383,7 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
     async def work(client: BrokerClient) -> str:
         lease_id = await _resolve_lease_id(client, args.lease_id)
-        lease = await client.revoke(lease_id, args.reason)
+        lease = await client.leases.revoke(lease_id, args.reason)
         return (
             f"Revoked lease {lease.get('id')} of {lease.get('user')} "
             f"(kernel {tables.short(lease.get('kernel_id'))}, "
@@ -399,7 +399,7 @@ async def _resolve_lease_id(client: BrokerClient, given: str) -> str:
     unknown, already ended, not an admin)."""
     given = given.strip()
     try:
-        active = await client.list_leases(all=True)
+        active = await client.leases.listing(all=True)
     except Forbidden:
         return given
     ids = [str(x.get("id")) for x in active if x.get("id")]

@@ -2,8 +2,16 @@
 
 ``BrokerClient`` speaks the broker's REST API v1 (docs/developers.md, "REST API") over an
 ``httpx.AsyncClient``. It is used by the kernel provisioner (acquire before
-launch, renew while the kernel lives, release at the end) and by the CLI
-(``gpu-lease top``, ``leases``, ``quota``, ``usage``).
+launch, renew while the kernel lives, release at the end), the lab extension, the node
+agent and the CLI (``gpu-lease top``, ``leases``, ``quota``, ``usage``).
+
+It is the transport core: retries, backoff, the broker re-resolved after a 503, and the
+answers translated; the calls themselves are grouped by what they touch, each group a
+small class over this core (:meth:`BrokerClient.send`), as the broker's services are:
+``client.leases`` (:mod:`provisioner.client_leases`: acquire with its long-poll
+queueing, renew, release, revoke, the lease list and the queue), ``client.quotas``
+(:mod:`provisioner.client_quotas`: quotas and usage) and ``client.nodes``
+(:mod:`provisioner.client_nodes`: the node agent's register, heartbeat and drain).
 
 It is the edge where HTTP meets the rest of the package, so it is the one place
 that turns answers back into our exceptions (:mod:`provisioner.errors`):
@@ -45,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import json
 import logging
 import math
@@ -54,17 +61,19 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from . import errors
 from ._version import __version__
-from .model import QUOTA_LEVEL_PLURALS, quota_key_problem
-from .wire import ERROR_BY_STATUS, MAX_WAIT
+from .client_leases import LeaseCalls
+from .client_nodes import NodeCalls
+from .client_quotas import QuotaCalls
+from .wire import ERROR_BY_STATUS
 
 log = logging.getLogger("gpu_lease.client")
 
@@ -83,7 +92,6 @@ _URL_HINT = (
 _NOT_JSON = object()
 
 _C = TypeVar("_C", bound="BrokerClient")
-QueuedCallback = Callable[[dict[str, Any]], Awaitable[None] | None]
 
 #: the broker's base URL, in the environment of the Jupyter server and of the CLI
 URL_ENV = "GPU_LEASE_URL"
@@ -145,10 +153,6 @@ def _display(url: str) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
-def _quote(segment: str) -> str:
-    return quote(segment, safe="")
-
-
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
     """One verifying SSL context per process, built on first use.
@@ -157,36 +161,6 @@ def _ssl_context() -> ssl.SSLContext:
     otherwise, and the provisioner makes a client per kernel start.
     """
     return ssl.create_default_context()
-
-
-def no_capacity_message(fraction: float, queue_timeout: float, answer: dict[str, Any]) -> str:
-    """What the student reads when a GPU kernel gave up waiting: once the place in the
-    queue, the broker's ``reason`` (how full the GPUs are, and whether a smaller kernel
-    would fit now), and what to do. Pure: the last ``202`` answer is passed in."""
-    position, length = answer.get("position"), answer.get("queue_length")
-    where = ""
-    if isinstance(position, int) and position > 0:
-        where = f"; it was at position {position}"
-        if isinstance(length, int) and length >= position:
-            where += f" of {length}"
-        where += " in the queue"
-    reason = answer.get("reason")
-    if not isinstance(reason, str):  # an older broker: its message repeats the position
-        reason = ""
-    text = (
-        f"No GPU became free for this kernel ({fraction:g} of a GPU) within "
-        f"{_waited(queue_timeout)}{where}."
-    )
-    if reason.strip():
-        text += " " + reason.strip()
-    return text + " Try again later, or ask your instructor or administrator about GPU capacity."
-
-
-def _waited(seconds: float) -> str:
-    """30 -> "30 s", 600 -> "10 minutes", 90 -> "1.5 minutes"."""
-    if seconds < 120:
-        return f"{seconds:g} s"
-    return f"{round(seconds / 60, 1):g} minutes"
 
 
 class BrokerClient:
@@ -199,6 +173,7 @@ class BrokerClient:
     to ``retries`` times, sleeping ``backoff * 2**n`` seconds (with jitter, at most
     ``max_backoff``) in between. ``keep_alive=False`` opens a connection per call
     (for callers whose calls are seconds apart and may run on different event loops).
+    The calls are grouped in ``leases``, ``quotas`` and ``nodes`` (see the module docstring).
     """
 
     def __init__(
@@ -324,240 +299,33 @@ class BrokerClient:
         await self.aclose()
 
     # -- API -----------------------------------------------------------------
+    # The call groups are made on each use: held, each would make a reference cycle, and a
+    # client dropped unclosed would keep its connections until the garbage collector ran.
+    @property
+    def leases(self) -> LeaseCalls:
+        """Lease calls: acquire (long-poll queueing), renew, release, revoke, list, queue."""
+        return LeaseCalls(self)
+
+    @property
+    def quotas(self) -> QuotaCalls:
+        """Quota and usage calls."""
+        return QuotaCalls(self)
+
+    @property
+    def nodes(self) -> NodeCalls:
+        """The node agent's calls: register, heartbeat, drain; the node list."""
+        return NodeCalls(self)
+
     async def health(self) -> dict[str, Any]:
         """``GET /api/v1/health``: status, version, GPU count, active leases."""
-        return self._dict(await self._send("GET", "/health"))
+        return self.json_object(await self.send("GET", "/health"))
 
     async def gpus(self) -> list[dict[str, Any]]:
         """``GET /api/v1/gpus``: the pool, one dict per GPU."""
-        return self._items(await self._send("GET", "/gpus"), "gpus")
-
-    async def acquire(
-        self,
-        kernel_id: str,
-        fraction: float,
-        *,
-        node: str | None = None,
-        gpu_uuids: list[str] | None = None,
-        group: str | None = None,
-        wait: float = 30.0,
-        queue_timeout: float | None = None,
-        on_queued: QueuedCallback | None = None,
-        mps_uid: int | None = None,
-    ) -> dict[str, Any]:
-        """Acquire a lease for ``kernel_id``, waiting in the queue if the pool is full.
-
-        Called by the provisioner's ``pre_launch`` before the kernel exists. Each
-        long-poll asks the broker to hold the answer up to ``wait`` seconds; a
-        ``202 {queued: true, position, ...}`` answer is passed to ``on_queued``
-        (sync or async) and the same request is posted again, keeping its queue
-        place, until a lease comes or ``queue_timeout`` seconds (``None``: no
-        limit) have passed. Then :class:`errors.NoCapacity` is raised, after a
-        best-effort cancel of the queued request. ``mps_uid`` (enforcement=mps kernels
-        only): the Unix uid the kernel runs as, so that the broker places it only where
-        the GPU's MPS server serves that uid or none.
-        """
-        body: dict[str, Any] = {"kernel_id": kernel_id, "fraction": fraction}
-        if mps_uid is not None:
-            body["mps_uid"] = mps_uid
-        if node is not None:
-            body["node"] = node
-        if gpu_uuids is not None:
-            body["gpu_uuids"] = list(gpu_uuids)
-        if group is not None:
-            body["group"] = group
-        deadline = None if queue_timeout is None else time.monotonic() + max(0.0, queue_timeout)
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            poll_wait = min(wait, MAX_WAIT) if remaining is None else min(wait, remaining, MAX_WAIT)
-            poll_wait = max(0.0, poll_wait)
-            started = time.monotonic()
-            response = await self._send(
-                "POST",
-                "/leases",
-                body={**body, "wait": poll_wait},
-                read_timeout=poll_wait + self.timeout,
-            )
-            answer = self._dict(response)
-            if response.status_code != 202:
-                return answer
-            log.debug("queued for kernel %s at position %s", kernel_id, answer.get("position"))
-            if on_queued is not None:
-                result = on_queued(answer)
-                if inspect.isawaitable(result):
-                    await result
-            if deadline is not None and time.monotonic() >= deadline:
-                await self._cancel_queued(answer)
-                raise self._no_capacity(fraction, queue_timeout or 0.0, answer)
-            # A broker that answers 202 at once (wait 0, or a lower cap) is not hammered.
-            pause = self.backoff - (time.monotonic() - started)
-            if deadline is not None:
-                pause = min(pause, deadline - time.monotonic())
-            if pause > 0:
-                await asyncio.sleep(pause)
-
-    async def renew(
-        self,
-        lease_id: str,
-        *,
-        pid: int | None = None,
-        execution_state: str | None = None,
-        last_activity: float | None = None,
-        pid_ns: int | None = None,
-        cgroup: str | None = None,
-    ) -> dict[str, Any]:
-        """Heartbeat: ``POST /api/v1/leases/{id}/renew``; returns the renewed lease.
-
-        ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
-        kernel's cgroup v2 path (from the v2 root) for a driver memory limit.
-        Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired` (410) when
-        the lease has ended; ``details['reason']`` says why.
-        """
-        body: dict[str, Any] = {}
-        if pid is not None:
-            body["pid"] = pid
-        if pid_ns is not None:
-            body["pid_ns"] = pid_ns
-        if cgroup is not None:
-            body["cgroup"] = cgroup
-        if execution_state is not None:
-            body["execution_state"] = execution_state
-        if last_activity is not None:
-            body["last_activity"] = last_activity
-        return self._dict(await self._send("POST", f"/leases/{_quote(lease_id)}/renew", body=body))
-
-    async def release(self, lease_id: str) -> None:
-        """``DELETE /api/v1/leases/{id}``. A lease the broker no longer knows (404)
-        or that has already ended (410) counts as released, so this is idempotent."""
-        try:
-            await self._send("DELETE", f"/leases/{_quote(lease_id)}")
-        except (errors.LeaseNotFound, errors.LeaseGone) as exc:
-            log.debug("lease %s was already released (%s)", lease_id, exc.code)
-
-    async def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
-        """Admin: ``POST /api/v1/leases/{id}/revoke {reason}``; returns the ended lease.
-
-        The lease's provisioner learns at its next renewal (410 with ``reason``) and
-        shuts the kernel down. A lease that has already ended raises
-        :class:`errors.LeaseGone`.
-        """
-        return self._dict(
-            await self._send("POST", f"/leases/{_quote(lease_id)}/revoke", body={"reason": reason})
-        )
-
-    # -- node agents (``gpu-lease agent``) ------------------------------------------------
-    async def register_node(
-        self, node: str, gpus: list[dict[str, Any]], agent_version: str, enforce: str = "report"
-    ) -> dict[str, Any]:
-        """``PUT /api/v1/nodes/{node}``: register or refresh the node's GPUs; undrains it."""
-        body = {"gpus": gpus, "agent_version": agent_version, "enforce": enforce}
-        return self._dict(await self._send("PUT", f"/nodes/{_quote(node)}", body=body))
-
-    async def node_heartbeat(
-        self,
-        node: str,
-        usage: list[dict[str, Any]],
-        at: float | None = None,
-        mps: dict[str, str] | None = None,
-        mps_uid: dict[str, int | None] | None = None,
-        kernels: list[dict[str, int]] | None = None,
-        driver_limits: list[str] | None = None,
-    ) -> dict[str, Any]:
-        """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
-
-        ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
-        ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
-        ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found;
-        ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
-        """
-        body: dict[str, Any] = {"usage": usage}
-        if at is not None:
-            body["at"] = at
-        if mps is not None:
-            body["mps"] = mps
-        if mps_uid is not None:
-            body["mps_uid"] = mps_uid
-        if kernels:
-            body["kernels"] = kernels
-        if driver_limits is not None:
-            body["driver_limits"] = driver_limits
-        return self._dict(
-            await self._send("POST", f"/nodes/{_quote(node)}/heartbeat", body=body, retries=0)
-        )
-
-    async def drain_node(self, node: str) -> None:
-        """``DELETE /api/v1/nodes/{node}``: no new leases there (a clean agent stop)."""
-        await self._send("DELETE", f"/nodes/{_quote(node)}")
-
-    async def nodes(self) -> list[dict[str, Any]]:
-        """``GET /api/v1/nodes``."""
-        return self._items(await self._send("GET", "/nodes"), "nodes")
-
-    async def effective_quota(self, user: str) -> dict[str, Any]:
-        """``GET /api/v1/quotas/users/{name}?effective=1``: ``user``'s effective quota as
-        admission applies it, the source of each value and their own record (admin, or
-        the user themself)."""
-        return self._dict(
-            await self._send("GET", self._quota_path("user", user), params={"effective": "1"})
-        )
-
-    async def my_quota(self) -> dict[str, Any]:
-        """``GET /api/v1/quotas/me``: the caller's effective quota and what they hold now."""
-        return self._dict(await self._send("GET", "/quotas/me"))
-
-    async def get_lease(self, lease_id: str) -> dict[str, Any]:
-        """``GET /api/v1/leases/{id}``."""
-        return self._dict(await self._send("GET", f"/leases/{_quote(lease_id)}"))
-
-    async def list_leases(
-        self, *, user: str | None = None, all: bool = False
-    ) -> list[dict[str, Any]]:
-        """``GET /api/v1/leases[?user=&all=1]``: the caller's leases, or (admin) anyone's."""
-        params: dict[str, str] = {}
-        if user is not None:
-            params["user"] = user
-        if all:
-            params["all"] = "1"
-        return self._items(await self._send("GET", "/leases", params=params), "leases")
-
-    async def queue(self) -> list[dict[str, Any]]:
-        """``GET /api/v1/queue``: waiting requests with their positions."""
-        return self._items(await self._send("GET", "/queue"), "queue")
-
-    async def queue_page(self) -> dict[str, Any]:
-        """``GET /api/v1/queue`` whole: ``{"queue": [...], "length": N}`` (N: everyone waiting)."""
-        page = self._dict(await self._send("GET", "/queue"))
-        if not isinstance(page.get("queue"), list):
-            page["queue"] = []
-        return page
-
-    async def get_quota(self, level: str, name: str | None = None) -> dict[str, Any]:
-        """``GET /api/v1/quotas/default|users/{name}|groups/{name}``."""
-        return self._dict(await self._send("GET", self._quota_path(level, name)))
-
-    async def list_quotas(self) -> dict[str, Any]:
-        """``GET /api/v1/quotas``: ``{"default": {...}, "groups": {...}, "users": {...}}``."""
-        return self._dict(await self._send("GET", "/quotas"))
-
-    async def set_quota(
-        self, level: str, name: str | None, quota: dict[str, Any]
-    ) -> dict[str, Any]:
-        """``PUT`` a quota at ``level`` (``default``, ``user`` or ``group``); returns it as stored."""
-        return self._dict(await self._send("PUT", self._quota_path(level, name), body=quota))
-
-    async def delete_quota(self, level: str, name: str | None) -> None:
-        """``DELETE`` the quota at ``level``."""
-        await self._send("DELETE", self._quota_path(level, name))
-
-    async def usage(self, *, since: float | str | None = None, by: str = "user") -> dict[str, Any]:
-        """``GET /api/v1/usage?since=&by=``: fraction-hours used, per user or group."""
-        params: dict[str, str] = {"by": by}
-        if since is not None:
-            params["since"] = str(since)
-        return self._dict(await self._send("GET", "/usage", params=params))
+        return self.json_list(await self.send("GET", "/gpus"), "gpus")
 
     # -- HTTP ----------------------------------------------------------------
-    async def _send(
+    async def send(
         self,
         method: str,
         path: str,
@@ -569,6 +337,8 @@ class BrokerClient:
     ) -> httpx.Response:
         """One API call with retries; returns a 2xx response or raises one of ours.
 
+        ``path`` follows ``/api/v1`` (its segments already quoted). The call groups
+        (``leases``, ``quotas``, ``nodes``) and ``health``/``gpus`` all come through here.
         ``read_timeout`` marks a long-poll: its read timeout is not retried (it
         already waited ``read_timeout`` seconds); connection failures still are.
         """
@@ -639,13 +409,14 @@ class BrokerClient:
         return delay
 
     # -- answers -------------------------------------------------------------
-    def _dict(self, response: httpx.Response) -> dict[str, Any]:
+    def json_object(self, response: httpx.Response) -> dict[str, Any]:
+        """A 2xx answer's JSON object, or :class:`errors.BrokerUnavailable` if it is none."""
         body = self._json(response)
         if not isinstance(body, dict):
             raise self._not_api(response, "a JSON object was expected")
         return body
 
-    def _items(self, response: httpx.Response, key: str) -> list[dict[str, Any]]:
+    def json_list(self, response: httpx.Response, key: str) -> list[dict[str, Any]]:
         """A list answer, either ``{key: [...]}`` (the API's shape) or a bare list."""
         body = self._json(response)
         if isinstance(body, dict):
@@ -702,26 +473,6 @@ class BrokerClient:
             )
         return cls(message, url=self.url, http_status=status)
 
-    def _no_capacity(
-        self, fraction: float, queue_timeout: float, answer: dict[str, Any]
-    ) -> errors.NoCapacity:
-        """The sentence a student reads when the queue timeout ran out (from the last 202)."""
-        return errors.NoCapacity(
-            no_capacity_message(fraction, queue_timeout, answer),
-            position=answer.get("position"),
-            body=answer,
-        )
-
-    async def _cancel_queued(self, answer: dict[str, Any]) -> None:
-        """Best effort: withdraw a queued request so it stops holding a place."""
-        request_id = answer.get("id")
-        if not isinstance(request_id, str) or not request_id:
-            return
-        try:
-            await self._send("DELETE", f"/leases/{_quote(request_id)}", retries=0)
-        except errors.GPULeaseError as exc:
-            log.debug("could not cancel queued request %s: %s", request_id, exc.code)
-
     def _unavailable(self, problem: str, attempts: int) -> errors.BrokerUnavailable:
         tries = "1 attempt" if attempts == 1 else f"{attempts} attempts"
         return errors.BrokerUnavailable(
@@ -755,18 +506,6 @@ class BrokerClient:
 
     def _scrub(self, text: str) -> str:
         return text.replace(self._token, "<token>") if self._token else text
-
-    @staticmethod
-    def _quota_path(level: str, name: str | None) -> str:
-        # a named level, in the singular ("user") or as in the URL ("users")
-        singulars = {plural: one for one, plural in QUOTA_LEVEL_PLURALS.items()}
-        level = singulars.get(level, level)
-        why = quota_key_problem(level, name or "")
-        if why:
-            raise errors.InvalidRequest(why)
-        if level == "default":
-            return "/quotas/default"
-        return f"/quotas/{QUOTA_LEVEL_PLURALS[level]}/{_quote(name or '')}"
 
 
 #: the broker's error ``code`` -> our exception class

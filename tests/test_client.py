@@ -72,7 +72,9 @@ def error(status: int, code: str, message: str, **extra: Any) -> httpx.Response:
 async def test_acquire_201_returns_the_lease() -> None:
     broker = Broker(httpx.Response(201, json=LEASE))
     async with client(broker) as c:
-        lease = await c.acquire("k1", 0.02, node="n1", gpu_uuids=["GPU-0"], group="ml101", wait=5)
+        lease = await c.leases.acquire(
+            "k1", 0.02, node="n1", gpu_uuids=["GPU-0"], group="ml101", wait=5
+        )
     assert lease == LEASE
     (req,) = broker.requests
     assert req.method == "POST"
@@ -93,7 +95,7 @@ async def test_acquire_201_returns_the_lease() -> None:
 async def test_acquire_200_existing_lease_and_optional_fields_left_out() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.acquire("k1", 0.02) == LEASE
+        assert await c.leases.acquire("k1", 0.02) == LEASE
     assert broker.bodies == [{"kernel_id": "k1", "fraction": 0.02, "wait": 30.0}]
 
 
@@ -113,7 +115,7 @@ async def test_acquire_queued_twice_then_granted(async_callback: bool) -> None:
         seen.append(body["position"])
 
     async with client(broker) as c:
-        lease = await c.acquire(
+        lease = await c.leases.acquire(
             "k1", 0.5, wait=1, on_queued=async_cb if async_callback else sync_cb
         )
     assert lease == LEASE
@@ -137,7 +139,7 @@ async def test_acquire_queue_timeout_raises_no_capacity_and_cancels() -> None:
     positions: list[int] = []
     async with client(broker) as c:
         with pytest.raises(errors.NoCapacity) as info:
-            await c.acquire(
+            await c.leases.acquire(
                 "k1", 0.25, queue_timeout=0, on_queued=lambda b: positions.append(b["position"])
             )
     exc = info.value
@@ -157,7 +159,7 @@ async def test_queue_timeout_after_several_polls_with_shrinking_wait() -> None:
     broker = Broker(lambda r: httpx.Response(202, json={"queued": True, "position": 1}))
     async with client(broker, backoff=0.01) as c:
         with pytest.raises(errors.NoCapacity, match="position 1"):
-            await c.acquire("k1", 0.25, wait=30, queue_timeout=0.05)
+            await c.leases.acquire("k1", 0.25, wait=30, queue_timeout=0.05)
     waits = [b["wait"] for b in broker.bodies]
     assert len(waits) >= 2
     assert 0 < waits[0] <= 0.05
@@ -174,7 +176,7 @@ async def test_queue_timeout_cancel_failure_is_ignored() -> None:
 
     async with client(Broker(answer)) as c:
         with pytest.raises(errors.NoCapacity, match="position 2"):
-            await c.acquire("k1", 0.25, queue_timeout=0)
+            await c.leases.acquire("k1", 0.25, queue_timeout=0)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +188,7 @@ async def test_long_poll_wait_and_read_timeout(
 ) -> None:
     broker = Broker(httpx.Response(201, json=LEASE))
     async with client(broker, timeout=7) as c:
-        await c.acquire("k1", 0.1, wait=wait, queue_timeout=queue_timeout)
+        await c.leases.acquire("k1", 0.1, wait=wait, queue_timeout=queue_timeout)
     sent = broker.bodies[0]["wait"]
     assert low <= sent <= high
     timeouts = broker.requests[0].extensions["timeout"]
@@ -198,7 +200,7 @@ async def test_nan_fraction_is_refused_before_sending() -> None:
     broker = Broker(httpx.Response(201, json=LEASE))
     async with client(broker) as c:
         with pytest.raises(errors.InvalidRequest, match="finite"):
-            await c.acquire("k1", float("nan"))
+            await c.leases.acquire("k1", float("nan"))
     assert broker.requests == []
 
 
@@ -208,7 +210,7 @@ async def test_403_quota_body_becomes_quota_exceeded() -> None:
     broker = Broker(error(403, "quota_exceeded", msg, limit="max_fraction"))
     async with client(broker) as c:
         with pytest.raises(errors.QuotaExceeded) as info:
-            await c.acquire("k1", 0.6)
+            await c.leases.acquire("k1", 0.6)
     assert info.value.message == msg
     assert info.value.details == {"limit": "max_fraction"}
     assert len(broker.requests) == 1  # not retried
@@ -222,7 +224,9 @@ async def test_410_renew_becomes_lease_revoked_with_reason() -> None:
     )
     async with client(broker) as c:
         with pytest.raises(errors.LeaseRevoked) as info:
-            await c.renew("L-abc", pid=42, execution_state="idle", last_activity=1700000000.5)
+            await c.leases.renew(
+                "L-abc", pid=42, execution_state="idle", last_activity=1700000000.5
+            )
     assert info.value.details["reason"] == "idle"
     (req,) = broker.requests
     assert (req.method, req.url.path) == ("POST", "/api/v1/leases/L-abc/renew")
@@ -232,7 +236,7 @@ async def test_410_renew_becomes_lease_revoked_with_reason() -> None:
 async def test_renew_sends_only_given_fields_and_returns_lease() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.renew("L-abc") == LEASE
+        assert await c.leases.renew("L-abc") == LEASE
     assert broker.bodies == [{}]
 
 
@@ -248,7 +252,7 @@ async def test_renew_sends_only_given_fields_and_returns_lease() -> None:
 async def test_release_is_idempotent(answer: httpx.Response) -> None:
     broker = Broker(answer)
     async with client(broker) as c:
-        await c.release("L/1")
+        await c.leases.release("L/1")
     (req,) = broker.requests
     assert req.method == "DELETE"
     assert req.url.raw_path == b"/api/v1/leases/L%2F1"
@@ -258,14 +262,14 @@ async def test_release_does_not_swallow_a_404_that_is_not_the_brokers() -> None:
     broker = Broker(httpx.Response(404, text="<html>404: Not Found</html>"))
     async with client(broker) as c:
         with pytest.raises(errors.BrokerUnavailable, match="GPU_LEASE_URL"):
-            await c.release("L-abc")
+            await c.leases.release("L-abc")
 
 
 async def test_release_raises_other_errors() -> None:
     broker = Broker(error(403, "forbidden", "This lease is not yours."))
     async with client(broker) as c:
         with pytest.raises(errors.Forbidden, match="not yours"):
-            await c.release("L-abc")
+            await c.leases.release("L-abc")
 
 
 # -- retries and outages -----------------------------------------------------------
@@ -315,7 +319,7 @@ async def test_persistent_503_keeps_the_brokers_message() -> None:
     broker = Broker(error(503, "store_unavailable", "The database is unreachable."))
     async with client(broker, retries=2) as c:
         with pytest.raises(errors.BrokerUnavailable) as info:
-            await c.list_leases()
+            await c.leases.listing()
     assert len(broker.requests) == 3
     assert "The database is unreachable." in info.value.message
     assert URL in info.value.message
@@ -332,14 +336,14 @@ async def test_read_timeout_of_a_long_poll_is_not_retried() -> None:
     broker = Broker(httpx.ReadTimeout("timed out"), httpx.Response(201, json=LEASE))
     async with client(broker) as c:
         with pytest.raises(errors.BrokerUnavailable, match="long-poll"):
-            await c.acquire("k1", 0.1, wait=2)
+            await c.leases.acquire("k1", 0.1, wait=2)
     assert len(broker.requests) == 1
 
 
 async def test_connection_error_during_acquire_is_retried() -> None:
     broker = Broker(httpx.ConnectError("refused"), httpx.Response(201, json=LEASE))
     async with client(broker) as c:
-        assert await c.acquire("k1", 0.1) == LEASE
+        assert await c.leases.acquire("k1", 0.1) == LEASE
     assert broker.bodies[0] == broker.bodies[1]
 
 
@@ -349,7 +353,7 @@ async def test_non_json_500_is_a_clear_error_and_not_retried() -> None:
     )
     async with client(broker) as c:
         with pytest.raises(errors.GPULeaseError) as info:
-            await c.queue()
+            await c.leases.queue()
     exc = info.value
     assert type(exc) is errors.GPULeaseError
     assert "HTTP 500" in exc.message and URL in exc.message
@@ -384,7 +388,7 @@ async def test_json_error_without_message_uses_status() -> None:
     broker = Broker(httpx.Response(422, json={"detail": "?"}))
     async with client(broker) as c:
         with pytest.raises(errors.CannotFit, match="HTTP 422"):
-            await c.acquire("k1", 0.0001)
+            await c.leases.acquire("k1", 0.0001)
 
 
 # -- headers and URLs ----------------------------------------------------------------
@@ -456,9 +460,9 @@ async def test_list_endpoints_and_query_parameters() -> None:
     broker = Broker(answer)
     async with client(broker) as c:
         assert await c.gpus() == [{"path": "/api/v1/gpus"}]
-        assert await c.list_leases() == [{"path": "/api/v1/leases"}]
-        await c.list_leases(user="bob", all=True)
-        assert await c.queue() == [{"path": "/api/v1/queue"}]
+        assert await c.leases.listing() == [{"path": "/api/v1/leases"}]
+        await c.leases.listing(user="bob", all=True)
+        assert await c.leases.queue() == [{"path": "/api/v1/queue"}]
     assert broker.requests[1].url.params == httpx.QueryParams()
     assert broker.requests[2].url.params == httpx.QueryParams({"user": "bob", "all": "1"})
 
@@ -466,7 +470,7 @@ async def test_list_endpoints_and_query_parameters() -> None:
 async def test_get_lease() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.get_lease("L-abc") == LEASE
+        assert await c.leases.get("L-abc") == LEASE
     assert broker.requests[0].url.path == "/api/v1/leases/L-abc"
 
 
@@ -485,9 +489,9 @@ async def test_quota_paths(level: str, name: str | None, path: str) -> None:
         lambda r: httpx.Response(204) if r.method == "DELETE" else httpx.Response(200, json=quota)
     )
     async with client(broker) as c:
-        assert await c.get_quota(level, name) == quota
-        assert await c.set_quota(level, name, quota) == quota
-        await c.delete_quota(level, name)
+        assert await c.quotas.get(level, name) == quota
+        assert await c.quotas.put(level, name, quota) == quota
+        await c.quotas.delete(level, name)
     assert [(r.method, r.url.raw_path.decode()) for r in broker.requests] == [
         ("GET", path),
         ("PUT", path),
@@ -503,7 +507,7 @@ async def test_bad_quota_level_or_name(level: str, name: str | None) -> None:
     broker = Broker(httpx.Response(200, json={}))
     async with client(broker) as c:
         with pytest.raises(errors.InvalidRequest):
-            await c.get_quota(level, name)
+            await c.quotas.get(level, name)
     assert broker.requests == []
 
 
@@ -511,10 +515,10 @@ async def test_list_quotas_and_usage() -> None:
     book: dict[str, Any] = {"default": {}, "groups": {}, "users": {}}
     broker = Broker(httpx.Response(200, json=book))
     async with client(broker) as c:
-        assert await c.list_quotas() == book
-        await c.usage()
-        await c.usage(since=1700000000.0, by="group")
-        await c.usage(since="7d")
+        assert await c.quotas.book() == book
+        await c.quotas.usage()
+        await c.quotas.usage(since=1700000000.0, by="group")
+        await c.quotas.usage(since="7d")
     paths = [r.url.path for r in broker.requests]
     assert paths == ["/api/v1/quotas"] + ["/api/v1/usage"] * 3
     assert broker.requests[1].url.params == httpx.QueryParams({"by": "user"})
@@ -524,11 +528,48 @@ async def test_list_quotas_and_usage() -> None:
     assert broker.requests[3].url.params["since"] == "7d"
 
 
+async def test_node_calls_paths_bodies_and_no_heartbeat_retry() -> None:
+    """The agent's calls (``client.nodes``): each one's method, quoted path and body; a
+    heartbeat is not retried (the broker's 503 becomes BrokerUnavailable after 1 attempt)."""
+    gpus = [{"uuid": "GPU-0", "memory_mb": 1024}]
+
+    def answer(r: httpx.Request) -> httpx.Response:
+        if r.url.path.endswith("/heartbeat") and len(broker.requests) > 2:
+            return error(503, "broker_unavailable", "standby")
+        if r.method == "DELETE":
+            return httpx.Response(204)
+        return httpx.Response(200, json={"nodes": [{"name": "n/1"}], "name": "n/1"})
+
+    broker = Broker(answer)
+    async with client(broker) as c:
+        assert (await c.nodes.register("n/1", gpus, "9.9", enforce="kill"))["name"] == "n/1"
+        await c.nodes.heartbeat("n/1", [], at=5.0, mps={"GPU-0": "running"}, driver_limits=[])
+        with pytest.raises(errors.BrokerUnavailable, match="1 attempt"):
+            await c.nodes.heartbeat("n/1", [])
+        await c.nodes.drain("n/1")
+        assert await c.nodes.listing() == [{"name": "n/1"}]
+    assert [(r.method, r.url.raw_path.decode()) for r in broker.requests] == [
+        ("PUT", "/api/v1/nodes/n%2F1"),
+        ("POST", "/api/v1/nodes/n%2F1/heartbeat"),
+        ("POST", "/api/v1/nodes/n%2F1/heartbeat"),
+        ("DELETE", "/api/v1/nodes/n%2F1"),
+        ("GET", "/api/v1/nodes"),
+    ]
+    assert broker.bodies[0] == {"gpus": gpus, "agent_version": "9.9", "enforce": "kill"}
+    assert broker.bodies[1] == {
+        "usage": [],
+        "at": 5.0,
+        "mps": {"GPU-0": "running"},
+        "driver_limits": [],
+    }
+    assert broker.bodies[2] == {"usage": []}
+
+
 async def test_unexpected_list_shape_is_reported() -> None:
     broker = Broker(httpx.Response(200, json={"something": "else"}))
     async with client(broker) as c:
         with pytest.raises(errors.BrokerUnavailable, match="'leases' list"):
-            await c.list_leases()
+            await c.leases.listing()
 
 
 # -- from_env --------------------------------------------------------------------------
@@ -668,11 +709,11 @@ async def test_a_request_looks_up_no_module() -> None:
     async with socket_server(lambda head, body: http_answer("200 OK", lease)) as server:
         c = BrokerClient(f"http://127.0.0.1:{server.port}", TOKEN)
         try:
-            await c.acquire("k1", 0.02)  # the first request may import what it needs once
+            await c.leases.acquire("k1", 0.02)  # the first request may import what it needs once
             sys.meta_path.insert(0, spy)
             try:
                 for _ in range(3):
-                    assert (await c.acquire("k1", 0.02))["id"] == "L-abc"
+                    assert (await c.leases.acquire("k1", 0.02))["id"] == "L-abc"
             finally:
                 sys.meta_path.remove(spy)
         finally:

@@ -157,11 +157,11 @@ class Holder:
         self.seen_ids: set[str] = set()
 
     async def run(self, stop: asyncio.Event, every: float = 0.3) -> None:
-        lease = await self.client.acquire(self.kernel_id, self.fraction, wait=5)
+        lease = await self.client.leases.acquire(self.kernel_id, self.fraction, wait=5)
         self.lease_id = lease["id"]
         self.seen_ids.add(lease["id"])
         while not stop.is_set():
-            fresh = await self.client.renew(
+            fresh = await self.client.leases.renew(
                 self.lease_id, pid=os.getpid(), execution_state=random.choice(["idle", "busy"])
             )
             assert fresh["state"] == "active"
@@ -174,7 +174,7 @@ class Holder:
 
     async def close(self, release: bool = True) -> None:
         if release and self.lease_id:
-            await self.client.release(self.lease_id)
+            await self.client.leases.release(self.lease_id)
         await self.client.aclose()
 
 
@@ -184,10 +184,10 @@ async def churn(broker: Broker, user: str, stop: asyncio.Event, done: list[int])
         while not stop.is_set():
             kernel_id = f"churn-{uuid.uuid4().hex[:8]}"
             fraction = random.choice([0.1, 0.2, 0.3])
-            lease = await client.acquire(kernel_id, fraction, wait=2)
+            lease = await client.leases.acquire(kernel_id, fraction, wait=2)
             await asyncio.sleep(random.uniform(0.05, 0.4))
-            await client.renew(lease["id"], execution_state="busy")
-            await client.release(lease["id"])
+            await client.leases.renew(lease["id"], execution_state="busy")
+            await client.leases.release(lease["id"])
             done[0] += 1
 
 
@@ -599,7 +599,7 @@ async def test_sqlite_locked_by_another_process(broker: Broker) -> None:
         assert api(broker, "GET", "/health").status_code == 200
         # a provisioner's acquire started now retries the 503s and succeeds once unlocked
         client = BrokerClient(broker.url, broker.tokens["carol"], backoff=0.3)
-        task = asyncio.create_task(client.acquire("carol-k", 0.2, wait=1))
+        task = asyncio.create_task(client.leases.acquire("carol-k", 0.2, wait=1))
         await asyncio.sleep(1.5)
         assert not task.done()
     finally:

@@ -52,6 +52,10 @@ TOP_LEVEL = {
     "model": "base",
     "wire": "base",
     "client": "base",
+    "client_calls": "base",
+    "client_leases": "base",
+    "client_quotas": "base",
+    "client_nodes": "base",
     "inventory": "base",
     "__main__": "cli",
     "cli": "cli",
@@ -80,10 +84,11 @@ MAY_IMPORT = {
     "tools": set(SIDES),
 }
 #: (module, imported module): single arrows across sides besides MAY_IMPORT, each for a
-#: reason: the provisioner starts each kernel in a cgroup of its own on its node and names
-#: its kernel's pid namespace (node/cgroups.py, node/pidns.py, where those exist)
+#: reason: the provisioner starts each kernel in a cgroup of its own on its node (through
+#: kernel/cgroup_keeper.py) and names its kernel's pid namespace (node/cgroups.py,
+#: node/pidns.py, where those exist)
 ACROSS = {
-    ("kernel/provisioner.py", "node.cgroups"),
+    ("kernel/cgroup_keeper.py", "node.cgroups"),
     ("kernel/provisioner.py", "node.pidns"),
 }
 #: (module, imported module) arrows across sides still allowed: none

@@ -52,7 +52,7 @@ async def main():
     await km.start_kernel()
     prov = km.provisioner
     await asyncio.sleep(0)
-    cg = prov._cgroup.path if prov._cgroup is not None else None
+    cg = prov.cgroup.path
     print(json.dumps({"pid": prov.pid, "pid_ns": os.stat("/proc/self/ns/pid").st_ino,
                       "lease": prov.lease_keeper.lease.id, "cgroup": cg}), flush=True)
     loop = asyncio.get_running_loop()

@@ -146,7 +146,7 @@ class LeaseKeeper:
         )
         self._stopped_waiting = False
         self._acquiring = asyncio.ensure_future(
-            client.acquire(
+            client.leases.acquire(
                 ask.kernel_id,
                 ask.fraction,
                 node=ask.node,
@@ -272,7 +272,7 @@ class LeaseKeeper:
         report = self.kernel.kernel_report()
         try:
             fresh = GrantedLease.from_json(
-                await self.clients.get(renewal=True).renew(
+                await self.clients.get(renewal=True).leases.renew(
                     lease.id,
                     pid=report.pid,
                     execution_state=report.execution_state,
@@ -320,7 +320,7 @@ class LeaseKeeper:
         )
         try:
             lease = GrantedLease.from_json(
-                await self.clients.get().acquire(
+                await self.clients.get().leases.acquire(
                     ask.kernel_id,
                     ask.fraction,
                     node=ask.node,
@@ -406,7 +406,7 @@ class LeaseKeeper:
         lease, self.lease = self.lease, None
         if lease is not None:
             try:
-                await self.clients.get().release(lease.id)
+                await self.clients.get().leases.release(lease.id)
             except Exception as exc:  # never raised into a shutdown: the TTL ends the lease
                 self.log.warning(
                     "Could not release GPU lease %s of kernel %s (%s); the broker ends it when "
@@ -449,11 +449,13 @@ class LeaseKeeper:
             async with self.clients.new() as client:
                 if request_id is None:  # not told yet (the first long-poll is still out)
                     mine = [
-                        q for q in await client.queue() if q.get("kernel_id") == self._kernel_id
+                        q
+                        for q in await client.leases.queue()
+                        if q.get("kernel_id") == self._kernel_id
                     ]
                     request_id = mine[0].get("id") if mine else None
                 if isinstance(request_id, str):
-                    await client.release(request_id)
+                    await client.leases.release(request_id)
         except GPULeaseError as exc:
             self.log.warning(
                 "Could not withdraw the queued GPU request of kernel %s (the broker drops it "

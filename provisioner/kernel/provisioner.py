@@ -12,7 +12,9 @@ side: its hooks decide *when*; small collaborators in this package do each job:
 - :mod:`.state_file` — the file the ``%gpu`` magic reads inside the kernel;
 - :mod:`.death_watch` — noticing a kernel that died for good (jupyter_client does not
   call ``cleanup`` then);
-- :mod:`.refusals` — the broker's refusal as the sentence JupyterLab shows;
+- :mod:`.refusals` — the broker's refusal (and our own: no fraction, no MPS daemon) as the
+  sentence JupyterLab shows;
+- :mod:`.cgroup_keeper` — the kernel's own cgroup, entered after each launch;
 - :mod:`.env` and :mod:`.lease` — the granted lease -> the kernel's environment and argv.
 
 Who calls what, and when (jupyter_client ``KernelManager``):
@@ -52,17 +54,17 @@ from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import validate_fraction
-from ..node import cgroups
 from ..node.pidns import own_pid_ns
-from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, pipe_directory
+from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS
 from .broker_clients import BrokerClients
+from .cgroup_keeper import CgroupKeeper
 from .death_watch import DeathWatch
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
 from .lease import GrantedLease
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
 from .placement import discover, resolve_indexes
-from .refusals import for_jupyter_server
+from .refusals import check_mps_daemon, for_jupyter_server, no_fraction
 from .state_file import StateFile, state_file_path
 from .status import LeaseBoard, board_for
 
@@ -181,8 +183,8 @@ class GPULeaseProvisioner(LocalProvisioner):
         #: ``lease_keeper.queued`` the broker's latest answer while the request waits
         self.lease_keeper = LeaseKeeper(self, self._clients, log=self.log)
         self._death = DeathWatch(self, on_death=lambda: self.lease_keeper.end("the kernel died"))
-        #: the kernel's own cgroup (None: none could be made; see :meth:`_enter_cgroup`)
-        self._cgroup: cgroups.KernelCgroup | None = None
+        #: the kernel's own cgroup (``cgroup.path`` None: none could be made)
+        self.cgroup = CgroupKeeper(self.log)
 
     # -- jupyter_client hooks ------------------------------------------------------------
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
@@ -204,11 +206,7 @@ class GPULeaseProvisioner(LocalProvisioner):
             )
         try:
             if not self.fraction:
-                raise InvalidRequest(
-                    f"The kernelspec {self._spec_name()!r} sets no GPU fraction: add "
-                    '"config": {"fraction": 0.02} under metadata.kernel_provisioner in its '
-                    "kernel.json (or reinstall it with `gpu-lease kernelspec install --fraction`)."
-                )
+                raise no_fraction(self._spec_name())
             lease = await self.lease_keeper.acquire(await self._placed_ask())
         except GPULeaseError as exc:
             error = for_jupyter_server(exc)
@@ -224,7 +222,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                     path, kernel_id=self.kernel_id, log=self.log
                 )
             if self.enforcement == "mps":
-                self._check_mps_daemon(lease)
+                check_mps_daemon(self.mps_dir, lease.gpu.uuid or "")
             env.update(
                 lease_environment(
                     lease,
@@ -245,25 +243,6 @@ class GPULeaseProvisioner(LocalProvisioner):
             await self.lease_keeper.end("the kernel could not be prepared for launch")
             raise
         return kwargs
-
-    def _check_mps_daemon(self, lease: GrantedLease) -> None:
-        """Refuse to start an ``enforcement=mps`` kernel whose GPU has no MPS daemon here.
-
-        Seen on an H200: a CUDA process whose ``CUDA_MPS_PIPE_DIRECTORY`` holds no daemon's
-        ``control`` pipe runs *without* MPS, silently, and so without its memory limit.
-        """
-        pipe = pipe_directory(self.mps_dir, lease.gpu.uuid or "")
-        if os.path.exists(os.path.join(pipe, "control")):
-            return
-        raise for_jupyter_server(
-            InvalidRequest(
-                f"This kernel's GPU memory limit is enforced by MPS, but no MPS control daemon "
-                f"runs for GPU {lease.gpu.uuid} on this node ({pipe} has no 'control' pipe): "
-                "the kernel would run without its limit, so it was not started. Ask your "
-                "administrator to run `gpu-lease agent --mps` on this node, with the same "
-                "MPS directory as the provisioner's mps_dir."
-            )
-        )
 
     def _board(self) -> LeaseBoard | None:
         """The board of the server whose ``MultiKernelManager`` manages this kernel (if any),
@@ -296,46 +275,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             await self.lease_keeper.end("the kernel could not be launched")
             raise
         self._death.launched()
-        self._enter_cgroup()
+        self.cgroup.enter(self.kernel_id, self.pid, self.cgroup_parent)
         return info
-
-    def _enter_cgroup(self) -> None:
-        """Move the kernel just launched into its own cgroup (made at its first launch; a
-        restart reuses it). Without a writable cgroup v2 the kernel runs on, logged once."""
-        if self.cgroup_parent.strip().lower() == "off" or not self.pid:
-            return
-        if self._cgroup is None:
-            self._cgroup, why = cgroups.create(f"kernel-{self.kernel_id}", self.cgroup_parent)
-            if self._cgroup is None:
-                self.log.warning(
-                    "Kernel %s runs without a cgroup of its own, so without a driver memory "
-                    "limit: %s.",
-                    self.kernel_id,
-                    why,
-                )
-                self.cgroup_parent = "off"  # said once; the framework caps still hold
-                return
-        try:
-            self._cgroup.add(self.pid)
-        except OSError as exc:
-            self.log.warning(
-                "Could not move kernel %s (pid %s) into cgroup %s (%s); it gets no driver "
-                "memory limit.",
-                self.kernel_id,
-                self.pid,
-                self._cgroup.path,
-                exc.strerror,
-            )
-            self._drop_cgroup()
-
-    def _drop_cgroup(self) -> None:
-        """Remove the kernel's cgroup once its processes are gone (release, death)."""
-        if self._cgroup is not None:
-            why = self._cgroup.remove()
-            if why is None:
-                self._cgroup = None
-            else:
-                self.log.info("Kernel %s: %s.", self.kernel_id, why)
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Watch for death and start renewing.
@@ -361,7 +302,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 self._death.restarting()
             else:
                 await self.lease_keeper.end("the kernel was shut down")
-                self._drop_cgroup()
+                self.cgroup.drop(self.kernel_id)
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         """``LocalProvisioner``'s info plus the lease, so a restarted server resumes renewing.
@@ -410,20 +351,13 @@ class GPULeaseProvisioner(LocalProvisioner):
         """The pid, and the parent KernelManager's execution state and last activity
         (jupyter_server's ``ServerKernelManager`` has both; others report none)."""
         km = self.parent
-        state, activity = _trait(km, "execution_state"), _trait(km, "last_activity")
-        when: float | None = None
-        if isinstance(activity, datetime):
-            if activity.tzinfo is None:
-                activity = activity.replace(tzinfo=timezone.utc)
-            when = activity.timestamp()
-        elif isinstance(activity, (int, float)) and not isinstance(activity, bool):
-            when = float(activity)
+        state = _trait(km, "execution_state")
         return KernelReport(
             self.pid,
             state if isinstance(state, str) else None,
-            when,
+            _epoch(_trait(km, "last_activity")),
             own_pid_ns() if self.pid else None,  # self.pid is numbered in our namespace
-            self._cgroup.path if self._cgroup is not None else None,
+            self.cgroup.path,
         )
 
     def kernel_exited_for_good(self) -> bool:
@@ -447,7 +381,7 @@ class GPULeaseProvisioner(LocalProvisioner):
 
     def lease_ended(self) -> None:
         self._death.stop()
-        self._drop_cgroup()
+        self.cgroup.drop(self.kernel_id)
 
     # -- helpers -------------------------------------------------------------------------
     async def _placed_ask(self) -> LeaseAsk:
@@ -491,6 +425,17 @@ def _trait(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
     except TraitError:
         return None
+
+
+def _epoch(activity: Any) -> float | None:
+    """A ``last_activity`` (a datetime, naive ones in UTC, or epoch seconds) as epoch seconds."""
+    if isinstance(activity, datetime):
+        if activity.tzinfo is None:
+            activity = activity.replace(tzinfo=timezone.utc)
+        return activity.timestamp()
+    if isinstance(activity, (int, float)) and not isinstance(activity, bool):
+        return float(activity)
+    return None
 
 
 async def _call_async(obj: Any, name: str, *args: Any, **kwargs: Any) -> None:

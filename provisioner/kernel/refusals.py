@@ -10,11 +10,13 @@ about tornado.
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from typing import Any, cast
 
-from ..errors import GPULeaseError
+from ..errors import GPULeaseError, InvalidRequest
+from ..wire import pipe_directory
 
 _SERVER_ERRORS: dict[type, type] = {}
 
@@ -76,4 +78,34 @@ def for_dialog(message: str, width: int = WIDTH) -> str:
     )
 
 
-__all__ = ["for_dialog", "for_jupyter_server"]
+def no_fraction(spec_name: str) -> InvalidRequest:
+    """The refusal of a GPU kernelspec that sets no fraction (before asking the broker)."""
+    return InvalidRequest(
+        f"The kernelspec {spec_name!r} sets no GPU fraction: add "
+        '"config": {"fraction": 0.02} under metadata.kernel_provisioner in its '
+        "kernel.json (or reinstall it with `gpu-lease kernelspec install --fraction`)."
+    )
+
+
+def check_mps_daemon(mps_dir: str, gpu_uuid: str) -> None:
+    """Refuse (as :func:`for_jupyter_server`) to start an ``enforcement=mps`` kernel whose
+    GPU has no MPS control daemon under ``mps_dir`` on this node.
+
+    Seen on an H200: a CUDA process whose ``CUDA_MPS_PIPE_DIRECTORY`` holds no daemon's
+    ``control`` pipe runs *without* MPS, silently, and so without its memory limit.
+    """
+    pipe = pipe_directory(mps_dir, gpu_uuid)
+    if os.path.exists(os.path.join(pipe, "control")):
+        return
+    raise for_jupyter_server(
+        InvalidRequest(
+            f"This kernel's GPU memory limit is enforced by MPS, but no MPS control daemon "
+            f"runs for GPU {gpu_uuid} on this node ({pipe} has no 'control' pipe): "
+            "the kernel would run without its limit, so it was not started. Ask your "
+            "administrator to run `gpu-lease agent --mps` on this node, with the same "
+            "MPS directory as the provisioner's mps_dir."
+        )
+    )
+
+
+__all__ = ["check_mps_daemon", "for_dialog", "for_jupyter_server", "no_fraction"]

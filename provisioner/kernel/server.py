@@ -70,7 +70,7 @@ def introduce() -> threading.Thread | None:
 
         async def ask() -> None:
             async with BrokerClient.from_env(retries=0) as client:
-                await client.my_quota()
+                await client.quotas.mine()
 
         try:
             asyncio.run(ask())

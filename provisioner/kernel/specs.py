@@ -185,7 +185,7 @@ class GPULeaseKernelSpecManager(KernelSpecManager):
 
             try:
                 async with BrokerClient.from_env(retries=0, timeout=self.broker_timeout) as client:
-                    self._me = await asyncio.wait_for(client.my_quota(), self.broker_timeout)
+                    self._me = await asyncio.wait_for(client.quotas.mine(), self.broker_timeout)
                 self._warned = False
             except (GPULeaseError, asyncio.TimeoutError) as exc:
                 if not self._warned:

@@ -168,7 +168,7 @@ class GPULeaseLab(LoggingConfigurable):
         try:
             client = self._broker()
             self.broker_requests += 1
-            answer = await client.queue_page()
+            answer = await client.leases.queue_page()
         except GPULeaseError as exc:
             self.log.debug("jupyter-gpu-lease: no queue positions this time: %s", exc)
             return

@@ -183,7 +183,7 @@ async def _register(
     """Register until it works (the broker may start after the agent); False if stopped."""
     while not stop.is_set():
         try:
-            answer = await client.register_node(node, gpu_records(gpus), __version__, enforce)
+            answer = await client.nodes.register(node, gpu_records(gpus), __version__, enforce)
         except (BrokerUnavailable, StoreError) as exc:
             log.warning("Cannot register node %s yet: %s", node, exc.message)
         else:
@@ -250,7 +250,7 @@ async def run_agent(
             except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
                 log.exception("Cannot learn which uid each GPU's MPS server serves")
         try:
-            beat = await client.node_heartbeat(
+            beat = await client.nodes.heartbeat(
                 node,
                 usage,
                 at=time.time(),
@@ -278,7 +278,7 @@ async def run_agent(
         except asyncio.TimeoutError:
             pass
     try:
-        await client.drain_node(node)
+        await client.nodes.drain(node)
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
     except GPULeaseError as exc:
         log.warning("Could not drain node %s on the way out: %s", node, exc.message)
