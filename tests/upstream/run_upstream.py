@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -51,17 +52,25 @@ SITE = Path(__file__).resolve().parent / "site"
 PROVISIONER_NAME = "gpu-lease-upstream-default"
 
 #: distribution -> its shards: the test files (or directories) of its sdist that one pytest
-#: process runs. Every shard runs at the same time as the others (``--serial``: one after
-#: another): the tests mostly wait for kernels, restarters and timeouts, not for a CPU.
+#: process runs. The shards run at the same time (``--serial``: one after another), each in
+#: a copy of the sdist of its own: the tests mostly wait (for kernels, restarters and
+#: timeouts), not for a CPU; and the ipc tests make their sockets in the working directory
+#: under fixed names (``ip = "test"``), so two shards in one directory would cross-talk.
+#: More shards would be quicker still, but every kernel start picks free TCP ports by
+#: binding port 0 and closing it, and another process may take such a port before the
+#: kernel binds it: each shard more is one more process racing for them.
 SUITES: dict[str, tuple[tuple[str, ...], ...]] = {
     "jupyter_client": (
-        ("tests/test_kernelmanager.py",),
-        ("tests/test_restarter.py",),
-        ("tests/test_multikernelmanager.py", "tests/test_client.py"),
+        ("tests/test_kernelmanager.py", "tests/test_multikernelmanager.py"),
+        ("tests/test_restarter.py", "tests/test_client.py"),
     ),
     "jupyter_server": (
-        ("tests/services/kernels",),
-        ("tests/services/sessions", "tests/services/kernelspecs", "tests/auth/test_authorizer.py"),
+        (
+            "tests/services/kernels",
+            "tests/services/sessions",
+            "tests/services/kernelspecs",
+            "tests/auth/test_authorizer.py",
+        ),
     ),
 }
 SHORT = {"client": "jupyter_client", "server": "jupyter_server"}
@@ -125,10 +134,13 @@ def shards(dists: list[str]) -> list[Shard]:
 
 
 def start_shard(
-    shard: Shard, env: dict[str, str], pytest_args: list[str], log: Path
+    shard: Shard, env: dict[str, str], pytest_args: list[str], log: Path, tmp: Path
 ) -> tuple[subprocess.Popen[bytes], float]:
-    """pytest on ``shard``'s test files, from the unpacked sdist; its output goes to ``log``."""
+    """pytest on ``shard``'s test files, in a copy of the unpacked sdist in ``tmp``; its
+    output goes to ``log``."""
     source = sdist(shard.dist)
+    workdir = tmp / shard.name
+    shutil.copytree(source, workdir, symlinks=True)
     command = [
         sys.executable,
         "-m",
@@ -151,7 +163,7 @@ def start_shard(
     version = source.name[len(shard.dist) + 1 :]
     print(f"upstream: {shard.name} ({version}): {' '.join(command[3:])}", flush=True)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command, cwd=source, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
     return proc, time.monotonic()
 
 
@@ -173,6 +185,7 @@ def run_shards(
     env: dict[str, str],
     pytest_args: list[str],
     *,
+    tmp: Path,
     serial: bool,
     tokens: dict[str, str] | None = None,
     suffix: str = "",
@@ -185,7 +198,7 @@ def run_shards(
         if tokens is not None:
             shard_env["GPU_LEASE_TOKEN"] = tokens[shard.user]
         log = CACHE / f"{shard.name}{suffix}.log"
-        running.append((shard, *start_shard(shard, shard_env, pytest_args, log), log))
+        running.append((shard, *start_shard(shard, shard_env, pytest_args, log, tmp), log))
         if serial and finish_shard(*running.pop()):
             failed.append(shard)
     for shard, proc, started, log in running:
@@ -270,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             env.pop("JUPYTER_DEFAULT_PROVISIONER_NAME", None)
             env.pop("GPU_LEASE_TOKEN", None)
             for shard in run_shards(
-                todo, env, args.pytest_args, serial=args.serial, suffix="-without"
+                todo, env, args.pytest_args, tmp=Path(tmp), serial=args.serial, suffix="-without"
             ):
                 failures.append(f"{shard.name}'s tests failed")
         else:
@@ -278,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
             env["JUPYTER_DEFAULT_PROVISIONER_NAME"] = PROVISIONER_NAME
             with broker.running():
                 failed = run_shards(
-                    todo, env, args.pytest_args, serial=args.serial, tokens=broker.tokens
+                    todo,
+                    env,
+                    args.pytest_args,
+                    tmp=Path(tmp),
+                    serial=args.serial,
+                    tokens=broker.tokens,
                 )
                 failures += [f"{x.name}'s tests failed with our provisioner" for x in failed]
                 for shard in todo:
