@@ -173,11 +173,15 @@ def finish_shard(shard: Shard, proc: subprocess.Popen[bytes], started: float, lo
     lines = log.read_text(errors="replace").splitlines()
     summary = next((x for x in reversed(lines) if x.startswith("=") or " in " in x), "")
     print(f"upstream: {shard.name}: {summary.strip('= ')} ({time.monotonic() - started:.0f} s)")
-    if code != 0:
+    if code not in (0, NO_TESTS_COLLECTED):
         failed = [x for x in lines if x.startswith(("FAILED", "ERROR"))]
         print("\n".join(failed or lines[-60:]))
         print(f"upstream: the whole output is in {log}")
     return code
+
+
+#: pytest's exit status when ``-k`` (or another selection) left a shard no test to run
+NO_TESTS_COLLECTED = 5
 
 
 def run_shards(
@@ -189,22 +193,23 @@ def run_shards(
     serial: bool,
     tokens: dict[str, str] | None = None,
     suffix: str = "",
-) -> list[Shard]:
-    """Run every shard (at once, or one after another); the shards that failed."""
+) -> tuple[list[Shard], list[Shard]]:
+    """Run every shard (at once, or one after another): the shards that failed, and those
+    that had no test selected (``-k``), which fail nothing."""
     running = []
-    failed = []
+    codes: dict[Shard, int] = {}
     for shard in todo:
         shard_env = dict(env)
         if tokens is not None:
             shard_env["GPU_LEASE_TOKEN"] = tokens[shard.user]
         log = CACHE / f"{shard.name}{suffix}.log"
         running.append((shard, *start_shard(shard, shard_env, pytest_args, log, tmp), log))
-        if serial and finish_shard(*running.pop()):
-            failed.append(shard)
+        if serial:
+            codes[shard] = finish_shard(*running.pop())
     for shard, proc, started, log in running:
-        if finish_shard(shard, proc, started, log):
-            failed.append(shard)
-    return failed
+        codes[shard] = finish_shard(shard, proc, started, log)
+    empty = [x for x in todo if codes[x] == NO_TESTS_COLLECTED]
+    return [x for x in todo if codes[x] not in (0, NO_TESTS_COLLECTED)], empty
 
 
 def leases(broker: BrokerProcess, user: str) -> list[dict[str, object]]:
@@ -282,15 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.without:
             env.pop("JUPYTER_DEFAULT_PROVISIONER_NAME", None)
             env.pop("GPU_LEASE_TOKEN", None)
-            for shard in run_shards(
+            failed, _ = run_shards(
                 todo, env, args.pytest_args, tmp=Path(tmp), serial=args.serial, suffix="-without"
-            ):
-                failures.append(f"{shard.name}'s tests failed")
+            )
+            failures += [f"{x.name}'s tests failed" for x in failed]
         else:
             env["GPU_LEASE_URL"] = broker.url
             env["JUPYTER_DEFAULT_PROVISIONER_NAME"] = PROVISIONER_NAME
             with broker.running():
-                failed = run_shards(
+                failed, empty = run_shards(
                     todo,
                     env,
                     args.pytest_args,
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 failures += [f"{x.name}'s tests failed with our provisioner" for x in failed]
                 for shard in todo:
-                    failures += [f"{shard.name}: {x}" for x in check_leases(broker, shard)]
+                    if shard not in empty:
+                        failures += [f"{shard.name}: {x}" for x in check_leases(broker, shard)]
         for failure in failures:
             print(f"upstream: FAILED: {failure}")
         took = time.monotonic() - started
