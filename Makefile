@@ -100,7 +100,8 @@ unit: $(STAMP)
 		$(BIN)/python -m pytest $(SPLIT_TESTS)
 
 # jupyter_client's and jupyter_server's own kernel and session tests, from the sdists of
-# the installed versions (fetched once into .upstream/), with our provisioner as the default
+# the installed versions (fetched once into .upstream/), with our provisioner as the default;
+# three pytest processes at once (about 4 min on 2 shared cores; --serial: one at a time)
 upstream: $(STAMP)
 	$(BIN)/python tests/upstream/run_upstream.py
 

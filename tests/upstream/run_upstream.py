@@ -5,6 +5,7 @@ Run by ``make upstream`` (part of ``make test``)::
     python tests/upstream/run_upstream.py                 # both suites, with our provisioner
     python tests/upstream/run_upstream.py --without       # the same tests, jupyter_client's own
     python tests/upstream/run_upstream.py --suite client -- -k test_restart
+    python tests/upstream/run_upstream.py --serial        # one pytest process at a time
 
 For the *installed* versions of jupyter_client and jupyter_server it downloads their sdists
 (``pip download --no-binary :all: --no-deps``, once: they are kept in ``.upstream/``, which
@@ -13,11 +14,13 @@ GPUs), makes our provisioner the default one (``JUPYTER_DEFAULT_PROVISIONER_NAME
 ``gpu-lease-upstream-default`` entry point of ``tests/upstream/site``, our provisioner
 with a default fraction) and runs the test files in :data:`SUITES` from the unpacked
 sdist, with its own ``conftest.py`` and its own pytest settings (every warning an error).
+Each shard of :data:`SUITES` is one pytest process, all of them at once, each as a broker
+user of its own; each writes its output to ``.upstream/<dist>-<n>.log``.
 
-Afterwards the broker must have granted a lease for the kernels those tests started, and
-every one of them must have been released (none left active): a kernel the provisioner
-lost track of fails the run even when its test passed. Exit status 0 only if every suite
-passed and that holds.
+Afterwards the broker must have granted each shard's user a lease for the kernels its
+tests started, and every one of them must have been released (none left active): a
+kernel the provisioner lost track of fails the run even when its test passed. Exit
+status 0 only if every shard passed and that holds.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -46,24 +51,30 @@ CACHE = ROOT / ".upstream"
 SITE = Path(__file__).resolve().parent / "site"
 PROVISIONER_NAME = "gpu-lease-upstream-default"
 
-#: distribution -> the test files (or directories) of its sdist that run here
-SUITES: dict[str, tuple[str, ...]] = {
+#: distribution -> its shards: the test files (or directories) of its sdist that one pytest
+#: process runs. The shards run at the same time (``--serial``: one after another), each in
+#: a copy of the sdist of its own: the tests mostly wait (for kernels, restarters and
+#: timeouts), not for a CPU; and the ipc tests make their sockets in the working directory
+#: under fixed names (``ip = "test"``), so two shards in one directory would cross-talk.
+#: More shards would be quicker still, but every kernel start picks free TCP ports by
+#: binding port 0 and closing it, and another process may take such a port before the
+#: kernel binds it: each shard more is one more process racing for them.
+SUITES: dict[str, tuple[tuple[str, ...], ...]] = {
     "jupyter_client": (
-        "tests/test_kernelmanager.py",
-        "tests/test_multikernelmanager.py",
-        "tests/test_restarter.py",
-        "tests/test_client.py",
+        ("tests/test_kernelmanager.py", "tests/test_multikernelmanager.py"),
+        ("tests/test_restarter.py", "tests/test_client.py"),
     ),
     "jupyter_server": (
-        "tests/services/kernels",
-        "tests/services/sessions",
-        "tests/services/kernelspecs",
-        "tests/auth/test_authorizer.py",
+        (
+            "tests/services/kernels",
+            "tests/services/sessions",
+            "tests/services/kernelspecs",
+            "tests/auth/test_authorizer.py",
+        ),
     ),
 }
 SHORT = {"client": "jupyter_client", "server": "jupyter_server"}
 
-USER = "upstream"
 ADMIN = "upstream-admin"
 
 
@@ -101,9 +112,35 @@ def sdist(dist: str) -> Path:
     return unpacked
 
 
-def run_suite(dist: str, env: dict[str, str], pytest_args: list[str], log: Path) -> int:
-    """pytest on ``dist``'s test files, from its unpacked sdist; its output goes to ``log``."""
-    source = sdist(dist)
+class Shard(NamedTuple):
+    """One pytest process: some of ``dist``'s test files, as broker user ``user``."""
+
+    dist: str
+    number: int
+    files: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.dist}-{self.number}"
+
+    @property
+    def user(self) -> str:
+        """Its own broker user: the leases of one shard are told from another's."""
+        return f"upstream-{self.name}"
+
+
+def shards(dists: list[str]) -> list[Shard]:
+    return [Shard(d, n, files) for d in dists for n, files in enumerate(SUITES[d], 1)]
+
+
+def start_shard(
+    shard: Shard, env: dict[str, str], pytest_args: list[str], log: Path, tmp: Path
+) -> tuple[subprocess.Popen[bytes], float]:
+    """pytest on ``shard``'s test files, in a copy of the unpacked sdist in ``tmp``; its
+    output goes to ``log``."""
+    source = sdist(shard.dist)
+    workdir = tmp / shard.name
+    shutil.copytree(source, workdir, symlinks=True)
     command = [
         sys.executable,
         "-m",
@@ -120,28 +157,66 @@ def run_suite(dist: str, env: dict[str, str], pytest_args: list[str], log: Path)
         "ignore:The start_line argument to HTTPServerRequest:DeprecationWarning",
         "-q",
         "--color=no",
-        *SUITES[dist],
+        *shard.files,
         *pytest_args,
     ]
-    print(f"upstream: {dist} {source.name[len(dist) + 1 :]}: {' '.join(command[3:])}", flush=True)
-    started = time.monotonic()
+    version = source.name[len(shard.dist) + 1 :]
+    print(f"upstream: {shard.name} ({version}): {' '.join(command[3:])}", flush=True)
     with open(log, "wb") as out:
-        code = subprocess.run(command, cwd=source, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, time.monotonic()
+
+
+def finish_shard(shard: Shard, proc: subprocess.Popen[bytes], started: float, log: Path) -> int:
+    """Wait for ``shard``'s pytest; print its summary (and its failures)."""
+    code = proc.wait()
     lines = log.read_text(errors="replace").splitlines()
     summary = next((x for x in reversed(lines) if x.startswith("=") or " in " in x), "")
-    print(f"upstream: {dist}: {summary.strip('= ')} ({time.monotonic() - started:.0f} s)")
-    if code.returncode != 0:
+    print(f"upstream: {shard.name}: {summary.strip('= ')} ({time.monotonic() - started:.0f} s)")
+    if code not in (0, NO_TESTS_COLLECTED):
         failed = [x for x in lines if x.startswith(("FAILED", "ERROR"))]
         print("\n".join(failed or lines[-60:]))
         print(f"upstream: the whole output is in {log}")
-    return code.returncode
+    return code
 
 
-def leases(broker: BrokerProcess) -> list[dict[str, object]]:
-    """Every lease of the suites' user, ended ones included."""
+#: pytest's exit status when ``-k`` (or another selection) left a shard no test to run
+NO_TESTS_COLLECTED = 5
+
+
+def run_shards(
+    todo: list[Shard],
+    env: dict[str, str],
+    pytest_args: list[str],
+    *,
+    tmp: Path,
+    serial: bool,
+    tokens: dict[str, str] | None = None,
+    suffix: str = "",
+) -> tuple[list[Shard], list[Shard]]:
+    """Run every shard (at once, or one after another): the shards that failed, and those
+    that had no test selected (``-k``), which fail nothing."""
+    running = []
+    codes: dict[Shard, int] = {}
+    for shard in todo:
+        shard_env = dict(env)
+        if tokens is not None:
+            shard_env["GPU_LEASE_TOKEN"] = tokens[shard.user]
+        log = CACHE / f"{shard.name}{suffix}.log"
+        running.append((shard, *start_shard(shard, shard_env, pytest_args, log, tmp), log))
+        if serial:
+            codes[shard] = finish_shard(*running.pop())
+    for shard, proc, started, log in running:
+        codes[shard] = finish_shard(shard, proc, started, log)
+    empty = [x for x in todo if codes[x] == NO_TESTS_COLLECTED]
+    return [x for x in todo if codes[x] not in (0, NO_TESTS_COLLECTED)], empty
+
+
+def leases(broker: BrokerProcess, user: str) -> list[dict[str, object]]:
+    """Every lease of ``user``, ended ones included."""
     r = httpx.get(
         f"{broker.url}/api/v1/leases",
-        params={"user": USER, "history": "1"},
+        params={"user": user, "history": "1"},
         headers={"Authorization": f"token {broker.tokens[ADMIN]}"},
         timeout=10.0,
     )
@@ -149,25 +224,28 @@ def leases(broker: BrokerProcess) -> list[dict[str, object]]:
     return list(r.json()["leases"])
 
 
-def check_leases(broker: BrokerProcess, before: int) -> list[str]:
-    """Problems with the leases the suite left: none granted, or some never released."""
+def check_leases(broker: BrokerProcess, shard: Shard) -> list[str]:
+    """Problems with the leases ``shard`` left: none granted, or some never released."""
     try:
         wait_for(
-            lambda: not [x for x in leases(broker) if x.get("state") == "active"],
+            lambda: not [x for x in leases(broker, shard.user) if x.get("state") == "active"],
             15.0,
             "every lease to be released",
         )
     except AssertionError:
         pass
-    every = leases(broker)
+    every = leases(broker, shard.user)
     active = [x for x in every if x.get("state") == "active"]
     problems = []
-    if len(every) <= before:
+    if not every:
         problems.append("the broker granted no lease: our provisioner was not the default")
     if active:
         kernels = ", ".join(str(x.get("kernel_id")) for x in active)
         problems.append(f"{len(active)} lease(s) were never released (kernels {kernels})")
-    print(f"upstream: the broker granted {len(every) - before} lease(s); {len(active)} left active")
+    print(
+        f"upstream: {shard.name}: the broker granted {len(every)} lease(s); "
+        f"{len(active)} left active"
+    )
     return problems
 
 
@@ -181,45 +259,58 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the same tests with jupyter_client's own default provisioner (a baseline)",
     )
+    parser.add_argument(
+        "--serial", action="store_true", help="one pytest process after another (default: at once)"
+    )
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args(argv)
     dists = list(SUITES) if args.suite == "all" else [SHORT[args.suite]]
     for dist in dists:
         sdist(dist)
+    todo = shards(dists)
 
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-lease-upstream-") as tmp:
         env = dict(os.environ)
         env.pop("JUPYTERHUB_API_TOKEN", None)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(ROOT), str(SITE), env.get("PYTHONPATH")])
         )
+        users: dict[str, tuple[list[str], bool]] = {x.user: ([], False) for x in todo}
         broker = BrokerProcess(
             Path(tmp),
             f"sqlite:///{tmp}/broker.sqlite",
-            {USER: ([], False), ADMIN: ([], True)},
+            {**users, ADMIN: ([], True)},
             gpus="4x81920:H100",  # 80 kernels at once,
         )
         failures: list[str] = []
         if args.without:
             env.pop("JUPYTER_DEFAULT_PROVISIONER_NAME", None)
-            for dist in dists:
-                if run_suite(dist, env, args.pytest_args, CACHE / f"{dist}-without.log"):
-                    failures.append(f"{dist}'s tests failed")
+            env.pop("GPU_LEASE_TOKEN", None)
+            failed, _ = run_shards(
+                todo, env, args.pytest_args, tmp=Path(tmp), serial=args.serial, suffix="-without"
+            )
+            failures += [f"{x.name}'s tests failed" for x in failed]
         else:
             env["GPU_LEASE_URL"] = broker.url
-            env["GPU_LEASE_TOKEN"] = broker.tokens[USER]
             env["JUPYTER_DEFAULT_PROVISIONER_NAME"] = PROVISIONER_NAME
             with broker.running():
-                for dist in dists:
-                    before = len(leases(broker))
-                    log = CACHE / f"{dist}.log"
-                    if run_suite(dist, env, args.pytest_args, log):
-                        failures.append(f"{dist}'s tests failed with our provisioner")
-                    failures += [f"{dist}: {x}" for x in check_leases(broker, before)]
+                failed, empty = run_shards(
+                    todo,
+                    env,
+                    args.pytest_args,
+                    tmp=Path(tmp),
+                    serial=args.serial,
+                    tokens=broker.tokens,
+                )
+                failures += [f"{x.name}'s tests failed with our provisioner" for x in failed]
+                for shard in todo:
+                    if shard not in empty:
+                        failures += [f"{shard.name}: {x}" for x in check_leases(broker, shard)]
         for failure in failures:
             print(f"upstream: FAILED: {failure}")
-        if not failures:
-            print("upstream: passed")
+        took = time.monotonic() - started
+        print(f"upstream: {'passed' if not failures else 'failed'} ({took:.0f} s)")
         return 1 if failures else 0
 
 
