@@ -140,19 +140,10 @@ __all__ = [
 
 
 class Store(LeaseWrites):
-    """The lease database. Created by the broker at start; every method is one transaction.
-
-    ``url`` is a SQLAlchemy URL (``sqlite:///gpu-lease.sqlite``,
-    ``postgresql://user@host/db``). The engine is built here but nothing connects
-    until :meth:`open`. Methods are synchronous and thread-safe (a connection pool).
-
-    PostgreSQL connections are bounded by ``pg_timeout`` seconds: the connect timeout,
-    ``statement_timeout``, ``idle_in_transaction_session_timeout`` (a paused broker's
-    open transaction, and its locks, end after it), TCP keepalives that notice a dead
-    server within about that time, and ``tcp_user_timeout`` (a write into a cut network
-    fails after it). Settings given in the URL's query win. ``application_name`` names
-    the sessions in ``pg_stat_activity``.
-    """
+    """The lease database as the broker uses it: the connection and its timeouts are
+    :class:`~provisioner.broker.store_engine.Database`'s, the lease writes
+    :class:`~provisioner.broker.store_writes.LeaseWrites`', leadership ``self.fencing``;
+    here the reads, quotas, usage and the queue. Every method is one transaction."""
 
     def sync_gpus(self, gpus: list[GPU], capacity_ppm: int) -> None:
         """Record the broker's GPUs (declared or discovered) with their capacity.
