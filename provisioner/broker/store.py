@@ -143,7 +143,8 @@ class Store(LeaseWrites):
     """The lease database as the broker uses it: the connection and its timeouts are
     :class:`~provisioner.broker.store_engine.Database`'s, the lease writes
     :class:`~provisioner.broker.store_writes.LeaseWrites`', leadership ``self.fencing``;
-    here the reads, quotas, usage and the queue. Every method is one transaction."""
+    here the GPUs, lease reads, the queue, quotas, usage, history and nodes. Every method
+    is one transaction."""
 
     def sync_gpus(self, gpus: list[GPU], capacity_ppm: int) -> None:
         """Record the broker's GPUs (declared or discovered) with their capacity.
