@@ -97,8 +97,8 @@ def sdist(dist: str) -> Path:
                 "--quiet",
                 "--no-binary",
                 ":all:",
-                "--no-deps",
-                "--no-build-isolation",
+                "--no-deps",  # pip reads the sdist's metadata with its build backend,
+                # fetched into an isolated build environment (nothing lands in the venv)
                 "--dest",
                 str(CACHE),
                 f"{dist}=={version}",
