@@ -118,11 +118,10 @@ class MPSDaemon:
         )
         return True
 
-    async def query(self, command: str) -> str | None:
-        """One command to this GPU's daemon through the control program; its answer, or
-        None (not running, failed, or silent past :data:`QUERY_TIMEOUT`)."""
-        if self.state != "running":
-            return None
+    async def _control(self, command: str, timeout: float) -> bytes | None:
+        """``command`` to this GPU's daemon through the control program: its output, or
+        None when the program cannot start, fails, or is silent past ``timeout`` (then it
+        is killed). Each failure is logged."""
         try:
             client = await asyncio.create_subprocess_exec(
                 self.control,
@@ -132,18 +131,26 @@ class MPSDaemon:
                 stderr=asyncio.subprocess.DEVNULL,
             )
         except OSError as exc:
-            log.warning("Cannot ask the MPS daemon of GPU %s: %s", self.gpu_uuid, exc)
+            log.warning(
+                "Cannot send %r to the MPS daemon of GPU %s: %s", command, self.gpu_uuid, exc
+            )
             return None
         try:
-            out, _ = await asyncio.wait_for(
-                client.communicate(command.encode() + b"\n"), QUERY_TIMEOUT
-            )
+            out, _ = await asyncio.wait_for(client.communicate(command.encode() + b"\n"), timeout)
         except asyncio.TimeoutError:
             client.kill()
             await client.wait()
             log.warning("The MPS daemon of GPU %s did not answer %r", self.gpu_uuid, command)
             return None
-        return out.decode(errors="replace") if client.returncode == 0 else None
+        return out if client.returncode == 0 else None
+
+    async def query(self, command: str) -> str | None:
+        """One command to this GPU's daemon; its answer, or None (not running, failed, or
+        silent past :data:`QUERY_TIMEOUT`)."""
+        if self.state != "running":
+            return None
+        out = await self._control(command, QUERY_TIMEOUT)
+        return None if out is None else out.decode(errors="replace")
 
     async def server_uid(self, proc: str = "/proc") -> int | None:
         """The uid this GPU's MPS server serves clients of now; None: no server, or one
@@ -187,17 +194,7 @@ class MPSDaemon:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
-        try:
-            quitter = await asyncio.create_subprocess_exec(
-                self.control,
-                env=self.env,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-            await asyncio.wait_for(quitter.communicate(b"quit\n"), STOP_TIMEOUT)
-        except (OSError, asyncio.TimeoutError) as exc:
-            log.warning("'quit' to the MPS daemon of GPU %s failed: %s", self.gpu_uuid, exc)
+        await self._control("quit", STOP_TIMEOUT)  # then the signals, whatever it answered
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None and proc.returncode is None:
                 proc.send_signal(sig)
