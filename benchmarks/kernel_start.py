@@ -353,13 +353,19 @@ async def measure(args: argparse.Namespace, broker: BrokerProcess, log: Any) -> 
     return data
 
 
-def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def isolate(tmp: Path) -> None:
+    """This process's Jupyter paths under ``tmp``, with the two kernelspecs, and none of a
+    hub's or node's environment (every kernel leases on the benchmark's broker alone)."""
     write_specs(tmp / "jupyter")
     os.environ["JUPYTER_PATH"] = str(tmp / "jupyter")
     os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     os.environ["IPYTHONDIR"] = str(tmp / "ipython")
     for name in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_NODE", "GPU_LEASE_GPU_UUIDS"):
         os.environ.pop(name, None)
+
+
+def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    isolate(tmp)
     db_url = f"sqlite:///{tmp / 'broker.sqlite'}"
     broker = BrokerProcess(tmp, db_url, {"u00": ([], False)}, gpus="1x81920:A100")
     broker.start(60.0)

@@ -46,7 +46,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from kernel_start import GPU, PLAIN, write_specs  # noqa: E402
+from kernel_start import GPU, PLAIN, isolate  # noqa: E402
 
 from provisioner.devtools.testing import BrokerProcess  # noqa: E402
 
@@ -152,12 +152,7 @@ def report(data: dict[str, Any]) -> str:
 
 
 def run_all(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    write_specs(tmp / "jupyter")
-    os.environ["JUPYTER_PATH"] = str(tmp / "jupyter")
-    os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
-    os.environ["IPYTHONDIR"] = str(tmp / "ipython")
-    for name in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_NODE", "GPU_LEASE_GPU_UUIDS"):
-        os.environ.pop(name, None)
+    isolate(tmp)
     (tmp / "runtime").mkdir()
     broker = BrokerProcess(
         tmp, f"sqlite:///{tmp / 'broker.sqlite'}", {"u00": ([], False)}, gpus="1x81920:A100"
