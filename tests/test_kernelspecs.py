@@ -23,6 +23,9 @@ def isolated_jupyter(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user-data"))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter-path"))
     monkeypatch.setenv("JUPYTER_PLATFORM_DIRS", "1")
+    # the user's folder before the environment's: kernelspecs that `make demo` installed
+    # into the venv (sys.prefix) must not hide the ones a test installs for the user
+    monkeypatch.setenv("JUPYTER_PREFER_ENV_PATH", "0")
 
 
 def validate(value):
