@@ -7,6 +7,12 @@ drain leaves no waiting head that could have been placed; and, with MPS kernels
 (``mps_uid``) and agents' reports of whom each GPU's MPS server serves, that no GPU
 holds MPS leases of two uids (one would hang) and none is placed where another uid is
 served.
+
+Parking (issue 28): the reaper parks idle victims where a random ``can_park`` allows,
+the agent's reports (park done/failed, resume done/failed), the parking timeout, the
+owners' resumes, releases, renewals and expiry of parked leases, and acquires of
+kernels whose lease is parked are interleaved too; parked leases never hold capacity,
+and a kernel's place in the queue is kept only by its resume request.
 """
 
 from __future__ import annotations
@@ -48,12 +54,16 @@ UIDS = {user: 1000 + i for i, user in enumerate(USERS)}
 
 
 class Broker(RuleBasedStateMachine):
+    #: the pool and the quotas (:class:`CrowdedBroker` changes them)
+    gpus = GPUS
+    book = BOOK
+
     def __init__(self) -> None:
         super().__init__()
         self.policy = Policy(
             ttl=90, idle_reclaim_after=300, queue_poll_grace=30, starvation_after=600
         )
-        self.state = PoolState.build(GPUS)
+        self.state = PoolState.build(self.gpus)
         self.now = 0.0
         counter = itertools.count()
         self.new_id = lambda: f"x{next(counter)}"
@@ -68,18 +78,18 @@ class Broker(RuleBasedStateMachine):
     def acquire(self, user, kernel, ppm, node, mps=False):
         uid = UIDS[user] if mps else None
         ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node, mps_uid=uid)
-        quota = admission.effective_quota(BOOK, user, GROUPS[user])
-        before = (dict(self.state.allocated), set(self.state.leases), set(self.state.queue))
+        quota = admission.effective_quota(self.book, user, GROUPS[user])
+        before = self._snapshot()
+        was = self.state.lease_for_kernel(user, kernel)
         try:
-            d, _ = core.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+            d, changes = core.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
         except GPULeaseError:
             # a refusal changes nothing
-            assert before == (
-                dict(self.state.allocated),
-                set(self.state.leases),
-                set(self.state.queue),
-            )
+            assert before == self._snapshot()
             return
+        if was is not None and was.park == "parked":  # the kernel restarted: released
+            assert (was.id, "released") in [(x.id, how) for x, how, _ in changes.ended]
+            assert self.state.find_lease(was.id) is None
         if isinstance(d.outcome, Grant) and uid is not None:  # never where another uid is served
             owners = node_rules.mps_owners(self.state)[d.outcome.lease.gpu_uuid]
             assert owners == {uid}, owners
@@ -97,25 +107,112 @@ class Broker(RuleBasedStateMachine):
             else:
                 assert isinstance(out, Queued) and out.request.id == d.outcome.request.id
 
-    @precondition(lambda self: self.state.leases)
+    def _snapshot(self):
+        return (
+            dict(self.state.allocated),
+            set(self.state.leases),
+            set(self.state.parked),
+            dict(self.state.queue),
+            dict(self.state.held_by_user),
+        )
+
+    def _live(self) -> list[str]:
+        return sorted([*self.state.leases, *self.state.parked])
+
+    def _in(self, park: str) -> list[str]:
+        home = self.state.parked if park == "parked" else self.state.leases
+        return sorted(i for i, x in home.items() if x.park == park)
+
+    @precondition(lambda self: self.state.leases or self.state.parked)
     @rule(data=st.data())
     def release(self, data):
-        lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
-        lease = self.state.leases[lease_id]
+        lease_id = data.draw(st.sampled_from(self._live()))
+        lease = self.state.find_lease(lease_id)
         changes = core.end(self.state, [(lease, "released", None)], self.now, self.policy)
         assert [x.id for x, _, _ in changes.ended] == [lease_id]
+        assert self.state.find_lease(lease_id) is None
+        assert not [r for r in self.state.queue.values() if r.resume_of == lease_id]
 
-    @precondition(lambda self: self.state.leases)
+    @precondition(lambda self: self.state.leases or self.state.parked)
     @rule(data=st.data(), busy=st.booleans())
     def renew(self, data, busy):
-        lease_id = data.draw(st.sampled_from(sorted(self.state.leases)))
-        lease = self.state.leases[lease_id]
+        lease_id = data.draw(st.sampled_from(self._live()))
+        lease = self.state.find_lease(lease_id)
         state = "busy" if busy else "idle"
         self.state.update_lease(
             core.renewed(
                 lease, self.now, self.policy, execution_state=state, last_activity=self.now
             )
         )
+
+    @precondition(lambda self: any(x.park == "parking" for x in self.state.leases.values()))
+    @rule(data=st.data(), done=st.booleans())
+    def park_report(self, data, done):
+        """The node agent reports a checkpoint done (the share is freed) or failed."""
+        lease_id = data.draw(st.sampled_from(self._in("parking")))
+        lease = self.state.leases[lease_id]
+        held = self.state.allocated[lease.gpu_uuid]
+        if done:
+            changes = core.park_done(self.state, lease_id, self.now, self.policy)
+            assert self.state.parked[lease_id].park == "parked"
+            assert changes.parks[0].id == lease_id
+        else:
+            changes = core.park_failed(self.state, lease_id, "no", self.now, self.policy)
+            assert [(x.id, how) for x, how, _ in changes.ended] == [(lease_id, "revoked")]
+        # its share is freed, and the queue may have taken it at once
+        regranted = [g.lease for g in changes.granted] + [x for _, x in changes.resumed]
+        taken = sum(x.fraction_ppm for x in regranted if x.gpu_uuid == lease.gpu_uuid)
+        assert self.state.allocated[lease.gpu_uuid] == held - lease.fraction_ppm + taken
+        # a repeated report changes nothing
+        assert not core.park_done(self.state, lease_id, self.now, self.policy)
+        assert not core.park_failed(self.state, lease_id, "again", self.now, self.policy)
+
+    @precondition(lambda self: any(x.park == "parking" for x in self.state.leases.values()))
+    @rule(timeout=st.sampled_from([0.0, 50.0, 500.0]))
+    def parking_timeout(self, timeout):
+        """The service gives up on leases parking longer than its ``park_timeout``."""
+        for lease in core.parking_overdue(self.state, self.now, timeout):
+            assert self.now - lease.parked_at > timeout
+            core.park_failed(self.state, lease.id, "it did not finish", self.now, self.policy)
+
+    @precondition(lambda self: self.state.leases or self.state.parked)
+    @rule(data=st.data())
+    def resume(self, data):
+        """An owner asks for their lease back (any live lease: not parked is answered as is)."""
+        parked = self._in("parked")
+        pick = parked if parked and data.draw(st.booleans()) else self._live()
+        lease_id = data.draw(st.sampled_from(pick))
+        was = self.state.find_lease(lease_id)
+        d, changes = core.resume(self.state, lease_id, self.now, self.policy, self.new_id)
+        assert d.lease is self.state.find_lease(lease_id)
+        if was.park != "parked":
+            assert d.state == (was.park or "active") and not changes
+            return
+        assert d.state in ("parked", "resuming")
+        if d.state == "parked":
+            req = self.state.queue[was.user_kernel]
+            assert req.resume_of == lease_id and d.position >= 1
+            assert req.arrived_at == was.parked_at
+        else:
+            assert lease_id in self.state.leases and d.position is None
+            assert any(x.id == lease_id for _, x in changes.resumed)
+        assert not changes.granted or all(g.request is not None for g in changes.granted)
+        again, more = core.resume(self.state, lease_id, self.now, self.policy, self.new_id)
+        assert again.state == d.state and not more.queued  # idempotent
+
+    @precondition(lambda self: any(x.park == "resuming" for x in self.state.leases.values()))
+    @rule(data=st.data(), done=st.booleans())
+    def resume_report(self, data, done):
+        """The node agent reports a restore done (active again) or failed (revoked)."""
+        lease_id = data.draw(st.sampled_from(self._in("resuming")))
+        if done:
+            core.resume_done(self.state, lease_id, self.now)
+            assert self.state.leases[lease_id].park is None
+        else:
+            changes = core.resume_failed(self.state, lease_id, "no", self.now, self.policy)
+            assert changes.ended[0][0].id == lease_id
+        assert not core.resume_done(self.state, lease_id, self.now)
+        assert not core.resume_failed(self.state, lease_id, "again", self.now, self.policy)
 
     @rule(gpu=st.sampled_from([g.uuid for g in GPUS]), user=st.sampled_from([None, *USERS]))
     def mps_report(self, gpu, user):
@@ -129,15 +226,41 @@ class Broker(RuleBasedStateMachine):
         if self.state.mps_uid != before:
             core.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
 
-    @rule(dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]))
-    def advance(self, dt):
-        """The reaper's pass, as the service runs it."""
+    @rule(
+        dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]),
+        parking=st.sampled_from(["off", "yes", "yes", "no", "some"]),
+        kept=st.sampled_from([True, True, False]),
+    )
+    def advance(self, dt, parking, kept=False):
+        """The reaper's pass, as the service runs it, with parking off (no ``can_park``),
+        always possible, never possible, or possible for some leases only. ``kept``: the
+        kernels' keepers renewed every live lease meanwhile (parked ones too), reporting
+        no activity (idle kernels stay idle, and may be reclaimed), and every waiting
+        request's client polled."""
         self.now += dt
-        reaped = core.reap(self.state, self.now, self.policy)
-        if reaped.revoked:
-            assert self.state.queue or reaped.changes.granted, (
-                "idle leases revoked while nobody waited"
+        if kept:
+            for lease in [*self.state.leases.values(), *self.state.parked.values()]:
+                self.state.update_lease(core.renewed(lease, self.now, self.policy))
+            for req in self.state.queue.values():
+                req.last_polled_at = self.now
+        can_park = {
+            "off": None,
+            "yes": lambda lease: None,
+            "no": lambda lease: "the node cannot checkpoint",
+            "some": lambda lease: None if lease.fraction_ppm <= 250_000 else "too big",
+        }[parking]
+        before = {i for i, x in self.state.leases.items() if x.park is not None}
+        reaped = core.reap(self.state, self.now, self.policy, can_park=can_park)
+        if reaped.revoked or reaped.parking:
+            assert self.state.queue or reaped.changes.granted or reaped.changes.resumed, (
+                "idle leases reclaimed while nobody waited"
             )
+        for lease in reaped.parking:
+            assert lease.id not in before and can_park is not None and can_park(lease) is None
+            assert self.state.leases[lease.id].park == "parking"
+            assert self.state.leases[lease.id].parked_at == self.now
+        for lease in reaped.revoked:
+            assert lease.id not in before, "a lease being parked or resumed was revoked as idle"
         assert not core.expired(self.state, self.now)
 
     @invariant()
@@ -147,12 +270,15 @@ class Broker(RuleBasedStateMachine):
     @invariant()
     def quotas_hold(self):
         for user in USERS:
-            quota = admission.effective_quota(BOOK, user, GROUPS[user])
-            mine = [x for x in self.state.leases.values() if x.user == user]
-            waiting = [r for r in self.state.queue.values() if r.user == user]
+            quota = admission.effective_quota(self.book, user, GROUPS[user])
+            live = [*self.state.leases.values(), *self.state.parked.values()]
+            mine = [x for x in live if x.user == user]  # parked leases count for quotas
+            waiting = [  # a resume request's lease counts already
+                r for r in self.state.queue.values() if r.user == user and r.resume_of is None
+            ]
             assert len(mine) + len(waiting) <= quota.max_leases
             held = sum(x.fraction_ppm for x in mine) + sum(r.fraction_ppm for r in waiting)
-            assert held <= quota.max_fraction_ppm
+            assert quota.max_fraction_ppm is None or held <= quota.max_fraction_ppm
             if quota.max_lease_fraction_ppm is not None:
                 assert all(x.fraction_ppm <= quota.max_lease_fraction_ppm for x in mine)
 
@@ -168,6 +294,17 @@ class Broker(RuleBasedStateMachine):
             blocked = node_rules.mps_blocked(node_rules.mps_owners(self.state), head.mps_uid)
             placed = core.place(ok, self.state.allocated, head.fraction_ppm, self.policy, blocked)
             assert placed is None
+
+    @invariant()
+    def parked_leases_hold_nothing(self):
+        held: dict[str, int] = {}
+        for lease in self.state.leases.values():
+            held[lease.gpu_uuid] = held.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        for uuid in self.state.gpus:
+            assert self.state.allocated[uuid] == held.get(uuid, 0) <= self.policy.capacity_ppm
+        for lease in self.state.parked.values():
+            assert lease.park == "parked" and lease.parked_at is not None
+            assert lease.expires_at > self.now  # expired ones are reaped
 
     @invariant()
     def one_mps_uid_per_gpu(self):
@@ -192,6 +329,51 @@ Broker.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBrokerInvariants = Broker.TestCase
+
+
+class CrowdedBroker(Broker):
+    """The same machine on one GPU with loose quotas: the queue forms often, so idle
+    reclaim, parking and resumes happen in most runs (the wide pool rarely fills)."""
+
+    gpus = [GPUS[0]]
+    book = QuotaBook(default=Quota(max_leases=3))
+
+    @precondition(lambda self: self.state.leases)
+    @rule()
+    def everyone_idle(self):
+        """Every kernel reports that it has been idle for long (its last activity well
+        before the reclaim limit): the next reaper pass reclaims for whoever waits."""
+        for lease in list(self.state.leases.values()):
+            since = self.now - 2 * (self.policy.idle_reclaim_after or 0)
+            self.state.update_lease(
+                core.renewed(
+                    lease, self.now, self.policy, execution_state="idle", last_activity=since
+                )
+            )
+
+    @precondition(lambda self: self.state.leases)
+    @rule(
+        user=st.sampled_from(USERS), kernel=st.sampled_from(KERNELS), ppm=st.sampled_from(FRACTIONS)
+    )
+    def park_for(self, user, kernel, ppm):
+        """Someone asks while every kernel is idle: the reaper parks what makes room and
+        the agents report the checkpoints done (a path to parked leases in few steps)."""
+        self.everyone_idle()
+        self.acquire(user, kernel, ppm, None)
+        reaped = core.reap(self.state, self.now, self.policy, can_park=lambda lease: None)
+        assert not reaped.revoked
+        for lease in reaped.parking:
+            core.park_done(self.state, lease.id, self.now, self.policy)
+            assert lease.id in self.state.parked
+
+
+CrowdedBroker.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestParkingInvariants = CrowdedBroker.TestCase
 
 
 def test_no_starvation_every_waiting_request_is_served_as_leases_end():
