@@ -26,6 +26,8 @@ import pytest
 import sqlalchemy as sa
 
 import provisioner
+from provisioner.broker import scheduling as core
+from provisioner.broker.policy import Ask, Policy
 from provisioner.broker.store import (
     MIGRATIONS,
     Fence,
@@ -42,7 +44,17 @@ from provisioner.errors import (
     NotActive,
     StoreError,
 )
-from provisioner.model import GPU, PPM, Changes, Grant, Lease, Quota, QuotaBook, Request
+from provisioner.model import (
+    GPU,
+    PPM,
+    Changes,
+    Grant,
+    Lease,
+    PoolState,
+    Quota,
+    QuotaBook,
+    Request,
+)
 
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REPO_ROOT = Path(provisioner.__file__).resolve().parent.parent
@@ -769,6 +781,148 @@ def test_usage_by_group_attributes_to_the_users_courses(
     assert sum(got.values()) == pytest.approx(1.3)  # splitting creates no usage
 
 
+# --------------------------------------------------------------------------- parking (v7)
+
+PARK_POLICY = Policy(ttl=10_000, idle_reclaim_after=600, queue_poll_grace=10_000)
+
+
+def _memory_of(store: Store, gpus: list[GPU]) -> PoolState:
+    """The pool state a (re)started broker builds from the database."""
+    leases, queue = store.load_active()
+    return PoolState.build(gpus, leases, queue)
+
+
+def _same(store: Store, st: PoolState) -> None:
+    """The database holds what memory holds: live leases with their park states, parked
+    ones apart, the queue with its resume requests, the same capacity."""
+    back = _memory_of(store, list(st.gpus.values()))
+    core.check_invariants(back, PARK_POLICY)
+
+    def parks(leases: dict[str, Lease]) -> dict[str, tuple[str | None, float | None]]:
+        return {i: (x.park, x.parked_at) for i, x in leases.items()}
+
+    assert parks(back.leases) == parks(st.leases)
+    assert parks(back.parked) == parks(st.parked)
+    assert {k: (r.id, r.resume_of, r.arrived_at) for k, r in back.queue.items()} == {
+        k: (r.id, r.resume_of, r.arrived_at) for k, r in st.queue.items()
+    }
+    assert back.allocated == st.allocated and back.held_by_user == st.held_by_user
+
+
+def test_parking_round_trips_through_the_database(store: Store) -> None:
+    """Each step of a park and a resume, made by the core and written as its Changes,
+    reloads as memory holds it: a restarted (or failed-over) broker keeps a parked lease
+    parked, holding no capacity, and its resume request waiting with ``resume_of``; a
+    granted resume creates no lease."""
+    st = PoolState.build([GPU0])
+    ids = iter(f"id{i}" for i in range(100))
+
+    def new_id() -> str:
+        return next(ids)
+
+    def write(changes: Changes) -> None:
+        assert not store.write_changes([changes], PPM)
+        _same(store, st)
+
+    for user, now in (("ann", 0.0), ("bob", 1.0), ("cyd", 900.0)):
+        _, ch = core.acquire(st, Ask(user, "k", 500_000), Quota(), now, PARK_POLICY, new_id)
+        write(ch)
+    ann = st.lease_for_kernel("ann", "k")
+    bob = st.lease_for_kernel("bob", "k")
+    assert ann is not None and bob is not None and ("cyd", "k") in st.queue
+    st.update_lease(replace(bob, execution_state="busy"))
+    reaped = core.reap(st, 1000.0, PARK_POLICY, can_park=lambda lease: None)
+    assert [x.id for x in reaped.parking] == [ann.id]
+    write(reaped.changes)  # parking: it still holds its share in the database
+    assert store.get_lease(ann.id).park == "parking"  # type: ignore[union-attr]
+    assert store.counts()["parking"] == 1
+    write(core.park_done(st, ann.id, 1005.0, PARK_POLICY))  # parked; cyd granted its share
+    assert st.lease_for_kernel("cyd", "k") is not None
+    got = store.get_lease(ann.id)
+    assert got is not None and (got.state, got.park, got.parked_at) == ("active", "parked", 1000.0)
+    assert got.wire_state == "parked"
+    assert store.counts()["parked"] == 1 and store.counts()["active"] == 2
+    decision, ch = core.resume(st, ann.id, 1100.0, PARK_POLICY, new_id)
+    assert decision.state == "parked"
+    write(ch)  # the resume request waits, keeping the place of the moment it was parked
+    (req,) = store.load_active()[1]
+    assert (req.resume_of, req.arrived_at, req.gpu_uuids) == (ann.id, 1000.0, ("GPU-0",))
+    cyd = st.lease_for_kernel("cyd", "k")
+    assert cyd is not None
+    ch = core.end(st, [(cyd, "released", None)], 1200.0, PARK_POLICY)
+    assert ch.resumed and not ch.granted
+    write(ch)  # resuming: the share taken again, the request left as granted, no new lease
+    assert len(store.list_leases()) == 3
+    _, log = store.history(0, 2000)
+    assert ("granted", 1200.0) in {(q.outcome, q.left_at) for q in log if q.id == req.id}
+    write(core.resume_done(st, ann.id, 1300.0))
+    got = store.get_lease(ann.id)
+    assert got is not None and (got.park, got.parked_at, got.wire_state) == (None, None, "active")
+
+
+def test_a_parked_leases_share_is_free_in_the_databases_capacity_check(store: Store) -> None:
+    store.insert_leases([_lease("a", ppm=500_000), _lease("b", ppm=500_000)], PPM, [])
+    waiter = _lease("c", ppm=500_000, created=1010.0)
+    with pytest.raises(CapacityConflict):
+        store.write_changes([Changes(1010.0, granted=[Grant(waiter)])], PPM)
+    parked = replace(_lease("a", ppm=500_000), park="parked", parked_at=1005.0)
+    # parked and the waiter granted in its place, in one batch
+    store.write_changes(
+        [Changes(1005.0, parks=[parked]), Changes(1010.0, granted=[Grant(waiter)])], PPM
+    )
+    assert _active_sum(store) == 1_500_000  # the rows: a is still active (parked)
+    back = _memory_of(store, [GPU0, GPU1])
+    assert set(back.parked) == {"a"} and back.allocated["GPU-0"] == 1_000_000
+    # its resume cannot be granted while the GPU is full: refused whole
+    req = _request("r", user="alice", kernel="k-a", resume_of="a", gpu_uuids=("GPU-0",))
+    resuming = replace(parked, park="resuming")
+    with pytest.raises(CapacityConflict, match="resume a parked lease"):
+        store.write_changes(
+            [Changes(1020.0, queued=[req], parks=[resuming], resumed=[(req, resuming)])], PPM
+        )
+    assert store.get_lease("a").park == "parked"  # type: ignore[union-attr]
+    assert store.load_active()[1] == []
+    # b leaves: now it fits
+    store.write_changes(
+        [
+            Changes(1030.0, ended=[(_lease("b"), "released", None)]),
+            Changes(1030.0, queued=[req], parks=[resuming], resumed=[(req, resuming)]),
+        ],
+        PPM,
+    )
+    assert store.get_lease("a").park == "resuming"  # type: ignore[union-attr]
+    assert store.load_active()[1] == []
+
+
+def test_a_restarted_kernel_of_a_parked_lease_waits_anew_in_one_batch(store: Store) -> None:
+    """The acquire of a kernel whose parked lease has a resume request waiting ends the
+    lease, drops the request and queues the new one for the same kernel: one batch,
+    which the unique (user, kernel) of waiting requests must not refuse."""
+    st = PoolState.build([GPU0])
+    ids = iter(f"id{i}" for i in range(100))
+    ann = Lease("L", "ann", "k", "GPU-0", 500_000, 15872, "active", 0.0, 0.0, 10_000.0)
+    ann = replace(ann, park="parked", parked_at=10.0)
+    store.insert_lease(replace(ann, park=None, parked_at=None), PPM)
+    batch = [Changes(10.0, parks=[ann])]
+    st._add_parked(ann)
+    _, ch = core.acquire(st, Ask("bob", "k", PPM), Quota(), 11.0, PARK_POLICY, lambda: next(ids))
+    batch.append(ch)
+    _, ch = core.resume(st, "L", 12.0, PARK_POLICY, lambda: next(ids))
+    batch.append(ch)
+    assert ("ann", "k") in st.queue and ch.queued
+    store.write_changes(batch, PPM)
+    _same(store, st)
+    _, ch = core.acquire(
+        st, Ask("ann", "k", 200_000), Quota(), 13.0, PARK_POLICY, lambda: next(ids)
+    )
+    assert ch.ended and ch.dropped and ch.queued
+    store.write_changes([ch], PPM)
+    _same(store, st)
+    got = store.get_lease("L")
+    assert got is not None and got.state == "released"
+    assert got.reason == "the kernel restarted while its GPU state was parked"
+
+
 # --------------------------------------------------------------------------- migrations
 
 
@@ -871,6 +1025,48 @@ def test_version_2_database_logs_the_requests_waiting_at_the_upgrade(db_url: str
         assert rec.left_at is None and rec.outcome is None
         store.delete_requests(["w"], outcome="cancelled", at=150.0)
         assert store.history(0, 200)[1][0].left_at == 150.0
+    finally:
+        store.close()
+
+
+def test_version_6_database_upgrades_to_parking(db_url: str) -> None:
+    """Version 7 adds the park columns: a lease and a request written by version 6 load
+    unparked, and the new columns work after the upgrade."""
+    old = Store(db_url)
+    assert old.upgrade(MIGRATIONS[:6]) == 6
+    old.sync_gpus([GPU0], PPM)
+    assert "park_state" not in _columns(db_url)
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:  # as version 6 wrote them
+        conn.execute(
+            sa.text(
+                'INSERT INTO leases (id, "user", kernel_id, gpu_uuid, fraction_ppm, '
+                "memory_limit_mb, state, grp, created_at, renewed_at, expires_at, user_groups) "
+                "VALUES ('v6', 'dan', 'k', 'GPU-0', 500000, 15872, 'active', NULL, "
+                "0, 0, 90, '[]')"
+            )
+        )
+        conn.execute(
+            sa.text(
+                'INSERT INTO requests (id, "user", kernel_id, fraction_ppm, groups, grp, node, '
+                "gpu_uuids, priority, arrived_at, last_polled_at) VALUES ('w', 'eve', 'k', "
+                "500000, '[]', NULL, NULL, NULL, 0, 100, 100)"
+            )
+        )
+    eng.dispose()
+    old.close()
+    store = Store(db_url)
+    store.open()
+    try:
+        assert store.upgrade() == LATEST >= 7
+        assert {"park_state", "parked_at"} <= _columns(db_url)
+        (lease,), (req,) = store.load_active()
+        assert (lease.id, lease.park, lease.parked_at) == ("v6", None, None)
+        assert (req.id, req.resume_of) == ("w", None)
+        parked = replace(lease, park="parked", parked_at=50.0)
+        store.write_changes([Changes(50.0, parks=[parked])], PPM)
+        assert store.load_active()[0] == [parked]
+        store.insert_lease(_lease("new", user="eve", kernel="k", ppm=PPM, created=60.0), PPM)
     finally:
         store.close()
 
