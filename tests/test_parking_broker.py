@@ -70,7 +70,9 @@ class Scene:
         r = self.alice.post("/leases", json={"kernel_id": "k1", "fraction": 1.0})
         assert r.status_code == 201, r.text
         self.id = r.json()["id"]
-        r = self.alice.post(f"/leases/{self.id}/renew", json={"pid": 4242, "execution_state": "idle"})
+        r = self.alice.post(
+            f"/leases/{self.id}/renew", json={"pid": 4242, "execution_state": "idle"}
+        )
         assert r.status_code == 200, r.text
 
     def beat(self, **fields: Any) -> dict[str, Any]:
@@ -147,7 +149,9 @@ def metric(pb: NodeBroker, name: str) -> float:
 
 
 def allocated(c: httpx.Client) -> float:
-    return float(next(g for g in c.get("/gpus").json()["gpus"] if g["uuid"] == GPU)["allocated_fraction"])
+    return float(
+        next(g for g in c.get("/gpus").json()["gpus"] if g["uuid"] == GPU)["allocated_fraction"]
+    )
 
 
 # -- parking ----------------------------------------------------------------------------

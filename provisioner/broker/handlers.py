@@ -646,9 +646,7 @@ class ResumeHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
         wait = validation.parse_resume(self.json_body())
-        self._task = asyncio.ensure_future(
-            resolved(self.service.leases.resume(self.ident, lease_id, wait))
-        )
+        self._task = asyncio.ensure_future(self.service.leases.resume(self.ident, lease_id, wait))
         try:
             result = await self._task
         except asyncio.CancelledError:
