@@ -19,6 +19,7 @@ import pytest
 
 from provisioner.devtools.testing import wait_for
 
+from .test_dashboard import open_dashboard
 from .test_nodes import NodeBroker, gpus_of, register
 
 pytestmark = pytest.mark.slow
@@ -355,3 +356,17 @@ def test_a_restart_keeps_a_parked_lease_parked(pb: NodeBroker, scene: Scene) -> 
         assert r.status_code == 202, r.text
         gone = lease_of(alice, scene.id)
         assert gone["state"] == "released"
+
+
+def test_the_dashboard_shows_a_parked_lease_and_its_place(
+    chromium: Any, pb: NodeBroker, scene: Scene
+) -> None:
+    scene.park()
+    assert scene.alice.post(f"/leases/{scene.id}/resume", json={}).status_code == 202
+    context, page, problems = open_dashboard(chromium, pb, "alice")
+    try:
+        page.wait_for_selector("#leases table")
+        assert "parked, 1st to resume" in page.inner_text("#leases")
+        assert problems == []
+    finally:
+        context.close()
