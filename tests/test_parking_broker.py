@@ -10,6 +10,7 @@ lease idle for half a second is parked (or revoked) as soon as someone waits.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from provisioner.devtools.testing import wait_for
 
+from .conftest import HTTP_PROCESSES_ENV
 from .test_dashboard import open_dashboard
 from .test_nodes import NodeBroker, gpus_of, register
 
@@ -38,7 +40,11 @@ ARGS = (
 def pb(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -> Iterator[NodeBroker]:
     """A broker with idle reclaim (0.5 s) and agent tokens; more options from ``broker_args``."""
     marker = request.node.get_closest_marker("broker_args")
-    b = NodeBroker(tmp_path, broker_db_url, ARGS + (tuple(marker.args) if marker else ()))
+    extra = ARGS + (tuple(marker.args) if marker else ())
+    procs = os.environ.get(HTTP_PROCESSES_ENV)
+    if procs:  # `make test`'s second run: HTTP served by front processes
+        extra += ("--http-processes", procs)
+    b = NodeBroker(tmp_path, broker_db_url, extra)
     with b.running(timeout=60):
         yield b
 
