@@ -348,10 +348,8 @@ class LeaseService:
                 lease.kernel_id,
             )
             return True
-        req = next(
-            (r for r in self.core.state.queue.values() if r.id == lease_id and r.resume_of is None),
-            None,
-        )
+        # a resume request's id withdraws it (its lease stays parked)
+        req = next((r for r in self.core.state.queue.values() if r.id == lease_id), None)
         if req is None:
             return False
         check_owner(ident, req)
