@@ -51,6 +51,8 @@ Sample = list[tuple[int, str, int]]
 REGISTER_RETRY = 2.0
 #: the heartbeat fields of parking (issue 28); a broker older than parking refuses them
 PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
+#: seconds before a broker that refused them is offered the parking fields again
+PARK_FIELDS_RETRY = 600.0
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -233,11 +235,14 @@ async def run_agent(
     whether this node can park kernels (``checkpoint``) and its host memory available, the
     answer's park/resume ``orders`` go to the parker's worker thread, and their outcomes go
     with the next heartbeat (one at once when an order is settled); a broker older than
-    parking refuses those fields once, and is then sent none of them.
+    parking refuses those fields once, and is then sent none of them for
+    ``PARK_FIELDS_RETRY`` seconds (it may be upgraded meanwhile).
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
     parking_wire = parker is not None
+    refused_at: float | None = None  # when a broker older than parking refused its fields
+    said_older = False
     kernels: set[KernelId] = set()
     limited: list[str] | None = [] if limits is not None else None
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
@@ -260,6 +265,8 @@ async def run_agent(
                 log.exception("Cannot learn which uid each GPU's MPS server serves")
         sent: list[dict[str, Any]] = []
         park: dict[str, Any] = {}
+        if refused_at is not None and time.monotonic() - refused_at >= PARK_FIELDS_RETRY:
+            parking_wire, refused_at = True, None
         if parker is not None and parking_wire:
             sent = parker.outcomes()
             park = {
@@ -301,13 +308,15 @@ async def run_agent(
             refused = set(exc.details.get("fields") or [])
             if not (parking_wire and refused and refused <= PARK_FIELDS):
                 raise
-            log.warning(
+            log.log(
+                logging.DEBUG if said_older else logging.WARNING,
                 "The broker is older than parking (it refused %s): kernels on node %s are "
                 "reclaimed, not parked, until the broker is upgraded.",
                 ", ".join(sorted(refused)),
                 node,
             )
-            parking_wire = False
+            said_older = True
+            parking_wire, refused_at = False, time.monotonic()
             continue  # the same beat again at once, without them
         await _pause(stop, parker.ready if parker is not None else None, interval)
     try:
