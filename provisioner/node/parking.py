@@ -289,8 +289,8 @@ class Parker:
             "mb": mb,
             "seconds": round(seconds, 3),
         }
-        if message:
-            out["message"] = message
+        if message:  # the broker takes a reason of at most 500 characters
+            out["message"] = message if len(message) <= 500 else message[:499] + "…"
         return out
 
     @staticmethod
