@@ -21,13 +21,16 @@ from typing import Any
 import pytest
 
 from provisioner import inventory
-from provisioner.devtools.testing import wait_for_async
+from provisioner.devtools.testing import wait_for, wait_for_async
 from provisioner.model import GPU
 from provisioner.node.agent import nvml_free_mb
 from provisioner.node.checkpoint import CudaCheckpoint, ProcessState, open_checkpoint
 from provisioner.node.parking import Order, Parker, descendants, host_pid
 from provisioner.node.pidns import pid_ns_of
 from tests.standin_libcuda.build import build
+
+from .test_agent import Agent, nodes_of
+from .test_nodes import NodeBroker
 
 pytestmark = pytest.mark.slow  # builds a C library and starts processes
 
@@ -378,3 +381,94 @@ def test_orders_parse_as_the_wire_says() -> None:
         Order("abc", "park", None, None, "", 0)
     )
     assert Order.parse({"lease_id": "abc", "action": "evict"}) is None
+
+
+# -- the agent as a process, against a real broker ---------------------------------------
+
+
+@pytest.fixture
+def park_broker(tmp_path: Path) -> Iterator[NodeBroker]:
+    """A broker that parks idle leases (idle after 0.5 s, reaper every 0.2 s)."""
+    b = NodeBroker(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        (
+            "--gpus",
+            "agents",
+            "--GPULeaseBroker.reap_interval=0.2",
+            "--GPULeaseBroker.idle_reclaim_after=0.5",
+            "--GPULeaseBroker.node_grace=5",
+        ),
+    )
+    with b.running(timeout=60):
+        yield b
+
+
+def test_an_agent_parks_and_resumes_a_kernel_the_broker_orders(
+    park_broker: NodeBroker,
+    tmp_path: Path,
+    libdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``gpu-lease agent`` with the stand-in driver: alice's idle kernel (and its child) is
+    parked for bob, resumed when bob leaves, after the GPU memory an unleased process took
+    is free again; the driver restores nothing while it is not."""
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(libdir))
+    monkeypatch.setenv("STANDIN_LIBCUDA_DIR", str(driver))
+    agent = Agent(park_broker, "gpu-a", tmp_path)
+    agent.gpus = agent.gpus[:1]  # one GPU: bob and alice want the same one
+    gpu = agent.gpus[0]["uuid"]
+    k = Kernel()
+    processes = {gpu: [{"pid": k.pid, "used_mb": 1000}, {"pid": k.child, "used_mb": 500}]}
+    agent.set_processes(processes)
+    calls = driver / "calls.log"
+    monkeypatch.setenv("FAKE_NVML_FILE", str(agent.nvml_file))
+    alice, bob = park_broker.http("alice"), park_broker.http("bob")
+    try:
+        agent.start()
+        wait_for(lambda: nodes_of(park_broker).get("gpu-a", {}).get("state") == "up")
+        r = alice.post("/leases", json={"kernel_id": "k1", "fraction": 1.0})
+        assert r.status_code == 201, r.text
+        lease = r.json()["id"]
+        r = alice.post(f"/leases/{lease}/renew", json={"pid": k.pid, "execution_state": "idle"})
+        assert r.status_code == 200, r.text
+
+        def state() -> str:
+            return str(alice.get(f"/leases/{lease}").json()["state"])
+
+        def log() -> str:
+            return agent.log_path.read_text()
+
+        wait_for(lambda: alice.get(f"/leases/{lease}").json()["used_mb"] == 1500)
+        assert bob.post("/leases", json={"kernel_id": "k2", "fraction": 1.0}).status_code == 202
+        wait_for(lambda: state() == "parked", 20, "alice's lease parked", detail=log)
+        checkpointed = CudaCheckpoint(str(libdir / "libcuda.so.1"))
+        assert checkpointed.state(k.pid) is checkpointed.state(k.child) is ProcessState.CHECKPOINTED
+        assert f"Parked lease {lease[:6]}: pids {k.pid} {k.child}, 1500 MiB in" in log()
+        r = bob.post("/leases", json={"kernel_id": "k2", "fraction": 1.0})
+        assert r.status_code == 200, r.text  # the park freed the GPU for bob
+        r = bob.post(f"/leases/{r.json()['id']}/renew", json={"execution_state": "busy"})
+        assert r.status_code == 200
+
+        assert alice.post(f"/leases/{lease}/resume", json={}).status_code == 202
+        squatter = os.getpid()  # an unleased process takes all but 1000 MiB of the GPU
+        agent.set_processes({gpu: [*processes[gpu], {"pid": squatter, "used_mb": 15384}]})
+        assert bob.delete(f"/leases/{r.json()['id']}").status_code == 204
+        wait_for(lambda: "waits: GPU" in log(), 20, "the resume to wait", detail=log)
+        assert state() == "resuming"
+        assert "cuCheckpointProcessRestore" not in calls.read_text()
+        agent.set_processes(processes)  # the squatter is gone
+        wait_for(lambda: state() == "active", 20, "alice's lease resumed", detail=log)
+        assert checkpointed.state(k.pid) is checkpointed.state(k.child) is ProcessState.RUNNING
+        assert f"Resumed lease {lease[:6]}: pids {k.pid} {k.child}, 1500 MiB in" in log()
+        steps = [line.split()[0] for line in calls.read_text().splitlines()]
+        assert steps.count("cuCheckpointProcessCheckpoint") == 2
+        assert steps.count("cuCheckpointProcessRestore") == 2
+        assert "older than parking" not in log()
+    finally:
+        alice.close()
+        bob.close()
+        agent.stop()
+        k.stop()

@@ -39,15 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GPULeaseError
+from ..wire import PARK_ACTIONS
 from .checkpoint import LIBRARY, CheckpointFailed, CudaCheckpoint, ProcessState, open_checkpoint
 from .pidns import KernelFinder, ns_pid_of, parent_of, pid_ns_of
 
 log = logging.getLogger("gpu_lease.agent")
 
-# The wire's names (PARKING.md "Agent <-> broker"); provisioner/wire.py gains them as
-# PARK_ACTIONS and PARK_OUTCOMES with the broker's side (park-core): until then, here.
-PARK_ACTIONS = ("park", "resume")
-PARK_OUTCOMES = ("done", "failed", "waiting")
 #: host memory (MiB) that parking leaves to everything else on the node
 DEFAULT_HOST_RESERVE_MB = 2048
 
@@ -473,8 +470,6 @@ class Parker:
 
 __all__ = [
     "DEFAULT_HOST_RESERVE_MB",
-    "PARK_ACTIONS",
-    "PARK_OUTCOMES",
     "Order",
     "Parker",
     "descendants",
