@@ -37,6 +37,9 @@ class NodeCalls:
         mps_uid: dict[str, int | None] | None = None,
         kernels: list[dict[str, int]] | None = None,
         driver_limits: list[str] | None = None,
+        checkpoint: bool | None = None,
+        host_memory_available_mb: int | None = None,
+        parking: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
 
@@ -44,7 +47,11 @@ class NodeCalls:
         ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
         ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found;
         ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
-        Not retried (``retries=0``).
+        Parking (issue 28): ``checkpoint``, whether this node's driver can checkpoint
+        kernels; ``host_memory_available_mb``, MemAvailable in MiB; ``parking``, the
+        outcomes of park/resume orders not yet delivered. Each is sent only when not None
+        (a broker older than parking refuses them). Returns the answer, with the broker's
+        park/resume ``orders`` when it has any. Not retried (``retries=0``).
         """
         body: dict[str, Any] = {"usage": usage}
         if at is not None:
@@ -57,6 +64,12 @@ class NodeCalls:
             body["kernels"] = kernels
         if driver_limits is not None:
             body["driver_limits"] = driver_limits
+        if checkpoint is not None:
+            body["checkpoint"] = checkpoint
+        if host_memory_available_mb is not None:
+            body["host_memory_available_mb"] = host_memory_available_mb
+        if parking is not None:
+            body["parking"] = parking
         client = self._client
         path = _node_path(node, "heartbeat")
         return client.json_object(await client.send("POST", path, body=body, retries=0))

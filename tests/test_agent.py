@@ -173,6 +173,41 @@ def test_agent_without_nvml_declares_its_gpus(nb: NodeBroker, tmp_path: Path) ->
         agent.stop()
 
 
+def test_agent_says_whether_it_can_park_and_heartbeats_either_way(
+    nb: NodeBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the stand-in libcuda first on its library path the agent opens the driver's
+    checkpoint API once and says so; with ``--no-park`` it says why not. Its heartbeats
+    carry the parking fields to whichever broker answers (one older than parking refuses
+    them once and then gets none): the usage reaches the broker either way."""
+    from tests.standin_libcuda.build import build
+
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(build(tmp_path / "lib")))
+    monkeypatch.setenv("STANDIN_LIBCUDA_DIR", str(driver))
+    a = Agent(nb, "gpu-a", tmp_path)
+    b = Agent(nb, "gpu-b", tmp_path, "--no-park")
+    a.set_processes({a.gpus[0]["uuid"]: [{"pid": 4321, "used_mb": 700}]})
+    b.set_processes({b.gpus[1]["uuid"]: [{"pid": 4322, "used_mb": 300}]})
+    try:
+        a.start()
+        b.start()
+        wait_for(lambda: nodes_of(nb).get("gpu-a", {}).get("usage"), what="gpu-a's usage")
+        wait_for(lambda: nodes_of(nb).get("gpu-b", {}).get("usage"), what="gpu-b's usage")
+    finally:
+        a.stop()
+        b.stop()
+    said = a.log_path.read_text()
+    assert "Parking idle kernels: the driver offers process checkpointing (CUDA API 12090)" in (
+        said
+    )
+    assert "Parking idle kernels: no; parking is turned off on this node (--no-park)" in (
+        b.log_path.read_text()
+    )
+    assert not (driver / "calls.log").exists()  # no order came: the driver was not asked
+
+
 def test_agent_with_another_nodes_token_is_refused(nb: NodeBroker, tmp_path: Path) -> None:
     agent = Agent(nb, "gpu-a", tmp_path)
     agent.start(token_of="gpu-b")

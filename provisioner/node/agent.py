@@ -29,17 +29,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from traitlets import Bool, CaselessStrEnum, Float, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode, default
 from traitlets.config import Application
 
 from .. import inventory
 from .._version import __version__
 from ..client import BrokerClient
-from ..errors import BrokerUnavailable, GPULeaseError, LeaseNotFound, StoreError
+from ..errors import BrokerUnavailable, GPULeaseError, InvalidRequest, LeaseNotFound, StoreError
 from ..model import GPU
 from ..wire import DEFAULT_ENFORCE_MODE, DEFAULT_MPS_DIR, ENFORCE_MODES, NODE_NAME_VARS, this_node
 from . import driver_limits
 from .mps import MPS_CONTROL, MPSSupervisor
+from .parking import DEFAULT_HOST_RESERVE_MB, Parker, host_memory_available_mb
 from .pidns import KernelFinder, KernelId
 
 log = logging.getLogger("gpu_lease.agent")
@@ -48,6 +49,10 @@ log = logging.getLogger("gpu_lease.agent")
 Sample = list[tuple[int, str, int]]
 #: seconds between two registration attempts while the broker cannot be reached
 REGISTER_RETRY = 2.0
+#: the heartbeat fields of parking (issue 28); a broker older than parking refuses them
+PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
+#: seconds before a broker that refused them is offered the parking fields again
+PARK_FIELDS_RETRY = 600.0
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -208,6 +213,7 @@ async def run_agent(
     mps_states: Callable[[], dict[str, str]] | None = None,
     mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
     limits: driver_limits.DriverLimits | None = None,
+    parker: Parker | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -225,10 +231,18 @@ async def run_agent(
     serves, so that the broker places no MPS kernel where it would hang. With ``limits``
     (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
     (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says
-    which hold.
+    which hold. With ``parker`` (:mod:`provisioner.node.parking`), each heartbeat says
+    whether this node can park kernels (``checkpoint``) and its host memory available, the
+    answer's park/resume ``orders`` go to the parker's worker thread, and their outcomes go
+    with the next heartbeat (one at once when an order is settled); a broker older than
+    parking refuses those fields once, and is then sent none of them for
+    ``PARK_FIELDS_RETRY`` seconds (it may be upgraded meanwhile).
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
+    parking_wire = parker is not None
+    refused_at: float | None = None  # when a broker older than parking refused its fields
+    said_older = False
     kernels: set[KernelId] = set()
     limited: list[str] | None = [] if limits is not None else None
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
@@ -249,6 +263,19 @@ async def run_agent(
                 uids = await mps_uids()
             except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
                 log.exception("Cannot learn which uid each GPU's MPS server serves")
+        sent: list[dict[str, Any]] = []
+        park: dict[str, Any] = {}
+        if refused_at is not None and time.monotonic() - refused_at >= PARK_FIELDS_RETRY:
+            parking_wire, refused_at = True, None
+        if parker is not None and parking_wire:
+            sent = parker.outcomes()
+            park = {
+                "checkpoint": parker.supported,
+                "host_memory_available_mb": host_memory_available_mb(),
+                "parking": sent or None,
+            }
+        if parker is not None:
+            parker.ready.clear()  # what is ready now goes with this beat
         try:
             beat = await client.nodes.heartbeat(
                 node,
@@ -258,8 +285,12 @@ async def run_agent(
                 mps_uid=uids,
                 kernels=find.report(),
                 driver_limits=limited,
+                **park,
             )
             kernels = kernels_named(beat)
+            if parker is not None:
+                parker.delivered(sent)
+                parker.take(list(beat.get("orders") or []))
             if limits is not None:
                 limited = limits.apply(list(beat.get("limits", [])), log)
             if enforce == "kill":
@@ -273,15 +304,39 @@ async def run_agent(
                 return
         except (BrokerUnavailable, StoreError) as exc:
             log.warning("Heartbeat of node %s failed: %s", node, exc.message)
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except asyncio.TimeoutError:
-            pass
+        except InvalidRequest as exc:
+            refused = set(exc.details.get("fields") or [])
+            if not (parking_wire and refused and refused <= PARK_FIELDS):
+                raise
+            log.log(
+                logging.DEBUG if said_older else logging.WARNING,
+                "The broker is older than parking (it refused %s): kernels on node %s are "
+                "reclaimed, not parked, until the broker is upgraded.",
+                ", ".join(sorted(refused)),
+                node,
+            )
+            said_older = True
+            parking_wire, refused_at = False, time.monotonic()
+            continue  # the same beat again at once, without them
+        await _pause(stop, parker.ready if parker is not None else None, interval)
     try:
         await client.nodes.drain(node)
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
     except GPULeaseError as exc:
         log.warning("Could not drain node %s on the way out: %s", node, exc.message)
+
+
+async def _pause(stop: asyncio.Event, ready: asyncio.Event | None, interval: float) -> None:
+    """Until the next beat: ``interval`` s, less when stopping or when a park/resume
+    outcome is ready (the broker frees or re-grants the memory a beat sooner)."""
+    waits = [asyncio.ensure_future(stop.wait())]
+    if ready is not None:
+        waits.append(asyncio.ensure_future(ready.wait()))
+    try:
+        await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 class GPULeaseAgent(Application):
@@ -300,6 +355,7 @@ class GPULeaseAgent(Application):
         "kill-unleased-after": "GPULeaseAgent.kill_unleased_after",
         "mps-dir": "GPULeaseAgent.mps_dir",
         "mps-control": "GPULeaseAgent.mps_control",
+        "park-host-reserve-mb": "GPULeaseAgent.park_host_reserve_mb",
         "log-level": "Application.log_level",
     }
 
@@ -308,6 +364,14 @@ class GPULeaseAgent(Application):
         "mps": (
             {"GPULeaseAgent": {"mps": True}},
             "Run and supervise an MPS control daemon per GPU (for enforcement=mps kernels).",
+        ),
+        "park": (
+            {"GPULeaseAgent": {"park": True}},
+            "Park idle kernels when the broker asks and the driver can (the default).",
+        ),
+        "no-park": (
+            {"GPULeaseAgent": {"park": False}},
+            "Never park kernels here: the broker reclaims idle ones instead.",
         ),
     }
 
@@ -380,6 +444,22 @@ class GPULeaseAgent(Application):
         MPS_CONTROL, help=f"The MPS control program. Default: {MPS_CONTROL} (on PATH)."
     ).tag(config=True)
 
+    park = Bool(
+        True,
+        help="Park idle kernels when the broker asks (their GPU memory checkpointed into "
+        "host RAM through the driver's checkpoint API, restored when they run again) "
+        "where the driver offers it (570 or later, x86-64). False: the broker reclaims "
+        "idle kernels here instead. Default: True.",
+    ).tag(config=True)
+
+    park_host_reserve_mb = Int(
+        DEFAULT_HOST_RESERVE_MB,
+        min=0,
+        help="Host memory (MiB) parking leaves to everything else: a kernel is parked only "
+        "when MemAvailable less this holds its GPU memory. The broker's "
+        f"park_host_reserve_mb should match. Default: {DEFAULT_HOST_RESERVE_MB}.",
+    ).tag(config=True)
+
     nvml_module = Unicode(
         inventory.NVML_MODULE,
         help="The NVML binding's module name (nvidia-ml-py installs 'pynvml').",
@@ -448,6 +528,7 @@ class GPULeaseAgent(Application):
             else None
         )
         daemons = asyncio.ensure_future(mps.run(stop)) if mps is not None else None
+        parker = _parker(nvml_sampler, gpus, self.park, self.park_host_reserve_mb)
         try:
             await run_agent(
                 client,
@@ -461,11 +542,13 @@ class GPULeaseAgent(Application):
                 mps.states if mps is not None else None,
                 mps.server_uids if mps is not None else None,
                 _driver_limits(nvml_sampler, gpus),
+                parker,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
             return 1
         finally:
+            await parker.close()  # an order in progress ends first: nothing left LOCKED
             if daemons is not None:  # the daemons stop with the agent (``quit``)
                 stop.set()
                 await daemons
@@ -488,6 +571,40 @@ def _driver_limits(
         return None
     handles = {g.uuid: nvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus}
     return driver_limits.DriverLimits(nvml, handles)
+
+
+def _parker(sampler: NVMLSampler | None, gpus: list[GPU], enabled: bool, reserve_mb: int) -> Parker:
+    """The agent's :class:`~provisioner.node.parking.Parker`: with the driver's checkpoint
+    handle where this node can park; without one (orders then fail, ``checkpoint: false``)
+    where it cannot, or where NVML is not sampled (``--gpus SPEC``: the kernels' GPU
+    processes would be unknown, and a park would move nothing while freeing the memory)."""
+    if sampler is None:
+        why = (
+            "the agent does not sample NVML here (--gpus SPEC), so it cannot find the "
+            "kernels' GPU processes"
+        )
+        log.info("Parking idle kernels: no; %s", why)
+        return Parker(None, why, no_samples, lambda uuid: None, host_reserve_mb=reserve_mb)
+    free_mb = nvml_free_mb(sampler.nvml, gpus)
+    return Parker.open(sampler, free_mb, enabled=enabled, host_reserve_mb=reserve_mb)
+
+
+def nvml_free_mb(nvml: Any, gpus: list[GPU]) -> Callable[[str], int | None]:
+    """A GPU uuid's free memory in MiB from NVML (None: not one of ``gpus``, or NVML
+    failed): what the parker checks before it restores a kernel."""
+    errors = inventory._error_types(nvml)
+    index = {g.uuid: g.index for g in gpus}
+
+    def free_mb(uuid: str) -> int | None:
+        if uuid not in index:
+            return None
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(index[uuid]))
+        except errors:
+            return None
+        return int(info.free) // (1024 * 1024)
+
+    return free_mb
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "CudaCheckpoint",
     "ProcessState",
     "Support",
+    "open_checkpoint",
     "support",
 ]
 
@@ -288,15 +289,21 @@ class CudaCheckpoint:
         return time.perf_counter() - started
 
 
-def support(library: str = LIBRARY, *, machine: str | None = None) -> Support:
-    """Whether this node can park kernels: loads the library once and reports why not."""
+def open_checkpoint(
+    library: str = LIBRARY, *, machine: str | None = None
+) -> tuple[CudaCheckpoint | None, Support]:
+    """The agent's one long-lived handle and whether it may park with it (None: it may not).
+
+    Called once at agent start (node/parking.py ``Parker.open``): the library is loaded and
+    initialised once, and a driver whose CUDA API is older than 12.8 gives no handle.
+    """
     try:
         handle = CudaCheckpoint(library, machine=machine)
     except CheckpointUnavailable as exc:
-        return Support(works=False, reason=str(exc))
+        return None, Support(works=False, reason=str(exc))
     api = handle.driver_api
     if api is not None and api < MIN_DRIVER_API:
-        return Support(
+        return None, Support(
             works=False,
             reason=(
                 f"the driver's CUDA API is {api // 1000}.{api % 1000 // 10}; checkpointing "
@@ -304,4 +311,11 @@ def support(library: str = LIBRARY, *, machine: str | None = None) -> Support:
             ),
             driver_api=api,
         )
-    return Support(works=True, reason="the driver offers process checkpointing", driver_api=api)
+    return handle, Support(
+        works=True, reason="the driver offers process checkpointing", driver_api=api
+    )
+
+
+def support(library: str = LIBRARY, *, machine: str | None = None) -> Support:
+    """Whether this node can park kernels: loads the library once and reports why not."""
+    return open_checkpoint(library, machine=machine)[1]

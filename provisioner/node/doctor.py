@@ -26,9 +26,9 @@ environment and a cap of ``--cap-mb``):
 * ``checkpoint``: whether this node can *park* idle kernels (issue 28): the driver's
   process checkpoint API through ``libcuda.so.1`` (:mod:`provisioner.node.checkpoint`);
   where it is offered, one more capped probe holds its cap and is parked and resumed: its
-  GPU memory must leave the GPU and come back, and the check reports the GiB/s. ``missing``
-  where the driver lacks it (older than 570, not x86-64, no driver): idle kernels there
-  are reclaimed as before.
+  GPU memory must leave the GPU and come back, and the check reports the GiB/s each way.
+  ``missing`` where the driver lacks it (older than 570, not x86-64, no driver): idle
+  kernels there are reclaimed as before.
 
 A framework that sees no GPU (a CPU build) is ``not run`` with why, never a pass.
 """
@@ -499,7 +499,8 @@ def check_checkpoint(
         park_s = handle.park(pid)
         data["park_s"] = round(park_s, 4)
         data["parked_mb"] = _used_mb(nvml, [pid]).get(pid, 0)
-        data["resume_s"] = round(handle.resume(pid), 4)
+        resume_s = handle.resume(pid)
+        data["resume_s"] = round(resume_s, 4)
         data["after_mb"] = _used_mb(nvml, [pid]).get(pid, 0)
     except (CheckpointFailed, CheckpointUnavailable) as exc:
         return Check("checkpoint", "failed", f"{what}: {exc}", data)
@@ -510,13 +511,18 @@ def check_checkpoint(
             nvml.nvmlShutdown()
         except _error_types(nvml):
             pass
-    data["park_gib_per_s"] = round(data["before_mb"] / 1024 / park_s, 2)
+    gib = data["before_mb"] / 1024
+    # measured rates: what a park and a resume of a kernel of N GiB take here (a tiny
+    # time cannot divide by zero)
+    data["park_gib_per_s"] = round(gib / max(park_s, 1e-6), 2)
+    data["resume_gib_per_s"] = round(gib / max(resume_s, 1e-6), 2)
     freed = data["parked_mb"] <= data["before_mb"] // 10
     back = data["after_mb"] >= data["before_mb"] - SLACK_MB
     detail = (
         f"parked and resumed a {data['framework']} process holding {data['before_mb']} MiB: "
         f"out in {data['park_s']} s ({data['park_gib_per_s']} GiB/s, {data['parked_mb']} MiB "
-        f"left on the GPU), back in {data['resume_s']} s ({data['after_mb']} MiB)"
+        f"left on the GPU), back in {data['resume_s']} s ({data['resume_gib_per_s']} GiB/s, "
+        f"{data['after_mb']} MiB)"
     )
     return Check("checkpoint", "ok" if freed and back else "failed", detail, data)
 

@@ -72,8 +72,11 @@ def nvmlDeviceGetName(handle: int) -> str:
 
 
 def nvmlDeviceGetMemoryInfo(handle: int) -> Any:
+    """``used`` is what the GPU's listed processes hold (a CHECKPOINTED one holds none,
+    as below), ``free`` the rest: what the node agent checks before it restores a kernel."""
     total = int(_gpu(handle)["memory_mb"]) * _MiB
-    return SimpleNamespace(total=total, free=total, used=0)
+    used = sum(p.usedGpuMemory for p in nvmlDeviceGetComputeRunningProcesses(handle))
+    return SimpleNamespace(total=total, free=max(0, total - used), used=used)
 
 
 def _checkpointed(pid: int) -> bool:
