@@ -306,7 +306,7 @@ class LeaseKeeper:
                 )
             )
         except GPULeaseError as exc:
-            if self.lease is not lease:  # ended meanwhile: cancelled on a loop that was blocked
+            if not self._holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
                 return False
             return await self._renewal_failed(lease, exc)
         if self.lease is not None and self.lease.id == fresh.id:
@@ -520,7 +520,7 @@ class LeaseKeeper:
                     lease.id, wait=long_poll
                 )
             except GPULeaseError as exc:
-                if self.lease is not lease:
+                if not self._holds(lease):
                     return
                 if isinstance(exc, (LeaseGone, LeaseNotFound)):
                     state = "expired" if isinstance(exc, (LeaseExpired, LeaseNotFound)) else None
@@ -539,7 +539,7 @@ class LeaseKeeper:
                 retry = min(retry * 2, max(RESUME_RETRY, self.interval()))
                 continue
             retry = RESUME_RETRY
-            if self.lease is not lease:
+            if not self._holds(lease):
                 return  # ended meanwhile
             fresh, progress = _resume_answer(answer, lease)
             if fresh.id != lease.id:
@@ -621,6 +621,11 @@ class LeaseKeeper:
                 )
             else:
                 self.board.active(self._kernel_id, fraction, dict(lease.raw))
+
+    def _holds(self, lease: GrantedLease) -> bool:
+        """Whether ``lease`` is still the one held (its object may have been replaced by a
+        fresher answer: renewals and the resume loop both update it)."""
+        return self.lease is not None and self.lease.id == lease.id
 
     @property
     def _kernel_id(self) -> str:
