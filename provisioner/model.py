@@ -22,8 +22,10 @@ from .wire import ENFORCEMENTS as ENFORCEMENTS
 from .wire import LEASE_STATES as LEASE_STATES
 from .wire import MPS_STATES as MPS_STATES
 from .wire import NODE_STATES as NODE_STATES
+from .wire import PARK_STATES as PARK_STATES
 from .wire import PPM as PPM
 from .wire import LeaseState as LeaseState
+from .wire import ParkState as ParkState
 from .wire import fraction_to_ppm as fraction_to_ppm
 from .wire import ppm_to_fraction as ppm_to_fraction
 
@@ -247,10 +249,23 @@ class Lease:
     #: an MPS kernel). A placement hint, not an identity: see ``node_rules.mps_blocked``.
     #: Kept in memory only (a restarted broker learns it again from the agents' reports)
     mps_uid: int | None = None
+    #: parking (issue 28): None, or "parking" (the broker ordered its kernel's GPU memory
+    #: into host RAM; the lease still holds its share), "parked" (it holds none: it lives
+    #: in :attr:`PoolState.parked`, not :attr:`PoolState.leases`) or "resuming" (its share
+    #: re-reserved on the same GPU, the restore ordered). ``state`` stays "active" all along
+    park: ParkState | None = None
+    #: when parking began (None unless ``park`` is set)
+    parked_at: float | None = None
 
     @property
     def active(self) -> bool:
+        """Not ended (parked leases too: they keep their id, TTL and quota)."""
         return self.state == "active"
+
+    @property
+    def wire_state(self) -> str:
+        """The ``state`` the REST API shows: the park state of a live lease, else ``state``."""
+        return self.park if self.park is not None and self.state == "active" else self.state
 
     @property
     def user_kernel(self) -> tuple[str, str]:
@@ -264,7 +279,7 @@ class Lease:
             "fraction": ppm_to_fraction(self.fraction_ppm),
             "gpu": gpu.to_json() if gpu else {"uuid": self.gpu_uuid},
             "memory_limit_mb": self.memory_limit_mb,
-            "state": self.state,
+            "state": self.wire_state,
             "group": self.group,
             "created_at": self.created_at,
             "renewed_at": self.renewed_at,
@@ -276,6 +291,7 @@ class Lease:
             "last_activity": self.last_activity,
             "groups": list(self.groups),
             "mps_uid": self.mps_uid,
+            "parked_at": self.parked_at,
         }
 
 
@@ -301,6 +317,10 @@ class Request:
     priority: int = 0
     #: as :attr:`Lease.mps_uid` (each repeat of the acquire brings it again)
     mps_uid: int | None = None
+    #: a resume request (``POST /api/v1/leases/{id}/resume``): the id of the parked lease
+    #: it brings back. Granting it re-reserves that lease on its GPU (``gpu_uuids``) rather
+    #: than creating a lease (``scheduling.resume``)
+    resume_of: str | None = None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -398,9 +418,16 @@ def never_allowed(quota: Quota, ppm: int) -> str | None:
 class PoolState:
     """The broker's working state in memory: GPUs, active leases and the queue.
 
-    Only active leases live here; ended ones are history in the store. The
+    Only live leases live here; ended ones are history in the store. The
     ``allocated`` map (GPU uuid -> ppm held) is maintained incrementally so that
     placement is O(GPUs), not O(leases).
+
+    Parked leases (``park == "parked"``) are in :attr:`parked`, not :attr:`leases`: they
+    hold no capacity (not in ``allocated``/``lease_count``) but still count as their
+    user's (``held_by_user``, ``leases_by_user``: quotas) and their kernel's
+    (``by_kernel``). ``parking`` and ``resuming`` leases are in :attr:`leases` and hold
+    capacity. Moves between the two: :meth:`park_lease`, :meth:`unpark`; a parked lease
+    leaves with :meth:`remove_parked`; :meth:`find_lease` looks in both.
     """
 
     gpus: dict[str, GPU] = field(default_factory=dict)
@@ -418,6 +445,8 @@ class PoolState:
     #: GPU uuid -> the uid its MPS server serves clients of now, as the node agents
     #: report it (absent: no server, or one without clients)
     mps_uid: dict[str, int] = field(default_factory=dict)
+    #: lease id -> parked lease (``park == "parked"``): holds no capacity, see the class doc
+    parked: dict[str, Lease] = field(default_factory=dict)
     _ordered: list[GPU] | None = field(default=None, repr=False, compare=False)
 
     def ordered_gpus(self) -> list[GPU]:
@@ -439,7 +468,9 @@ class PoolState:
             state.allocated[g.uuid] = 0
             state.lease_count[g.uuid] = 0
         for lease in leases:
-            if lease.active:
+            if lease.active and lease.park == "parked":
+                state._add_parked(lease)
+            elif lease.active:
                 state.add_lease(lease)
         for req in queue:
             state.queue[req.key] = req
@@ -464,35 +495,99 @@ class PoolState:
 
     # -- leases ------------------------------------------------------------
     def add_lease(self, lease: Lease) -> None:
-        assert lease.active and lease.id not in self.leases
+        assert lease.active and lease.park != "parked"
+        assert lease.id not in self.leases and lease.id not in self.parked
         self.leases[lease.id] = lease
-        self.by_kernel[(lease.user, lease.kernel_id)] = lease.id
-        self.allocated[lease.gpu_uuid] = self.allocated.get(lease.gpu_uuid, 0) + lease.fraction_ppm
-        self.lease_count[lease.gpu_uuid] = self.lease_count.get(lease.gpu_uuid, 0) + 1
-        self.held_by_user[lease.user] = self.held_by_user.get(lease.user, 0) + lease.fraction_ppm
-        self.leases_by_user[lease.user] = self.leases_by_user.get(lease.user, 0) + 1
+        self._hold(lease)
+        self._count(lease, +1)
 
     def remove_lease(self, lease_id: str) -> Lease:
+        """Take a lease of :attr:`leases` out (it ended); a parked one: :meth:`remove_parked`."""
         lease = self.leases.pop(lease_id)
-        self.by_kernel.pop((lease.user, lease.kernel_id), None)
+        self._release(lease)
+        self._count(lease, -1)
+        return lease
+
+    def _hold(self, lease: Lease) -> None:
+        """The capacity a lease of :attr:`leases` holds on its GPU."""
+        self.allocated[lease.gpu_uuid] = self.allocated.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        self.lease_count[lease.gpu_uuid] = self.lease_count.get(lease.gpu_uuid, 0) + 1
+
+    def _release(self, lease: Lease) -> None:
         self.allocated[lease.gpu_uuid] -= lease.fraction_ppm
         self.lease_count[lease.gpu_uuid] -= 1
+
+    def _count(self, lease: Lease, sign: int) -> None:
+        """What a live lease (parked or not) counts for: its kernel and its user's quotas."""
+        if sign > 0:
+            self.by_kernel[(lease.user, lease.kernel_id)] = lease.id
+            self.held_by_user[lease.user] = (
+                self.held_by_user.get(lease.user, 0) + lease.fraction_ppm
+            )
+            self.leases_by_user[lease.user] = self.leases_by_user.get(lease.user, 0) + 1
+            return
+        self.by_kernel.pop((lease.user, lease.kernel_id), None)
         self.held_by_user[lease.user] -= lease.fraction_ppm
         self.leases_by_user[lease.user] -= 1
         if not self.leases_by_user[lease.user]:
             del self.leases_by_user[lease.user]
             del self.held_by_user[lease.user]
+
+    def _add_parked(self, lease: Lease) -> None:
+        """A parked lease loaded from the store (``build``): counted, holding nothing."""
+        assert lease.active and lease.park == "parked"
+        assert lease.id not in self.leases and lease.id not in self.parked
+        self.parked[lease.id] = lease
+        self._count(lease, +1)
+
+    # -- parking (issue 28; the moves of scheduling.park_done and the resume grants) ----
+    def park_lease(self, lease_id: str) -> Lease:
+        """Its kernel's GPU memory is in host RAM: move the lease from :attr:`leases` to
+        :attr:`parked` with ``park="parked"``, freeing its capacity (it still counts for
+        its kernel and user). Returns the parked record. ``scheduling.park_done`` calls it."""
+        lease = self.leases.pop(lease_id)
+        self._release(lease)
+        parked = replace(lease, park="parked")
+        self.parked[lease_id] = parked
+        return parked
+
+    def unpark(self, lease_id: str, park: ParkState | None = "resuming") -> Lease:
+        """Move a parked lease back into :attr:`leases`, holding its capacity on its GPU
+        again, with ``park`` (``"resuming"``: its restore is to be ordered). The caller
+        checked that it fits (a granted resume request). Returns the new record."""
+        assert park != "parked"
+        lease = replace(self.parked.pop(lease_id), park=park)
+        if park is None:
+            lease.parked_at = None
+        self.leases[lease_id] = lease
+        self._hold(lease)
         return lease
 
+    def remove_parked(self, lease_id: str) -> Lease:
+        """Take a parked lease out (it ended: released, expired, revoked); returns it."""
+        lease = self.parked.pop(lease_id)
+        self._count(lease, -1)
+        return lease
+
+    def find_lease(self, lease_id: str) -> Lease | None:
+        """A live lease by id, parked or not."""
+        return self.leases.get(lease_id) or self.parked.get(lease_id)
+
     def update_lease(self, lease: Lease) -> None:
-        """Replace an active lease's record by a renewed copy (same id, gpu and fraction)."""
-        old = self.leases[lease.id]
+        """Replace a live lease's record, parked or not, by a new copy (same id, gpu and
+        fraction): a renewal, or a change of ``park`` that keeps it on the same side
+        (``None``/``"parking"``/``"resuming"`` in :attr:`leases`, ``"parked"`` in
+        :attr:`parked`; moving between them is :meth:`park_lease` / :meth:`unpark`)."""
+        home = self.leases if lease.id in self.leases else self.parked
+        old = home[lease.id]
         assert old.gpu_uuid == lease.gpu_uuid and old.fraction_ppm == lease.fraction_ppm
-        self.leases[lease.id] = lease
+        assert (home is self.parked) == (lease.park == "parked"), (old.park, lease.park)
+        home[lease.id] = lease
 
     def lease_for_kernel(self, user: str, kernel_id: str) -> Lease | None:
+        """The kernel's live lease, parked or not (None: it holds none)."""
         lease_id = self.by_kernel.get((user, kernel_id))
-        return self.leases.get(lease_id) if lease_id else None
+        return self.find_lease(lease_id) if lease_id else None
 
     def copy(self) -> PoolState:
         """A deep-enough copy for simulations and property tests."""
@@ -507,6 +602,7 @@ class PoolState:
             lease_count=dict(self.lease_count),
             closed=set(self.closed),
             mps_uid=dict(self.mps_uid),
+            parked={k: replace(v) for k, v in self.parked.items()},
         )
 
 
@@ -527,6 +623,12 @@ class Changes:
     ``queued`` the requests that joined the queue; ``dropped`` the requests that left it
     without a lease, with how (``cancelled`` or ``dropped``); ``renewed`` the latest
     record of leases whose heartbeat is not persisted yet.
+
+    Parking: ``parks`` the leases whose ``park``/``parked_at`` changed (to persist as
+    ``park_state``/``parked_at``; of several records of one lease the latest wins);
+    ``resumed`` the resume requests granted, each with its lease as it now is
+    (``park="resuming"``, also in ``parks``): the request leaves the queue as granted,
+    and NO lease is created (the store re-checks the lease's GPU's capacity instead).
     """
 
     now: float
@@ -535,9 +637,19 @@ class Changes:
     queued: list[Request] = field(default_factory=list)
     dropped: list[tuple[Request, str]] = field(default_factory=list)
     renewed: list[Lease] = field(default_factory=list)
+    parks: list[Lease] = field(default_factory=list)
+    resumed: list[tuple[Request, Lease]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.ended or self.granted or self.queued or self.dropped or self.renewed)
+        return bool(
+            self.ended
+            or self.granted
+            or self.queued
+            or self.dropped
+            or self.renewed
+            or self.parks
+            or self.resumed
+        )
 
     def extend(self, other: Changes) -> None:
         """Append ``other``'s changes (made after these) to these."""
@@ -546,3 +658,5 @@ class Changes:
         self.queued += other.queued
         self.dropped += other.dropped
         self.renewed += other.renewed
+        self.parks += other.parks
+        self.resumed += other.resumed

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .model import QUOTA_LEVEL_PLURALS
-from .wire import COOPERATIVE
+from .wire import COOPERATIVE, PARK_STATES
 
 #: quota fields in the order the CLI shows them, with their column titles
 QUOTA_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -81,8 +81,20 @@ def short(text: str | None, n: int = 8) -> str:
     return "-" if not text else text[:n]
 
 
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st, ..."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def idle(lease: Mapping[str, Any], now: float) -> str:
-    """``busy`` while the kernel executes, else the time since its last activity."""
+    """``busy`` while the kernel executes, else the time since its last activity; a lease
+    being parked, parked or resuming says so instead (parked ones with their resume
+    request's place in the queue while it waits: ``parked, 2nd to resume``)."""
+    state = lease.get("state")
+    if state in PARK_STATES:
+        place = (lease.get("resume") or {}).get("position")
+        return f"{state}, {ordinal(int(place))} to resume" if place else str(state)
     if lease.get("execution_state") == "busy":
         return "busy"
     last = lease.get("last_activity")

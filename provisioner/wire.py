@@ -45,11 +45,23 @@ def ppm_to_fraction(ppm: float) -> float:
 LiveLeaseState = Literal["active"]
 #: the ways a lease ends (its hold time then feeds the estimated waits)
 EndedLeaseState = Literal["revoked", "released", "expired"]
-#: a lease's ``state``: live, then one of the ways it ends
+#: a lease's ``state`` in memory and in the database: live, then one of the ways it ends
 LeaseState = Literal[LiveLeaseState, EndedLeaseState]
-LEASE_STATES: tuple[LeaseState, ...] = get_args(LeaseState)
+#: a live lease whose kernel's GPU memory is being parked in host RAM (it still holds
+#: its share), is parked (it holds none), or is being restored (it holds its share
+#: again); in memory ``Lease.park`` with ``state`` "active" (see ``model.Lease.wire_state``)
+ParkState = Literal["parking", "parked", "resuming"]
+PARK_STATES: tuple[ParkState, ...] = get_args(ParkState)
+#: a lease's ``state`` on the wire (``Lease.wire_state``): live, parked or on the way, ended
+WireLeaseState = Literal[LiveLeaseState, ParkState, EndedLeaseState]
+LEASE_STATES: tuple[str, ...] = get_args(WireLeaseState)
 LIVE_LEASE_STATES: tuple[LeaseState, ...] = get_args(LiveLeaseState)
 ENDED_LEASE_STATES: tuple[LeaseState, ...] = get_args(EndedLeaseState)
+#: what the broker orders a node agent to do with a lease's kernel (heartbeat ``orders``)
+PARK_ACTIONS: tuple[str, ...] = ("park", "resume")
+#: how an order went, as the agent reports it (heartbeat ``parking``); ``waiting``: a
+#: resume found too little free GPU memory and is repeated
+PARK_OUTCOMES: tuple[str, ...] = ("done", "failed", "waiting")
 #: a GPU kernel's lease as the JupyterLab extension shows it: waiting in the queue first
 KERNEL_LEASE_STATES: tuple[str, ...] = ("waiting", *LEASE_STATES)
 
@@ -283,11 +295,16 @@ __all__ = [
     "MPS_STATES",
     "NODE_NAME_VARS",
     "NODE_STATES",
+    "PARK_ACTIONS",
+    "PARK_OUTCOMES",
+    "PARK_STATES",
     "PPM",
     "PRIORITY_RANGE",
     "EndedLeaseState",
     "LeaseState",
     "LiveLeaseState",
+    "ParkState",
+    "WireLeaseState",
     "enum_schema",
     "error_code",
     "fraction_to_ppm",

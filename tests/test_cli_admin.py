@@ -172,6 +172,25 @@ def test_format_leases_names_gpus() -> None:
     assert tables.format_leases([lease("alice", "k1", 0.02)], NOW).endswith("V100")
 
 
+def test_parked_leases_say_so_in_top_and_leases() -> None:
+    """Issue 28: a parked lease shows its state, and its place while its resume waits."""
+    leases = [
+        lease("alice", "k1", 0.25, state="parked", parked_at=NOW - 60),
+        lease("bob", "k2", 0.25, state="parked", resume={"position": 2, "eta_seconds": 40}),
+        lease("carol", "k3", 0.25, state="resuming"),
+        lease("dave", "k4", 0.25, state="active"),
+    ]
+    rows = tables.format_leases(leases, NOW).splitlines()[1:]
+    assert [r.split("  ")[0] for r in rows] == ["alice", "bob", "carol", "dave"]
+    assert "parked " in rows[0] and "parked, 2nd to resume" in rows[1]
+    assert "resuming" in rows[2] and " 42s " in rows[3]
+    top = tables.format_top([GPU0], leases, [], NOW)
+    assert "parked, 2nd to resume" in top
+    assert [tables.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st"
+    ]  # fmt: skip
+
+
 def test_format_quotas() -> None:
     book = {
         "default": {"max_fraction": 1.0, "max_leases": None, "max_lease_fraction": None,

@@ -16,8 +16,11 @@ from openapi_spec_validator import validate
 from provisioner._version import __version__
 from provisioner.broker.openapi import documented_routes
 from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES, build_openapi
+from provisioner.broker.validation import parse_node_heartbeat, parse_node_parking, parse_resume
+from provisioner.errors import InvalidRequest
 from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Lease, Quota
+from provisioner.wire import PARK_STATES
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,7 @@ def test_every_design_endpoint_is_documented() -> None:
         ("GET", "/api/v1/leases"),
         ("GET", "/api/v1/leases/{lease_id}"),
         ("POST", "/api/v1/leases/{lease_id}/renew"),
+        ("POST", "/api/v1/leases/{lease_id}/resume"),
         ("DELETE", "/api/v1/leases/{lease_id}"),
         ("GET", "/api/v1/queue"),
         ("GET", "/api/v1/usage"),
@@ -145,6 +149,93 @@ def test_acquire_request_schema(doc: dict[str, Any], body: dict[str, Any], ok: b
 )
 def test_heartbeat_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
     assert schema_validator(doc, "Heartbeat").is_valid(body) is ok
+
+
+@pytest.mark.parametrize(
+    "body, ok",
+    [
+        ({}, True),
+        ({"usage": [], "checkpoint": True, "host_memory_available_mb": 64000}, True),
+        (
+            {
+                "parking": [
+                    {"lease_id": "L", "action": "park", "outcome": "done", "pids": [7], "mb": 9},
+                    {"lease_id": "M", "action": "resume", "outcome": "waiting", "message": "GPU"},
+                ]
+            },
+            True,
+        ),
+        ({"checkpoint": "yes"}, False),
+        ({"host_memory_available_mb": -1}, False),
+        ({"parking": [{"lease_id": "L", "action": "sleep", "outcome": "done"}]}, False),
+        ({"parking": [{"lease_id": "L", "action": "park", "outcome": "maybe"}]}, False),
+        ({"parking": [{"lease_id": "L", "action": "park"}]}, False),
+        ({"parking": [{"lease_id": "L", "action": "park", "outcome": "done", "x": 1}]}, False),
+    ],
+)
+def test_node_heartbeat_parking_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
+    """The parking fields of a node heartbeat (issue 28) as ``validation`` takes them."""
+    assert schema_validator(doc, "NodeHeartbeat").is_valid(body) is ok
+    try:
+        parse_node_parking(body)
+        parse_node_heartbeat(body)
+    except InvalidRequest:
+        assert not ok
+    else:
+        assert ok
+
+
+@pytest.mark.parametrize(
+    "body, ok",
+    [({}, True), ({"wait": 0}, True), ({"wait": 30.5}, True), ({"wait": -1}, False)]
+    + [({"wait": 301}, False), ({"wait": "5"}, False), ({"later": 1}, False)],
+)
+def test_resume_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
+    assert schema_validator(doc, "Resume").is_valid(body) is ok
+    try:
+        parse_resume(body)
+    except InvalidRequest:
+        assert not ok
+    else:
+        assert ok
+
+
+def test_lease_states_and_resume_answers(doc: dict[str, Any]) -> None:
+    """Every wire state (parked ones included) is documented, and a 202 of resume validates."""
+    lease_states = doc["components"]["schemas"]["Lease"]["properties"]["state"]["enum"]
+    assert set(PARK_STATES) <= set(lease_states)
+    gpu = parse_gpu_spec("1x32768:V100")[0]
+    lease = Lease(
+        id="abc",
+        user="alice",
+        kernel_id="k1",
+        gpu_uuid=gpu.uuid,
+        fraction_ppm=500_000,
+        memory_limit_mb=15872,
+        state="active",
+        created_at=1.0,
+        renewed_at=1.0,
+        expires_at=91.0,
+        park="parked",
+        parked_at=50.0,
+    )
+    body = {**lease.to_json(gpu), "resume": {"position": 2, "eta_seconds": None}}
+    assert body["state"] == "parked"
+    schema_validator(doc, "Lease").validate(body)
+    answer = {"lease": body, "state": "parked", "position": 2, "eta_seconds": 40, "queue_length": 3}
+    schema_validator(doc, "Resuming").validate(answer)
+    assert not schema_validator(doc, "Resuming").is_valid({**answer, "state": "active"})
+    order = {
+        "lease_id": "abc",
+        "action": "park",
+        "pid": 42,
+        "pid_ns": None,
+        "gpu_uuid": gpu.uuid,
+        "memory_mb": 16384,
+    }
+    beat = {"node": "n", "state": "up", "orders": [order]}
+    schema_validator(doc, "NodeBeat").validate(beat)
+    assert not schema_validator(doc, "NodeBeat").is_valid({**beat, "orders": [{"action": "x"}]})
 
 
 @pytest.mark.parametrize(

@@ -722,7 +722,15 @@ def test_user_usage_and_counts(history: Store) -> None:
     assert history.user_usage("nobody", 0, 4 * 3600) == 0.0
     with pytest.raises(ValueError):
         history.usage(0, 1, by="kernel")
-    assert history.counts() == {"active": 1, "revoked": 0, "released": 1, "expired": 1}
+    assert history.counts() == {
+        "active": 1,
+        "parking": 0,
+        "parked": 0,
+        "resuming": 0,
+        "revoked": 0,
+        "released": 1,
+        "expired": 1,
+    }
 
 
 @pytest.fixture

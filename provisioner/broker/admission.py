@@ -86,10 +86,12 @@ def admit(
 ) -> None:
     """Raise ``QuotaExceeded`` (403) with the reason if the ask would exceed ``quota``.
 
-    Waiting requests of the user count as held, so one user cannot fill the queue.
+    Waiting requests of the user count as held, so one user cannot fill the queue;
+    a resume request does not (its parked lease already counts: parked leases count
+    for their user's quotas).
     """
     fraction = ppm_to_fraction(ask.fraction_ppm)
-    waiting = [r for r in state.queue.values() if r.user == ask.user]
+    waiting = [r for r in state.queue.values() if r.user == ask.user and r.resume_of is None]
     held = state.held_by_user.get(ask.user, 0) + sum(r.fraction_ppm for r in waiting)
     count = state.leases_by_user.get(ask.user, 0) + len(waiting)
     for field_name, value in (

@@ -269,6 +269,7 @@ class GPULeaseBroker(BrokerOptions, Application):
             self.policy(),
             metrics_per_user=self.metrics_per_user,
             reap_interval=self.reap_interval,
+            park=self.park_settings(),
         )
         leadership: Leadership | None = None
         if self.ha_lock:

@@ -63,7 +63,17 @@ from ..errors import (
     LeaseRevoked,
     NotActive,
 )
-from ..model import GPU, Changes, Identity, Lease, Node, PoolState, QuotaBook, Request
+from ..model import (
+    GPU,
+    Changes,
+    Identity,
+    Lease,
+    Node,
+    PoolState,
+    QuotaBook,
+    Request,
+    reserved_mb,
+)
 from . import estimates, node_rules, scheduling
 from .kernel_places import KernelPlaces
 from .policy import Policy
@@ -89,6 +99,9 @@ class Metrics(Protocol):
     def ended(self, state: str, count: int) -> None: ...
     def enforced(self, action: str, count: int) -> None: ...
     def committed(self, changes: int) -> None: ...
+    def parked(self, outcome: str, count: int) -> None: ...
+    def resumed(self, outcome: str, count: int) -> None: ...
+    def observe_resume_wait(self, seconds: float) -> None: ...
 
 
 class _NoMetrics:
@@ -109,6 +122,38 @@ class _NoMetrics:
 
     def enforced(self, action: str, count: int) -> None:
         pass
+
+    def parked(self, outcome: str, count: int) -> None:
+        pass
+
+    def resumed(self, outcome: str, count: int) -> None:
+        pass
+
+    def observe_resume_wait(self, seconds: float) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class ParkSettings:
+    """The broker's parking options (``GPULeaseBroker.park_idle``, ``park_host_reserve_mb``,
+    ``park_timeout``; see ``options.py``), handed to :class:`ServiceCore` by ``app.py``."""
+
+    #: park idle leases instead of revoking them, where the node can (see :meth:`ServiceCore.park_check`)
+    idle: bool = True
+    #: host RAM (MiB) a node keeps free beyond what parked kernels take
+    host_reserve_mb: int = 2048
+    #: seconds a lease may stay ``parking`` before it is revoked
+    timeout: float = 120.0
+
+
+@dataclass
+class NodeParking:
+    """What a node's agent last said about parking (its latest heartbeat; memory only)."""
+
+    #: the node's libcuda offers the checkpoint API (``node/checkpoint.py`` ``support()``)
+    checkpoint: bool = False
+    #: MemAvailable of the node's host, MiB (None: not reported)
+    host_memory_available_mb: int | None = None
 
 
 @dataclass
@@ -182,6 +227,7 @@ class ServiceCore:
         metrics: Metrics | None,
         id_factory: Callable[[], str],
         reap_interval: float,
+        park: ParkSettings | None = None,
     ) -> None:
         self.store = store
         self.declared = list(gpus)
@@ -223,6 +269,14 @@ class ServiceCore:
         self.renewed: set[str] = set()
         #: each lease kernel's pid namespace and cgroup (renewals; see :mod:`.kernel_places`)
         self.kernel_places = KernelPlaces()
+        #: the parking options (``options.py``)
+        self.park = park or ParkSettings()
+        #: node name -> what its agent last said about parking (``nodes.py`` heartbeats)
+        self.node_parking: dict[str, NodeParking] = {}
+        #: lease id -> when its owner first asked to resume it (``resume_wait_seconds``)
+        self.resume_asked: dict[str, float] = {}
+        #: lease id -> the resume long-polls waiting for it to be active again
+        self.resume_waiters: dict[str, Waiter] = {}
 
     # -- start-up, serving or not ---------------------------------------------------------
     def drain_before_serving(self, now: float) -> None:
@@ -251,7 +305,7 @@ class ServiceCore:
     @property
     def waiting(self) -> int:
         """How many long-polls are waiting now."""
-        return sum(w.count for w in self.waiters.values())
+        return sum(w.count for w in [*self.waiters.values(), *self.resume_waiters.values()])
 
     async def long_polls_answered(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until no long-poll waits: after :meth:`stop_serving`,
@@ -272,7 +326,7 @@ class ServiceCore:
         """
         if self._closing is None:
             self._closing = f"This broker is {why}; retry, and the active broker will answer."
-        for waiter in self.waiters.values():
+        for waiter in [*self.waiters.values(), *self.resume_waiters.values()]:
             waiter.event.set()
 
     async def ready(self) -> None:
@@ -323,6 +377,9 @@ class ServiceCore:
         self.wake(
             [g.lease.user_kernel for g in changes.granted] + [r.key for r, _ in changes.dropped]
         )
+        if self.resume_waiters and (changes.parks or changes.ended or changes.dropped):
+            for waiter in self.resume_waiters.values():  # few: each looks at its lease again
+                waiter.event.set()
         mine = {x.id for x in changes.renewed}
         return {i: v for i, v in gone.items() if i in mine}
 
@@ -375,6 +432,8 @@ class ServiceCore:
             self._install(now, polled, pool, leases, queue)
             self.stale = False
             self.wake(list(self.waiters))
+            for waiter in self.resume_waiters.values():
+                waiter.event.set()
             done.set_result(None)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
@@ -421,7 +480,7 @@ class ServiceCore:
         A lease memory holds keeps its newer heartbeat (heartbeats are persisted by the
         reaper only); a request's last poll is ``polled[id]``, else ``now``.
         """
-        mine = self.state.leases
+        mine = {**self.state.parked, **self.state.leases}
         fresh = []
         for lease in leases:
             known = mine.get(lease.id)
@@ -456,7 +515,7 @@ class ServiceCore:
             lease_id[:6],
         )
         await self.reconcile(force=True)
-        lease = self.state.leases.get(lease_id)
+        lease = self.state.find_lease(lease_id)
         if lease is None:  # on a GPU no longer declared: _fetch revoked it
             gone = await self.writer.call(lambda: self.store.get_lease(lease_id), read=True)
             raise _gone(gone or found)
@@ -505,6 +564,66 @@ class ServiceCore:
             node_rules.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
         )
 
+    def node_of(self, gpu_uuid: str) -> Node | None:
+        """The registered node whose agent reports the GPU ``gpu_uuid`` (None: none)."""
+        gpu = self.state.gpus.get(gpu_uuid)
+        node = self.nodes.get(gpu.node) if gpu is not None else None
+        return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
+
+    def park_need_mb(self, lease: Lease) -> int:
+        """Host MiB parking ``lease`` takes: its kernel's GPU memory as the node's agent last
+        reported it, else the memory its lease reserves."""
+        used = self.used_mb.get(lease.id)
+        if used is not None:
+            return used
+        gpu = self.state.gpus.get(lease.gpu_uuid)
+        return reserved_mb(lease.fraction_ppm, gpu.memory_mb) if gpu is not None else 0
+
+    def park_check(self, now: float) -> Callable[[Lease], str | None]:
+        """The reaper's ``can_park`` for one pass (``LeaseService.tick``): None when the
+        lease may be parked instead of revoked, else why not (the revoke reason says it).
+
+        Parking needs: ``park_idle`` on; the lease's GPU's node has a registered agent, up,
+        whose latest heartbeat said ``checkpoint: true``; and that node's reported host
+        memory, less ``park_host_reserve_mb`` and the GPU memory of the leases parking
+        there already (those this pass approved included), holds the kernel's GPU memory.
+        """
+        taken: dict[str, int] = {}
+        for lease in self.state.leases.values():
+            if lease.park == "parking":
+                node = self.node_of(lease.gpu_uuid)
+                if node is not None:
+                    taken[node.name] = taken.get(node.name, 0) + self.park_need_mb(lease)
+
+        def can_park(lease: Lease) -> str | None:
+            if not self.park.idle:
+                return "parking is turned off on this broker"
+            node = self.node_of(lease.gpu_uuid)
+            if node is None:
+                return "no node agent reports its GPU"
+            state = node_rules.node_state(node, now, self.policy)
+            if state != "up":
+                return f"node {node.name}'s agent is {state}"
+            info = self.node_parking.get(node.name)
+            if info is None or not info.checkpoint:
+                return f"the CUDA driver on node {node.name} offers no checkpoint API"
+            if info.host_memory_available_mb is None:
+                return f"node {node.name}'s agent did not report its host memory"
+            need = self.park_need_mb(lease)
+            already = taken.get(node.name, 0)
+            room = info.host_memory_available_mb - self.park.host_reserve_mb - already
+            if room < need:
+                return (
+                    f"node {node.name} has too little free host memory to hold its "
+                    f"{need} MiB of GPU memory ({info.host_memory_available_mb} MiB "
+                    f"available, {self.park.host_reserve_mb} MiB kept in reserve, "
+                    f"{already} MiB taken by kernels parking there)"
+                )
+            taken[node.name] = already + need
+            return None
+
+        return can_park
+
     async def forget_vanished(self) -> None:
         """Drop vanished GPUs whose last lease ended (from memory and the store)."""
         free = {u for u in self.vanished if not self.state.lease_count.get(u, 0)}
@@ -519,9 +638,8 @@ class ServiceCore:
 
     def take_renewed(self, now: float) -> Changes:
         """The heartbeats not persisted yet, as changes (the set is emptied)."""
-        beats = Changes(
-            now, renewed=[self.state.leases[i] for i in self.renewed if i in self.state.leases]
-        )
+        found = (self.state.find_lease(i) for i in self.renewed)  # parked ones too
+        beats = Changes(now, renewed=[x for x in found if x is not None])
         self.renewed = set()
         return beats
 
@@ -560,4 +678,13 @@ def require_admin(ident: Identity) -> None:
         )
 
 
-__all__ = ["REAP_INTERVAL", "Metrics", "ServiceCore", "check_owner", "new_id", "require_admin"]
+__all__ = [
+    "REAP_INTERVAL",
+    "Metrics",
+    "NodeParking",
+    "ParkSettings",
+    "ServiceCore",
+    "check_owner",
+    "new_id",
+    "require_admin",
+]

@@ -54,6 +54,7 @@ from .service import (
     History,
     NodeView,
     QuotaStanding,
+    ResumeResult,
     Waiting,
 )
 
@@ -189,7 +190,7 @@ def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
 
 def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
     out = {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
-    return {**out, "kernels": h.kernels, "limits": h.limits}
+    return {**out, "kernels": h.kernels, "limits": h.limits, "orders": h.orders}
 
 
 def history_json(h: History) -> dict[str, Any]:
@@ -347,6 +348,8 @@ class APIHandler(web.RequestHandler):
             mps=usage.mps,
             mps_server_uid=usage.mps_server_uid,
         )
+        if usage.resume is not None:  # parked, its resume request waiting
+            body["resume"] = usage.resume
         return body
 
     def write_error(self, status_code: int, **kwargs: Any) -> None:
@@ -633,6 +636,47 @@ class RenewHandler(APIHandler):
         self.write_json(await self.lease_json(lease))
 
 
+class ResumeHandler(APIHandler):
+    """``POST {p}api/v1/leases/{id}/resume {wait?}``: the owner wants a parked kernel's GPU
+    memory back: 200 with the lease once it is active, else 202 with where it stands."""
+
+    _task: asyncio.Task[ResumeResult] | None = None
+    _client_gone = False
+
+    @api
+    async def post(self, lease_id: str) -> None:
+        wait = validation.parse_resume(self.json_body())
+        self._task = asyncio.ensure_future(self.service.leases.resume(self.ident, lease_id, wait))
+        try:
+            result = await self._task
+        except asyncio.CancelledError:
+            if self._client_gone:
+                return  # nobody to answer
+            raise
+        finally:
+            self._task = None
+        lease = await self.lease_json(result.lease)
+        if result.state == "active":
+            self.write_json(lease)
+            return
+        self.set_header("Retry-After", str(RETRY_AFTER_QUEUED))
+        self.write_json(
+            {
+                "lease": lease,
+                "state": result.state,
+                "position": result.position,
+                "eta_seconds": result.eta_seconds,
+                "queue_length": result.queue_length,
+            },
+            status=202,
+        )
+
+    def on_connection_close(self) -> None:
+        self._client_gone = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
 class RevokeHandler(APIHandler):
     """``POST {p}api/v1/leases/{id}/revoke {reason}``: an admin ends someone's lease."""
 
@@ -688,8 +732,17 @@ class NodeHeartbeatHandler(APIHandler):
         usage, at, mps = validation.parse_node_heartbeat(body)
         mps_uid = validation.parse_mps_uids(body)
         kernels, driver_limits = validation.parse_node_kernels(body)
+        parking = validation.parse_node_parking(body)
         beat = await self.service.nodes.node_heartbeat(
-            self.ident, node, usage, at, mps, mps_uid, kernels=kernels, driver_limits=driver_limits
+            self.ident,
+            node,
+            usage,
+            at,
+            mps,
+            mps_uid,
+            kernels=kernels,
+            driver_limits=driver_limits,
+            parking=parking,
         )
         self.write_json(heartbeat_json(beat))
 

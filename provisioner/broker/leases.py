@@ -42,6 +42,28 @@ class AcquireResult:
     queue_length: int = 0
 
 
+@dataclass
+class ResumeResult:
+    """A resume's outcome (``POST /api/v1/leases/{id}/resume``): ``state`` is ``active``
+    (the handler answers 200 with the lease) or a park state (202, with the place of its
+    resume request in the queue while it waits: ``position``, ``eta_seconds``)."""
+
+    state: str
+    lease: Lease
+    position: int | None = None
+    eta_seconds: float | None = None
+    queue_length: int = 0
+
+
+def parking_timeout_why(timeout: float) -> str:
+    """Why parking failed when it took longer than ``park_timeout`` (``scheduling.park_failed``
+    puts it in the revoke reason its student reads)."""
+    return (
+        f"it did not finish within {timeout:g} s (the node's agent did not report the "
+        "kernel's GPU memory saved)"
+    )
+
+
 class LeaseService:
     """Leases and queued requests of kernels, and the reaper that ends them."""
 
@@ -170,6 +192,104 @@ class LeaseService:
             if req is not None:
                 req.last_polled_at = self.core.clock()
 
+    async def resume(self, ident: Identity, lease_id: str, wait: float = 0.0) -> ResumeResult:
+        """``POST /api/v1/leases/{id}/resume``: the owner (or an admin) wants the parked
+        kernel's GPU memory back.
+
+        An active lease answers at once. A parked one gets a resume request in the queue
+        (``scheduling.resume``: same GPU, same fraction, its place in the queue that of
+        the moment it was parked), granted at once if it fits: the lease is ``resuming``
+        (its capacity reserved again) and its node's agent is ordered to restore it. With
+        ``wait`` > 0 this long-polls until the lease is active again or the wait ends.
+        Another user's lease is 404 like an unknown id; an ended one 410 with its reason.
+        """
+        await self.core.ready()
+        result = await self.core.mutate(lambda: self._resume_once(ident, lease_id))
+        if result.state != "active" and wait > 0:
+            result = await self._wait_for_resume(ident, lease_id, wait)
+        return result
+
+    async def _resume_once(self, ident: Identity, lease_id: str) -> ResumeResult:
+        lease = self.core.state.find_lease(lease_id)
+        if lease is None:
+            lease = await self.core.adopt(ident, lease_id)  # 404, 410, or adopted
+        check_owner(ident, lease)
+        if lease.park is None:
+            await self.core.writer.barrier()  # a resume done in flight is in the database
+            return ResumeResult("active", lease)
+        now = self.core.clock()
+        if lease.park == "parked":
+            waiting = lease.user_kernel in self.core.state.queue
+            decision, changes = scheduling.resume(
+                self.core.state, lease_id, now, self.core.policy, self.core.new_id
+            )
+            self.core.resume_asked.setdefault(lease_id, now)
+            await self.core.commit(changes)
+            if decision.state == "resuming":
+                log.info(
+                    "Resuming lease %s… of %s kernel %s on GPU %s (capacity reserved again)",
+                    lease_id[:6],
+                    lease.user,
+                    lease.kernel_id,
+                    lease.gpu_uuid,
+                )
+            elif not waiting:
+                log.info(
+                    "Queued the resume of lease %s… of %s kernel %s at position %s",
+                    lease_id[:6],
+                    lease.user,
+                    lease.kernel_id,
+                    decision.position,
+                )
+        return self._resume_state(lease_id, now)
+
+    def _resume_state(self, lease_id: str, now: float) -> ResumeResult:
+        """Where the lease ``lease_id`` (held in memory) stands now, for a resume's answer."""
+        lease = self.core.state.find_lease(lease_id)
+        assert lease is not None
+        state = lease.park or "active"
+        key = lease.user_kernel
+        req = self.core.state.queue.get(key)
+        if req is None or req.resume_of != lease_id:
+            return ResumeResult(state, lease, queue_length=len(self.core.state.queue))
+        req.last_polled_at = now
+        return ResumeResult(
+            state,
+            lease,
+            position=scheduling.position_of(self.core.state, key, now, self.core.policy),
+            eta_seconds=self.core.eta(key, now),
+            queue_length=len(self.core.state.queue),
+        )
+
+    async def _wait_for_resume(self, ident: Identity, lease_id: str, wait: float) -> ResumeResult:
+        """Long-poll a resume: woken by each commit that parks, resumes or ends leases."""
+        waiter = self.core.resume_waiters.setdefault(lease_id, Waiter())
+        waiter.count += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        try:
+            while True:
+                self.core.check_serving()
+                lease = self.core.state.find_lease(lease_id)
+                if lease is None or lease.park is None:  # ended (410) or active (200)
+                    await self.core.writer.barrier()
+                    return await self.core.mutate(lambda: self._resume_once(ident, lease_id))
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    await self.core.writer.barrier()
+                    return self._resume_state(lease_id, self.core.clock())
+                waiter.event.clear()
+                try:
+                    await asyncio.wait_for(waiter.event.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            waiter.count -= 1
+            if waiter.count <= 0:
+                self.core.resume_waiters.pop(lease_id, None)
+            if self.core.none_waiting is not None and not self.core.waiting:
+                self.core.none_waiting.set()
+
     async def renew(
         self,
         ident: Identity,
@@ -188,7 +308,7 @@ class LeaseService:
         reloaded).
         """
         await self.core.ready()
-        lease = self.core.state.leases.get(lease_id)
+        lease = self.core.state.find_lease(lease_id)  # a parked lease is renewed too
         if lease is None:
             lease = await self.core.adopt(ident, lease_id)
         check_owner(ident, lease)
@@ -213,7 +333,7 @@ class LeaseService:
 
     async def _release_once(self, ident: Identity, lease_id: str) -> bool:
         """End the lease or cancel the request ``lease_id`` memory holds; False if it holds none."""
-        lease = self.core.state.leases.get(lease_id)
+        lease = self.core.state.find_lease(lease_id)
         now = self.core.clock()
         if lease is not None:
             check_owner(ident, lease)
@@ -221,10 +341,17 @@ class LeaseService:
                 scheduling.end(self.core.state, [(lease, "released", None)], now, self.core.policy)
             )
             log.info(
-                "Released lease %s… of %s kernel %s", lease_id[:6], lease.user, lease.kernel_id
+                "Released %slease %s… of %s kernel %s",
+                "parked " if lease.park == "parked" else "",
+                lease_id[:6],
+                lease.user,
+                lease.kernel_id,
             )
             return True
-        req = next((r for r in self.core.state.queue.values() if r.id == lease_id), None)
+        req = next(
+            (r for r in self.core.state.queue.values() if r.id == lease_id and r.resume_of is None),
+            None,
+        )
         if req is None:
             return False
         check_owner(ident, req)
@@ -243,14 +370,14 @@ class LeaseService:
         require_admin(ident)
 
         async def once() -> Lease:
-            lease = self.core.state.leases.get(lease_id)
+            lease = self.core.state.find_lease(lease_id)
             if lease is None:
                 lease = await self.core.adopt(ident, lease_id)
             now = self.core.clock()
             await self.core.commit(
                 scheduling.end(self.core.state, [(lease, "revoked", reason)], now, self.core.policy)
             )
-            return replace(lease, state="revoked", ended_at=now, reason=reason)
+            return replace(lease, state="revoked", ended_at=now, reason=reason, park=None)
 
         ended = await self.core.mutate(once)
         log.info(
@@ -297,7 +424,15 @@ class LeaseService:
         like a restart: every active lease expires exactly one TTL from now instead of
         expiring at once (forward) or only when the clock catches up (backward).
         """
-        counts = {"expired": 0, "dropped": 0, "revoked": 0, "granted": 0, "grace": 0}
+        counts = {
+            "expired": 0,
+            "dropped": 0,
+            "revoked": 0,
+            "granted": 0,
+            "grace": 0,
+            "parking": 0,
+            "park_timeouts": 0,
+        }
         try:
             await self.core.ready()
         except NotActive:
@@ -307,12 +442,13 @@ class LeaseService:
         self.core.last_tick = now
         stall = max(self.core.policy.ttl / 2, 3 * self.core.reap_interval)
         if now - last > stall or now < last:
-            for lease in list(self.core.state.leases.values()):
+            held = [*self.core.state.leases.values(), *self.core.state.parked.values()]
+            for lease in held:
                 self.core.state.update_lease(replace(lease, expires_at=now + self.core.policy.ttl))
                 self.core.renewed.add(lease.id)
             for req in self.core.state.queue.values():
                 req.last_polled_at = now
-            counts["grace"] = len(self.core.state.leases)
+            counts["grace"] = len(held)
             log.warning(
                 "Reaper saw a %.0f s gap (clock jump or stall): gave %d lease(s) a TTL of grace",
                 now - last,
@@ -320,11 +456,13 @@ class LeaseService:
             )
             await self._persist_heartbeats(now)
             return counts
-        reaped = await self.core.mutate(lambda: self._reap(now))
+        reaped, overdue = await self.core.mutate(lambda: self._reap(now))
         counts["expired"] = len(reaped.expired)
         counts["dropped"] = len(reaped.dropped)
         counts["revoked"] = len(reaped.revoked)
         counts["granted"] = len(reaped.changes.granted)
+        counts["parking"] = len(reaped.parking)
+        counts["park_timeouts"] = len(overdue)
         if reaped.expired:
             log.info("Expired %d lease(s) not renewed in time", len(reaped.expired))
         if reaped.dropped:
@@ -336,12 +474,87 @@ class LeaseService:
         await self.core.forget_vanished()
         return counts
 
-    async def _reap(self, now: float) -> scheduling.Reaped:
+    async def _reap(self, now: float) -> tuple[scheduling.Reaped, list[Lease]]:
+        """Decide and apply one pass: revoke leases parking past ``park_timeout``, then
+        ``scheduling.reap`` with the core's ``can_park`` (idle victims are parked where
+        their node can, revoked elsewhere); commit; log and count each park, fallback and
+        timeout. Returns the pass and the leases revoked for parking too long."""
         self.core.close_gpus(now)
-        reaped = scheduling.reap(self.core.state, now, self.core.policy, set(self.core.waiters))
-        await self.core.commit(reaped.changes)
+        timeout = self.core.park.timeout
+        overdue = scheduling.parking_overdue(self.core.state, now, timeout)
+        late = Changes(now)
+        for lease in overdue:
+            late.extend(
+                scheduling.park_failed(
+                    self.core.state, lease.id, parking_timeout_why(timeout), now, self.core.policy
+                )
+            )
+        check = self.core.park_check(now)
+        refused: dict[str, str] = {}
+
+        def can_park(lease: Lease) -> str | None:
+            why = check(lease)
+            if why is not None:
+                refused[lease.id] = why
+            return why
+
+        reaped = scheduling.reap(
+            self.core.state,
+            now,
+            self.core.policy,
+            set(self.core.waiters) | self._resume_polls(),
+            can_park=can_park,
+        )
+        late.extend(reaped.changes)
+        await self.core.commit(late)
         await self._persist_heartbeats(now)
-        return reaped
+        self._note_reaped(reaped, overdue, refused)
+        return reaped, overdue
+
+    def _resume_polls(self) -> set[tuple[str, str]]:
+        """The kernels whose owners long-poll a resume now (their requests are not stale)."""
+        out = set()
+        for lease_id in self.core.resume_waiters:
+            lease = self.core.state.find_lease(lease_id)
+            if lease is not None:
+                out.add(lease.user_kernel)
+        return out
+
+    def _note_reaped(
+        self, reaped: scheduling.Reaped, overdue: list[Lease], refused: dict[str, str]
+    ) -> None:
+        """Log (INFO, ids cut to 6 characters) and count what a committed pass did about
+        parking: orders to park, fallbacks to revoking, parks that timed out."""
+        metrics = self.core.metrics
+        for lease in overdue:
+            log.info(
+                "Revoked lease %s… of %s kernel %s: parking did not finish within %g s",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                self.core.park.timeout,
+            )
+        metrics.parked("timeout", len(overdue))
+        for lease in reaped.parking:
+            self.core.resume_asked.pop(lease.id, None)
+            log.info(
+                "Parking idle lease %s… of %s kernel %s on GPU %s for a waiting request",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                lease.gpu_uuid,
+            )
+        fallbacks = [x for x in reaped.revoked if x.id in refused]
+        for lease in fallbacks:
+            log.info(
+                "Revoked idle lease %s… of %s kernel %s instead of parking it: %s",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                refused[lease.id],
+            )
+        if self.core.park.idle:  # parking turned off refuses nothing
+            metrics.parked("refused", len(fallbacks))
 
     async def _persist_heartbeats(self, now: float) -> None:
         """Write the latest heartbeat of every lease renewed since the last pass, at most
@@ -364,12 +577,15 @@ class LeaseService:
                 "%d renewed lease(s) had ended in the database (another writer); dropped them",
                 len(gone),
             )
-            ends = [
-                (self.core.state.leases[i], st, why)
-                for i, (st, why) in gone.items()
-                if i in self.core.state.leases
-            ]
+            held = ((self.core.state.find_lease(i), st, why) for i, (st, why) in gone.items())
+            ends = [(x, st, why) for x, st, why in held if x is not None]
             await self.core.commit(scheduling.end(self.core.state, ends, now, self.core.policy))
 
 
-__all__ = ["HEARTBEATS_PER_COMMIT", "AcquireResult", "LeaseService"]
+__all__ = [
+    "HEARTBEATS_PER_COMMIT",
+    "AcquireResult",
+    "LeaseService",
+    "ResumeResult",
+    "parking_timeout_why",
+]

@@ -25,6 +25,12 @@ Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, na
 * ``unleased_gpu_processes`` gauge: GPU processes on agents' nodes that belong to no lease
 * ``enforcement_actions_total{action}`` counter: what the agents' enforcement did to
   leases over their cap (reported | revoked | killed); see docs/admins.md, "Node agents"
+* ``leases_parked`` gauge: leases parked (their kernel's GPU memory in its node's RAM)
+* ``parks_total{outcome}`` counter: idle leases the reaper chose to park, by outcome
+  (done | failed | timeout: parking did not finish within park_timeout | refused: revoked
+  instead, the node could not park it)
+* ``resumes_total{outcome}`` counter: restores of parked kernels (done | failed)
+* ``resume_wait_seconds`` histogram: a parked lease's first resume request to active again
 * ``queue_length``, ``active_leases`` gauges
 * ``user_held_fraction{user}`` gauge (left out with ``per_user=False``)
 * ``info{version}`` gauge, always 1
@@ -198,6 +204,11 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "gpu_lease_active_leases", "Active leases on all GPUs.", len(state.leases)
         )
+        yield GaugeMetricFamily(
+            "gpu_lease_leases_parked",
+            "Leases parked: their kernel's GPU memory is in its node's RAM, they hold none.",
+            len(state.parked),
+        )
         if self._per_user:
             held = GaugeMetricFamily(
                 "gpu_lease_user_held_fraction",
@@ -258,6 +269,25 @@ class BrokerMetrics:
             ["action"],
             registry=self.registry,
         )
+        self._parks = Counter(
+            "gpu_lease_parks",
+            "Idle leases the reaper chose to park, by outcome (done, failed, timeout: not "
+            "parked within park_timeout, refused: revoked instead, its node could not park it).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._resumes = Counter(
+            "gpu_lease_resumes",
+            "Restores of parked kernels by their node agents, by outcome (done, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._resume_wait = Histogram(
+            "gpu_lease_resume_wait_seconds",
+            "Time from a parked lease's resume request to the lease active again.",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=self.registry,
+        )
         self._batches = Histogram(
             "gpu_lease_commit_batch_size",
             "Changes (acquires, releases, reaper passes, ...) persisted per database "
@@ -289,6 +319,20 @@ class BrokerMetrics:
         """Called by the service when enforcement reported, revoked or killed ``count``."""
         if count > 0:
             self._enforced.labels(action=action).inc(count)
+
+    def parked(self, outcome: str, count: int) -> None:
+        """Called by the service for parks decided: done, failed, timeout, refused."""
+        if count > 0:
+            self._parks.labels(outcome=outcome).inc(count)
+
+    def resumed(self, outcome: str, count: int) -> None:
+        """Called by the service when node agents report restores done or failed."""
+        if count > 0:
+            self._resumes.labels(outcome=outcome).inc(count)
+
+    def observe_resume_wait(self, seconds: float) -> None:
+        """Called by the service when a resumed lease is active again."""
+        self._resume_wait.observe(max(0.0, seconds))
 
     def committed(self, changes: int) -> None:
         """Called by the writer's thread after each transaction of ``changes`` mutations."""

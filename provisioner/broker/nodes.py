@@ -14,10 +14,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
-from ..model import GPU, Identity, Lease, Node
+from ..model import GPU, Changes, Identity, Lease, Node, reserved_mb
 from ..wire import NODE_STATES
 from . import node_rules, scheduling
-from .core import ServiceCore, require_admin
+from .core import NodeParking, ServiceCore, require_admin
+from .validation import NodeParkReport, ParkOutcome
 
 log = logging.getLogger("gpu_lease.broker")
 
@@ -44,6 +45,10 @@ class Heartbeat:
     #: :mod:`.kernel_places`)
     kernels: list[dict[str, Any]] = field(default_factory=list)
     limits: list[dict[str, Any]] = field(default_factory=list)
+    #: what to park or resume: ``{lease_id, action, pid, pid_ns, gpu_uuid, memory_mb}``
+    #: for each lease of the node ``parking`` or ``resuming``, repeated until an outcome
+    #: settles it (see :meth:`NodeService.orders`)
+    orders: list[dict[str, Any]] = field(default_factory=list)
 
 
 class NodeService:
@@ -127,6 +132,7 @@ class NodeService:
         mps_uid: dict[str, int | None] | None = None,
         kernels: dict[tuple[int, int], int] | None = None,
         driver_limits: list[str] | None = None,
+        parking: NodeParkReport | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
         and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
@@ -135,6 +141,13 @@ class NodeService:
         Samples or MPS states of a GPU this node did not register are refused (403), memory
         above the GPU's size is refused (400); nothing is changed then. A report never frees or
         grants capacity: leases end only by release, revoke or TTL.
+
+        Parking (``parking``): the node's ``checkpoint`` support and free host memory are
+        kept for the reaper's ``can_park``; the outcomes of park and resume orders are
+        applied first (a park done frees its capacity and the queue drains; a failure
+        revokes the lease; an outcome of another node's lease is refused, 403; one about
+        a lease not in that state, late or repeated, is ignored), then the answer orders
+        what is still to park or resume on this node.
         """
         await self.core.ready()
         self._check_node_caller(ident, name)
@@ -165,9 +178,14 @@ class NodeService:
                     "reports MPS daemons of its own GPUs only.",
                     gpu_uuid=uuid,
                 )
+        report = parking or NodeParkReport()
+        self._check_outcomes(name, mine, report.outcomes)
         now = self.core.clock()
         was = node_rules.node_state(node, now, self.core.policy)
         node.last_seen = now
+        self.core.node_parking[name] = NodeParking(
+            bool(report.checkpoint), report.host_memory_available_mb
+        )
         node.usage = list(usage)
         node.mps = dict(mps or {})
         node.mps_uid = {u: uid for u, uid in (mps_uid or {}).items() if uid is not None}
@@ -175,12 +193,14 @@ class NodeService:
         mps_changed = served != self.core.state.mps_uid
         self.core.state.mps_uid = served
         places = self.core.kernel_places
-        places.forget_ended(set(self.core.state.leases))
+        places.forget_ended(set(self.core.state.leases) | set(self.core.state.parked))
         places.driver_limited[name] = set(driver_limits or ())
         ends, kill = self._account_usage(node, usage, now, kernels)
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self.core.close_gpus(now)
+        if report.outcomes:
+            await self.core.mutate(lambda: self._apply_outcomes(node, report.outcomes))
         if ends:
             await self.core.mutate(
                 lambda: self.core.commit(
@@ -191,16 +211,149 @@ class NodeService:
         elif was == "lost" or mps_changed:
             await self.core.grant_waiting()
         here = [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
-        watch = sorted({x.pid for x in here if x.pid})
+        parked = [x for x in self.core.state.parked.values() if x.gpu_uuid in mine]
+        watch = sorted({x.pid for x in here + parked if x.pid})
         return Heartbeat(
             name,
             node_rules.node_state(node, now, self.core.policy),
             now,
             watch,
             kill,
-            places.kernels(here),
+            places.kernels(here + parked),
             places.limits(here, self.core.policy.context_overhead_mb),
+            self.orders(here),
         )
+
+    # -- parking ------------------------------------------------------------------------
+    def _check_outcomes(
+        self, name: str, mine: dict[str, GPU], outcomes: tuple[ParkOutcome, ...]
+    ) -> None:
+        """403 (nothing changed) if an outcome names a lease of another node's GPU; an id
+        the broker does not hold is not checked (it is ignored when applied)."""
+        for o in outcomes:
+            lease = self.core.state.find_lease(o.lease_id)
+            if lease is not None and lease.gpu_uuid not in mine:
+                raise Forbidden(
+                    f"Lease {o.lease_id[:6]}… is not on one of node {name!r}'s GPUs; an agent "
+                    "reports the outcomes of its own node's park and resume orders only."
+                )
+
+    async def _apply_outcomes(self, node: Node, outcomes: tuple[ParkOutcome, ...]) -> None:
+        """Apply each outcome whose lease is in the state it settles (``scheduling``'s
+        ``park_done``, ``park_failed``, ``resume_done``, ``resume_failed``), all before
+        the first ``await``; commit them; then count and log them (INFO)."""
+        st, policy = self.core.state, self.core.policy
+        now = self.core.clock()
+        done: list[tuple[ParkOutcome, Lease, Changes]] = []
+        for o in outcomes:
+            lease = st.find_lease(o.lease_id)
+            want = "parking" if o.action == "park" else "resuming"
+            if lease is None or lease.park != want or o.outcome == "waiting":
+                if o.outcome == "waiting" and lease is not None and lease.park == want:
+                    log.debug(
+                        "Node %s waits to %s lease %s…: %s",
+                        node.name,
+                        o.action,
+                        o.lease_id[:6],
+                        o.message or "no reason given",
+                    )
+                else:
+                    log.debug(
+                        "Ignored a late or repeated %s %s outcome for lease %s… from node %s",
+                        o.action,
+                        o.outcome,
+                        o.lease_id[:6],
+                        node.name,
+                    )
+                continue
+            why = o.message or f"the node's agent could not {o.action} the kernel"
+            if o.action == "park" and o.outcome == "done":
+                changes = scheduling.park_done(st, o.lease_id, now, policy)
+            elif o.action == "park":
+                changes = scheduling.park_failed(st, o.lease_id, why, now, policy)
+            elif o.outcome == "done":
+                changes = scheduling.resume_done(st, o.lease_id, now)
+            else:
+                changes = scheduling.resume_failed(st, o.lease_id, why, now, policy)
+            done.append((o, lease, changes))
+        for _, _, changes in done:
+            await self.core.commit(changes)
+        for o, lease, _ in done:
+            self._note_outcome(node, o, lease, now)
+
+    def _note_outcome(self, node: Node, o: ParkOutcome, lease: Lease, now: float) -> None:
+        """Count and log (INFO, the lease id cut to 6 characters) one applied outcome."""
+        metrics = self.core.metrics
+        took = "" if o.seconds is None else f" in {o.seconds:.1f} s"
+        moved = "" if o.mb is None else f", {o.mb} MiB"
+        if o.action == "park":
+            metrics.parked(o.outcome, 1)
+            if o.outcome == "done":
+                log.info(
+                    "Parked lease %s… of %s kernel %s on node %s%s%s: its GPU memory is free",
+                    lease.id[:6],
+                    lease.user,
+                    lease.kernel_id,
+                    node.name,
+                    took,
+                    moved,
+                )
+            else:
+                log.info(
+                    "Revoked lease %s… of %s kernel %s: node %s could not park it: %s",
+                    lease.id[:6],
+                    lease.user,
+                    lease.kernel_id,
+                    node.name,
+                    o.message or "no reason given",
+                )
+            return
+        metrics.resumed(o.outcome, 1)
+        asked = self.core.resume_asked.pop(lease.id, None)
+        if o.outcome == "done":
+            if asked is not None:
+                metrics.observe_resume_wait(now - asked)
+            log.info(
+                "Resumed lease %s… of %s kernel %s on node %s%s%s",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                node.name,
+                took,
+                moved,
+            )
+        else:
+            log.info(
+                "Revoked lease %s… of %s kernel %s: node %s could not resume it: %s",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                node.name,
+                o.message or "no reason given",
+            )
+
+    def orders(self, here: list[Lease]) -> list[dict[str, Any]]:
+        """The heartbeat answer's ``orders``: park each lease of ``here`` (the node's
+        leases holding capacity) that is ``parking``, resume each that is ``resuming``;
+        the kernel named as in ``kernels`` (its provisioner's ``pid``, ``pid_ns``), with
+        the memory its lease reserves."""
+        out = []
+        places = self.core.kernel_places.places
+        for lease in here:
+            if lease.park not in ("parking", "resuming"):
+                continue
+            gpu = self.core.state.gpus.get(lease.gpu_uuid)
+            out.append(
+                {
+                    "lease_id": lease.id,
+                    "action": "park" if lease.park == "parking" else "resume",
+                    "pid": lease.pid,
+                    "pid_ns": places[lease.id].pid_ns if lease.pid and lease.id in places else None,
+                    "gpu_uuid": lease.gpu_uuid,
+                    "memory_mb": reserved_mb(lease.fraction_ppm, gpu.memory_mb) if gpu else 0,
+                }
+            )
+        return sorted(out, key=lambda x: str(x["lease_id"]))
 
     def _account_usage(
         self,

@@ -293,6 +293,24 @@ _SCHEMAS: dict[str, Any] = {
             ),
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
+            "parked_at": _nullable(
+                {
+                    **_TIME,
+                    "description": "When the broker began to park the lease (states parking, "
+                    "parked, resuming; null otherwise). A parked lease holds no GPU memory: "
+                    "its kernel's is in its node's RAM until it resumes.",
+                }
+            ),
+            "resume": {
+                "type": "object",
+                "description": "Only on a parked lease whose resume request waits: its place "
+                "in the queue.",
+                "required": ["position"],
+                "properties": {
+                    "position": _nullable({"type": "integer", "minimum": 1}),
+                    "eta_seconds": _nullable({"type": "number", "minimum": 0}),
+                },
+            },
             "groups": {
                 "type": "array",
                 "items": {"type": "string"},
@@ -363,6 +381,78 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "The kernel's own cgroup v2, from the hierarchy's root: "
                 "the node sets the driver's memory limit on it where the driver offers one.",
             },
+        },
+    },
+    "Resume": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "wait": {
+                "type": "number",
+                "minimum": 0,
+                "maximum": wire.MAX_WAIT,
+                "default": 0,
+                "description": "Seconds to hold the answer until the lease is active (long-poll).",
+            },
+        },
+    },
+    "Resuming": {
+        "type": "object",
+        "required": ["lease", "state", "position", "eta_seconds", "queue_length"],
+        "properties": {
+            "lease": _ref("Lease"),
+            "state": enum_schema(wire.PARK_STATES),
+            "position": _nullable(
+                {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "The resume request's place in the queue (null: not "
+                    "waiting: parking, or resuming).",
+                }
+            ),
+            "eta_seconds": _nullable(
+                {
+                    "type": "number",
+                    "minimum": 0,
+                    "description": "Estimated seconds until the resume is granted, when the "
+                    "broker can estimate one.",
+                }
+            ),
+            "queue_length": {"type": "integer", "minimum": 0},
+        },
+    },
+    "ParkOutcome": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lease_id", "action", "outcome"],
+        "properties": {
+            "lease_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
+            "action": enum_schema(wire.PARK_ACTIONS),
+            "outcome": enum_schema(
+                wire.PARK_OUTCOMES,
+                description="done: parked (GPU memory in host RAM) or restored; failed: "
+                "could not (the broker revokes the lease, with `message` in its reason); "
+                "waiting (resume only): the GPU lacks free memory for the restore yet.",
+            ),
+            "message": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_REASON_CHARS,
+                "description": "Why it failed or waits.",
+            },
+            "pids": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "items": _PID,
+                "description": "The host pids acted on.",
+            },
+            "mb": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": wire.MAX_GPU_MEMORY_MB,
+                "description": "GPU MiB moved.",
+            },
+            "seconds": {"type": "number", "minimum": 0, "description": "How long it took."},
         },
     },
     "Revoke": {
@@ -615,6 +705,24 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "The kernel cgroups whose driver memory limit "
                 "(nvmlDeviceSetMemoryLimits_v1) is in force.",
             },
+            # parking (issue 28)
+            "checkpoint": {
+                "type": "boolean",
+                "description": "The node's CUDA driver offers the checkpoint API: its "
+                "kernels can be parked (absent: no).",
+            },
+            "host_memory_available_mb": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "MemAvailable of the node's host (/proc/meminfo), MiB.",
+            },
+            "parking": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "items": _ref("ParkOutcome"),
+                "description": "Outcomes of the park and resume orders since the last "
+                "heartbeat (resent until delivered); applied before the answer.",
+            },
         },
     },
     "NodeBeat": {
@@ -645,6 +753,28 @@ _SCHEMAS: dict[str, Any] = {
                     "properties": {
                         "pid": {"type": "integer", "minimum": 1},
                         "pid_ns": _nullable(_PID_NS),
+                    },
+                },
+            },
+            "orders": {
+                "type": "array",
+                "description": "Kernels to park (checkpoint their GPU memory into host RAM) "
+                "or resume (restore it), repeated in every answer until an outcome in "
+                "`parking` settles each.",
+                "items": {
+                    "type": "object",
+                    "required": ["lease_id", "action", "pid", "pid_ns", "gpu_uuid", "memory_mb"],
+                    "properties": {
+                        "lease_id": {"type": "string"},
+                        "action": enum_schema(wire.PARK_ACTIONS),
+                        "pid": _nullable({"type": "integer", "minimum": 1}),
+                        "pid_ns": _nullable(_PID_NS),
+                        "gpu_uuid": {"type": "string"},
+                        "memory_mb": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "The memory the lease reserves on the GPU.",
+                        },
                     },
                 },
             },

@@ -31,7 +31,7 @@ from ..model import fraction_to_ppm, ppm_to_fraction
 from .auth import AUTHENTICATORS, HUB_CACHE_MAX_AGE, Authenticator
 from .handlers import MAX_BODY_BYTES
 from .policy import Policy
-from .service import REAP_INTERVAL
+from .service import REAP_INTERVAL, ParkSettings
 from .store import (
     DEFAULT_PG_TIMEOUT,
     DEFAULT_SQLITE_BUSY_TIMEOUT,
@@ -334,6 +334,42 @@ class BrokerOptions(HasTraits):
         f"Default: {REAP_INTERVAL:g}.",
     ).tag(config=True)
 
+    # -- parking (issue 28) ------------------------------------------------------
+    park_idle = Bool(
+        ParkSettings.idle,
+        help="""Park an idle kernel instead of revoking its lease when idle reclaim picks it
+        for someone waiting: its node's agent checkpoints the kernel's GPU memory into host
+        RAM (the CUDA driver's checkpoint API), the lease keeps its id and kernel but no GPU
+        memory, and the kernel's next cell resumes it on the same GPU, its variables
+        intact. Only where the node's agent reports the checkpoint API and enough free host
+        memory (park_host_reserve_mb); elsewhere the lease is revoked as before. Default:
+        True.""",
+    ).tag(config=True)
+
+    park_host_reserve_mb = Integer(
+        ParkSettings.host_reserve_mb,
+        help="""Host memory (MiB) a node keeps free beyond what parked kernels take: a kernel
+        is parked only if its node's available host memory, less this and less what the
+        kernels parking there already take, holds the kernel's GPU memory. Default:
+        """
+        f"{ParkSettings.host_reserve_mb}.",
+    ).tag(config=True)
+
+    park_timeout = Float(
+        ParkSettings.timeout,
+        help="""Seconds a node's agent has to park a kernel (checkpoint its GPU memory)
+        once ordered to; a lease still parking after this is revoked, its reason saying
+        parking did not finish. Default: """
+        f"{ParkSettings.timeout:g}.",
+    ).tag(config=True)
+
+    @validate("park_host_reserve_mb")
+    def _check_park_reserve(self, proposal: Any) -> int:
+        value = int(proposal["value"])
+        if value < 0:
+            raise ValueError("park_host_reserve_mb must be 0 or more MiB.")
+        return value
+
     @validate("reserve_fraction")
     def _check_reserve(self, proposal: Any) -> float:
         value = float(proposal["value"])
@@ -341,7 +377,7 @@ class BrokerOptions(HasTraits):
             raise ValueError("reserve_fraction must be at least 0 and below 1.")
         return value
 
-    @validate("ttl", "reap_interval", "node_grace", "leadership_ttl", "pg_timeout")
+    @validate("ttl", "reap_interval", "node_grace", "leadership_ttl", "pg_timeout", "park_timeout")
     def _check_positive(self, proposal: Any) -> float:
         value = float(proposal["value"])
         if not value > 0:
@@ -349,6 +385,14 @@ class BrokerOptions(HasTraits):
         return value
 
     # -- what the traits make ------------------------------------------------------
+    def park_settings(self) -> ParkSettings:
+        """The service's parking options from the park traits."""
+        return ParkSettings(
+            idle=self.park_idle,
+            host_reserve_mb=self.park_host_reserve_mb,
+            timeout=self.park_timeout,
+        )
+
     def policy(self) -> Policy:
         """The core's knobs from the policy traits."""
         return Policy(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .._version import __version__
 from ..errors import Forbidden, InvalidRequest
-from ..model import GPU, Identity, Lease, Node, Request, ppm_to_fraction
+from ..model import GPU, Identity, Lease, Request, ppm_to_fraction
 from ..wire import lease_enforcement
 from . import history, scheduling
 from .core import ServiceCore, check_owner
@@ -75,6 +75,8 @@ class LeaseUsage:
     enforcement: str
     mps: str | None
     mps_server_uid: int | None = None
+    #: a parked lease whose resume request waits: ``{position, eta_seconds}`` (else None)
+    resume: dict[str, float | int | None] | None = None
 
 
 class QueryService:
@@ -86,7 +88,7 @@ class QueryService:
     async def get_lease(self, ident: Identity, lease_id: str) -> Lease:
         """One lease; one that memory does not hold comes from the database (adopted if active)."""
         await self.core.ready()
-        lease = self.core.state.leases.get(lease_id)
+        lease = self.core.state.find_lease(lease_id)  # parked ones too
         if lease is not None:
             check_owner(ident, lease)
             return lease
@@ -110,7 +112,7 @@ class QueryService:
             return await self.core.writer.call(
                 lambda: self.core.store.list_leases(user=who), read=True
             )
-        leases = self.core.state.leases.values()
+        leases = [*self.core.state.leases.values(), *self.core.state.parked.values()]
         return sorted(
             (x for x in leases if who is None or x.user == who), key=lambda x: x.created_at
         )
@@ -160,9 +162,10 @@ class QueryService:
 
     def lease_usage(self, lease: Lease) -> LeaseUsage:
         """What the lease's node reports: see :class:`LeaseUsage`."""
-        node = self._node_of(lease.gpu_uuid)
+        node = self.core.node_of(lease.gpu_uuid)
+        resume = self.resume_place(lease)
         if node is None:
-            return LeaseUsage(None, lease_enforcement(None), None)
+            return LeaseUsage(None, lease_enforcement(None), None, resume=resume)
         return LeaseUsage(
             self.core.used_mb.get(lease.id),
             lease_enforcement(
@@ -170,12 +173,22 @@ class QueryService:
             ),
             node.mps.get(lease.gpu_uuid),
             node.mps_uid.get(lease.gpu_uuid),
+            resume,
         )
 
-    def _node_of(self, gpu_uuid: str) -> Node | None:
-        gpu = self.core.state.gpus.get(gpu_uuid)
-        node = self.core.nodes.get(gpu.node) if gpu is not None else None
-        return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
+    def resume_place(self, lease: Lease) -> dict[str, float | int | None] | None:
+        """A parked lease's waiting resume request's ``{position, eta_seconds}``, else None
+        (``GET /api/v1/leases/{id}``'s ``resume``; the dashboard, ``gpu-lease leases``)."""
+        if lease.park != "parked":
+            return None
+        req = self.core.state.queue.get(lease.user_kernel)
+        if req is None or req.resume_of != lease.id:
+            return None
+        now = self.core.clock()
+        return {
+            "position": scheduling.position_of(self.core.state, req.key, now, self.core.policy),
+            "eta_seconds": self.core.eta(req.key, now),
+        }
 
     async def history(
         self,

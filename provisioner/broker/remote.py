@@ -53,7 +53,7 @@ MAX_FRAME = 256 * 1024 * 1024
 
 #: what a front may call: each service's API as the handlers use it (service -> methods)
 METHODS: dict[str, frozenset[str]] = {
-    "leases": frozenset({"acquire", "release", "renew", "revoke"}),
+    "leases": frozenset({"acquire", "release", "renew", "resume", "revoke"}),
     "queries": frozenset(
         {
             "get_lease",

@@ -54,6 +54,7 @@ from .handlers import (
     QuotaHandler,
     QuotasHandler,
     RenewHandler,
+    ResumeHandler,
     RevokeHandler,
     UsageHandler,
     normalize_base_url,
@@ -354,6 +355,30 @@ TABLE: tuple[Route, ...] = (
                 "requestBody": _body("Heartbeat", required=False),
                 "responses": {
                     "200": _lease_response("The renewed lease."),
+                    **error_refs("400", "401", "403", "404", "410", "413", "503"),
+                },
+            },
+        },
+    ),
+    Route(
+        "/api/v1/leases/{lease_id}/resume",
+        ResumeHandler,
+        parameters=(_LEASE_ID,),
+        operations={
+            "post": {
+                "tags": ["leases"],
+                "summary": "Resume a parked lease: get the kernel's GPU memory back on its GPU "
+                "(owner or admin).",
+                "description": "200: the lease is active (never parked, or resumed). 202: "
+                "it is parking, parked (its resume request waits in the queue, at "
+                "`position`) or resuming (the node's agent restores it); post again, or "
+                "long-poll with `wait`. Another user's lease is 404 like an unknown id; "
+                "an ended lease 410 with its reason.",
+                "operationId": "resume",
+                "requestBody": _body("Resume", required=False),
+                "responses": {
+                    "200": _lease_response("The lease, active again."),
+                    "202": json_response(schema_ref("Resuming"), "Not active yet."),
                     **error_refs("400", "401", "403", "404", "410", "413", "503"),
                 },
             },

@@ -38,13 +38,23 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   (:func:`why_waiting`).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
-  revocations make room are revoked.
+  revocations make room are revoked -- or parked, where the service's ``can_park``
+  says the node can take the kernel's GPU memory into host RAM.
+* Parking (issue 28; ``model.Lease.park``): a victim goes ``parking`` (it still holds its
+  share), then ``parked`` when its node agent reports the checkpoint done
+  (:func:`park_done`: its share is freed, ``PoolState.parked``); its owner's
+  :func:`resume` queues a resume request (``Request.resume_of``) that keeps the place of
+  the moment it was parked (``arrived_at = parked_at``), fits only on the lease's own GPU,
+  and when granted re-reserves the share (``resuming``: no new lease) before the restore
+  is ordered; :func:`resume_done` makes it ``active`` again. A parked lease still counts
+  for its user's quotas, but not against its own resume request's fair share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from ..errors import CannotFit, Conflict, UnknownGPU
 from ..model import (
@@ -219,13 +229,17 @@ def queue_order(
 ) -> list[Request]:
     """Waiting requests (plus ``extra``, a not yet enqueued one) in service order.
 
-    ``held`` (user -> ppm) replaces what each user holds now (a drain's grants count)."""
+    ``held`` (user -> ppm) replaces what each user holds now (a drain's grants count).
+    A resume request's user counts without the parked lease it brings back."""
     held = state.held_by_user if held is None else held
 
     def key(r: Request) -> tuple:
         if now - r.arrived_at >= policy.starvation_after:
             return (0, 0, 0, r.arrived_at, r.id)
-        return (1, -r.priority, held.get(r.user, 0), r.arrived_at, r.id)
+        mine = held.get(r.user, 0)
+        if r.resume_of is not None:  # its own parked lease does not push it back
+            mine = max(0, mine - r.fraction_ppm)
+        return (1, -r.priority, mine, r.arrived_at, r.id)
 
     waiting = list(state.queue.values())
     if extra is not None:
@@ -257,7 +271,8 @@ def drain(
 
     ``extra`` is a new request considered as if it were waiting. A granted request's
     lease takes the request's id. Does not mutate ``state``; apply the result with
-    ``apply_grants``.
+    ``apply_grants``. A resume request (``resume_of``) is granted its parked lease as
+    it will be (``park="resuming"``, its own id): no new lease, its user holds no more.
 
     A grant changes what its user holds, and so the order (fewer held goes first): a pass
     that granted anything is followed by another over what still waits, in the order
@@ -284,6 +299,9 @@ def drain(
         for req in queue_order(state, now, policy, extra, held):
             if req.id in done:
                 continue
+            parked = state.parked.get(req.resume_of) if req.resume_of is not None else None
+            if req.resume_of is not None and parked is None:
+                continue  # its lease ended: grant_waiting drops it
             ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
             blocked = mps_blocked(owners, req.mps_uid) if mps else None
             gpu = place(
@@ -296,10 +314,13 @@ def drain(
             if gpu is not None:
                 alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
                 sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
-                held[req.user] = held.get(req.user, 0) + req.fraction_ppm
                 if req.mps_uid is not None:
                     owners.setdefault(gpu.uuid, set()).add(req.mps_uid)
                 done.add(req.id)
+                if parked is not None:  # it fits only on its own GPU (gpu_uuids)
+                    grants.append(Grant(replace(parked, park="resuming"), req))
+                    continue
+                held[req.user] = held.get(req.user, 0) + req.fraction_ppm
                 # the lease keeps the request's id: a client that gave up waiting and
                 # withdraws its request by that id (DELETE) releases the lease if it was
                 # granted meanwhile
@@ -387,6 +408,8 @@ def decide_acquire(
     Raises ``UnknownGPU`` (an ``InvalidRequest``), ``CannotFit``, ``Forbidden``,
     ``QuotaExceeded`` or ``Conflict`` with nothing decided. A new ask joins the queue's order; if anything is waiting,
     a new ask is granted at once only if the drain (with its head reservation) grants it.
+    A kernel whose lease is parked repeats as :class:`Existing` here; :func:`acquire`
+    ends such a lease first (the kernel restarted: its checkpoint is gone).
     """
     existing = state.lease_for_kernel(ask.user, ask.kernel_id)
     if existing is not None:
@@ -541,10 +564,28 @@ def why_waiting(
 
 
 def apply_grants(state: PoolState, grants: Iterable[Grant]) -> None:
+    """Apply a drain's grants: each request leaves the queue and its lease is added; a
+    resume request's parked lease moves back into ``state.leases`` as ``resuming``
+    (``g.lease`` becomes that record)."""
     for g in grants:
         if g.request is not None:
             state.queue.pop(g.request.key, None)
+            if g.request.resume_of is not None:
+                if g.request.resume_of in state.parked:
+                    g.lease = state.unpark(g.request.resume_of, "resuming")
+                continue
         state.add_lease(g.lease)
+
+
+def record_grants(changes: Changes, grants: Iterable[Grant]) -> None:
+    """Record applied grants in ``changes``: new leases in ``granted``; granted resume
+    requests in ``resumed`` and their leases in ``parks`` (no lease to create)."""
+    for g in grants:
+        if g.request is not None and g.request.resume_of is not None:
+            changes.parks.append(g.lease)
+            changes.resumed.append((g.request, g.lease))
+        else:
+            changes.granted.append(g)
 
 
 def apply_ends(state: PoolState, lease_ids: Iterable[str]) -> list[Lease]:
@@ -574,8 +615,11 @@ def renewed(
 
 
 def expired(state: PoolState, now: float) -> list[Lease]:
-    """Active leases whose TTL has run out (``expires_at <= now``)."""
-    return [lease for lease in state.leases.values() if lease.expires_at <= now]
+    """Live leases whose TTL has run out (``expires_at <= now``), parked ones too (their
+    provisioner keeps renewing them; ending one frees no capacity)."""
+    out = [lease for lease in state.leases.values() if lease.expires_at <= now]
+    out += [lease for lease in state.parked.values() if lease.expires_at <= now]
+    return out
 
 
 def stale_requests(
@@ -606,6 +650,9 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     For each waiting request in queue order that does not fit, pick the usable GPU
     where revoking the fewest idle-too-long leases (most idle first) makes room;
     revoke only if that suffices. Later requests see the capacity already promised.
+    A lease being parked or resumed (``park`` set) is never picked, and a ``parking``
+    lease's share counts as free already (it will be when its checkpoint is done): no
+    more victims are picked for the waiter it makes room for.
     """
     limit = policy.idle_reclaim_after
     if limit is None or not state.queue:
@@ -615,7 +662,9 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     taken: set[str] = set()
     idle_by_gpu: dict[str, list[Lease]] = {}
     for lease in state.leases.values():
-        if idle_for(lease, now) > limit:
+        if lease.park == "parking":
+            alloc[lease.gpu_uuid] -= lease.fraction_ppm
+        elif lease.park is None and idle_for(lease, now) > limit:
             idle_by_gpu.setdefault(lease.gpu_uuid, []).append(lease)
     if not idle_by_gpu:
         return []
@@ -661,10 +710,16 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
 
 
 def grant_waiting(state: PoolState, now: float, policy: Policy, changes: Changes) -> int:
-    """Grant and apply what the queue can have now; record it in ``changes``. How many."""
+    """Grant and apply what the queue can have now; record it in ``changes``
+    (:func:`record_grants`). How many. A resume request whose lease is no longer parked
+    is dropped first."""
+    for req in [r for r in state.queue.values() if r.resume_of is not None]:
+        if req.resume_of not in state.parked:
+            del state.queue[req.key]
+            changes.dropped.append((req, "dropped"))
     grants = drain(state, now, policy)
     apply_grants(state, grants)
-    changes.granted += grants
+    record_grants(changes, grants)
     return len(grants)
 
 
@@ -678,16 +733,43 @@ def acquire(
     used_fraction_hours: float = 0.0,
 ) -> tuple[AcquireDecision, Changes]:
     """Decide one acquire (:func:`decide_acquire`) and apply it: grants made, a new
-    request queued, a repeat's poll noted. Raises as ``decide_acquire``, changing nothing."""
-    decision = decide_acquire(state, ask, quota, now, policy, new_id, used_fraction_hours)
-    changes = Changes(now, granted=list(decision.grants))
+    request queued, a repeat's poll noted. Raises as ``decide_acquire``, changing nothing.
+
+    A kernel whose lease is parked restarted (its checkpoint went with the old process):
+    that lease ends ``released`` (and its resume request leaves the queue) in the same
+    changes, and the ask is decided as a new one."""
+    changes = Changes(now)
+    parked = state.lease_for_kernel(ask.user, ask.kernel_id)
+    if parked is not None and parked.park == "parked":
+        waiting = state.queue.get(parked.user_kernel)
+        mine = waiting if waiting is not None and waiting.resume_of == parked.id else None
+        state.remove_parked(parked.id)
+        if mine is not None:
+            del state.queue[mine.key]
+        try:
+            decision = decide_acquire(state, ask, quota, now, policy, new_id, used_fraction_hours)
+        except BaseException:
+            state._add_parked(parked)
+            if mine is not None:
+                state.queue[mine.key] = mine
+            raise
+        changes.ended.append((parked, "released", RESTARTED_WHILE_PARKED))
+        if mine is not None:
+            changes.dropped.append((mine, "dropped"))
+    else:
+        decision = decide_acquire(state, ask, quota, now, policy, new_id, used_fraction_hours)
     outcome = decision.outcome
     if isinstance(outcome, Queued):
         state.queue[outcome.request.key] = outcome.request
         if outcome.new:
             changes.queued.append(outcome.request)
     apply_grants(state, decision.grants)
+    record_grants(changes, decision.grants)
     return decision, changes
+
+
+#: why a parked lease ended when its kernel asked for a GPU again (:func:`acquire`)
+RESTARTED_WHILE_PARKED = "the kernel restarted while its GPU state was parked"
 
 
 def end(
@@ -699,11 +781,18 @@ def end(
     drain_queue: bool = True,
 ) -> Changes:
     """End leases ``(lease, state, reason)`` and grant what the freed capacity lets waiting
-    requests have. Leases no longer in ``state`` are skipped (ending is idempotent)."""
+    requests have. Leases no longer in ``state`` are skipped (ending is idempotent). A
+    parked lease ends too (freeing nothing), and its resume request leaves the queue."""
     changes = Changes(now)
     for lease, new_state, reason in ends:
         if lease.id in state.leases:
             changes.ended.append((state.remove_lease(lease.id), new_state, reason))
+        elif lease.id in state.parked:
+            changes.ended.append((state.remove_parked(lease.id), new_state, reason))
+            waiting = state.queue.get(lease.user_kernel)
+            if waiting is not None and waiting.resume_of == lease.id:
+                del state.queue[waiting.key]
+                changes.dropped.append((waiting, "dropped"))
     if drain_queue:
         grant_waiting(state, now, policy, changes)
     return changes
@@ -724,12 +813,15 @@ def cancel(
 
 @dataclass
 class Reaped:
-    """One reaper pass: what changed, and the leases it ended by cause."""
+    """One reaper pass: what changed, the leases it ended by cause, and the idle leases
+    it began to park (``parking``: their records as ``park="parking"``; the service
+    orders their node agents to checkpoint them)."""
 
     changes: Changes
     expired: list[Lease] = field(default_factory=list)
     dropped: list[Request] = field(default_factory=list)
     revoked: list[Lease] = field(default_factory=list)
+    parking: list[Lease] = field(default_factory=list)
 
 
 def idle_reason(policy: Policy) -> str:
@@ -748,10 +840,20 @@ def reap(
     polling: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
     *,
     drain_queue: bool = True,
+    can_park: Callable[[Lease], str | None] | None = None,
 ) -> Reaped:
-    """One reaper pass, applied: expire leases past their TTL, drop requests whose clients
-    stopped polling (``polling``: those in a long-poll now), revoke idle leases only while
-    someone waits, then (``drain_queue``) grant what the queue can have."""
+    """One reaper pass, applied: expire leases past their TTL (parked ones too), drop
+    requests whose clients stopped polling (``polling``: those in a long-poll now),
+    reclaim idle leases only while someone waits, then (``drain_queue``) grant what the
+    queue can have.
+
+    Reclaim parks rather than revokes where it can: ``can_park(lease)`` (the service's
+    check of the lease's node: an agent that can checkpoint, host memory to spare)
+    returns None for a victim that can be parked -- it goes ``park="parking"``,
+    ``parked_at=now`` (``Changes.parks``, ``Reaped.parking``; the state already holds it
+    when ``can_park`` is asked about the next victim) -- or a sentence saying why not:
+    it is revoked, its reason saying so. Without ``can_park`` every victim is revoked.
+    """
     gone = expired(state, now)
     changes = end(
         state,
@@ -765,30 +867,219 @@ def reap(
         state.queue.pop(req.key, None)
         changes.dropped.append((req, "dropped"))
     victims = idle_victims(state, now, policy)
-    if victims:
-        why = idle_reason(policy)
-        changes.extend(
-            end(state, [(x, "revoked", why) for x in victims], now, policy, drain_queue=False)
-        )
+    revoked: list[tuple[Lease, str, str | None]] = []
+    parking: list[Lease] = []
+    why = idle_reason(policy)
+    for victim in victims:
+        if can_park is None:
+            revoked.append((victim, "revoked", why))
+            continue
+        refusal = can_park(victim)
+        if refusal is None:
+            fresh = replace(victim, park="parking", parked_at=now)
+            state.update_lease(fresh)
+            changes.parks.append(fresh)
+            parking.append(fresh)
+        else:
+            revoked.append((victim, "revoked", f"{why}; it could not be parked: {refusal}"))
+    if revoked:
+        changes.extend(end(state, revoked, now, policy, drain_queue=False))
     if drain_queue:
         grant_waiting(state, now, policy, changes)
-    return Reaped(changes, gone, stale, victims)
+    return Reaped(changes, gone, stale, [x for x, _, _ in revoked], parking)
+
+
+# -- parking (issue 28) ----------------------------------------------------------------
+
+
+def parking_overdue(state: PoolState, now: float, timeout: float) -> list[Lease]:
+    """Leases ``parking`` for longer than ``timeout`` seconds: the service gives up on
+    them (:func:`park_failed`, saying parking did not finish)."""
+    return [
+        lease
+        for lease in state.leases.values()
+        if lease.park == "parking"
+        and lease.parked_at is not None
+        and now - lease.parked_at > timeout
+    ]
+
+
+def park_done(state: PoolState, lease_id: str, now: float, policy: Policy) -> Changes:
+    """The node agent reports a lease's checkpoint done: ``parking`` -> ``parked``
+    (``PoolState.park_lease``: its share is freed), then grant what the queue can have.
+    A lease not ``parking`` (a late or repeated report) changes nothing."""
+    changes = Changes(now)
+    lease = state.leases.get(lease_id)
+    if lease is None or lease.park != "parking":
+        return changes
+    changes.parks.append(state.park_lease(lease_id))
+    grant_waiting(state, now, policy, changes)
+    return changes
+
+
+def park_failed(state: PoolState, lease_id: str, why: str, now: float, policy: Policy) -> Changes:
+    """Parking a lease failed (the agent says ``why``, or it did not finish in time): it
+    is revoked as idle reclaim would have, its reason saying why it was not parked; the
+    queue drains. A lease not ``parking`` changes nothing."""
+    lease = state.leases.get(lease_id)
+    if lease is None or lease.park != "parking":
+        return Changes(now)
+    reason = f"{idle_reason(policy)}; parking failed: {why}"
+    return end(state, [(lease, "revoked", reason)], now, policy)
+
+
+@dataclass
+class ResumeDecision:
+    """What :func:`resume` found: the lease as it is now and its wire state: ``active``
+    (nothing to do), ``parking`` (its checkpoint is still being made), ``resuming`` (its
+    share is re-reserved, the restore ordered) or ``parked`` (its resume request waits at
+    ``position``, 1 = next)."""
+
+    lease: Lease
+    state: Literal["active", "parking", "resuming", "parked"]
+    position: int | None = None
+
+
+def resume(
+    state: PoolState,
+    lease_id: str,
+    now: float,
+    policy: Policy,
+    new_id: Callable[[], str],
+    *,
+    priority: int | None = None,
+) -> tuple[ResumeDecision, Changes]:
+    """The owner asks for a parked lease back (``POST /api/v1/leases/{id}/resume``).
+
+    ``lease_id`` names a live lease (``state.leases`` or ``state.parked``; else
+    ``KeyError``): the service has checked that the caller owns it. A lease not parked
+    is answered as it is. A parked one gets a resume request (``Request.resume_of``) of
+    its fraction on its own GPU, arrived when it was parked (it keeps that place in the
+    queue), no quota checked (it was admitted before), with ``priority`` (the user's
+    effective quota's; None: as a waiting request of the same user, else of the same
+    course, else 0); the queue then drains, and if the request is granted at once the
+    lease is ``resuming``. Idempotent: an existing resume request is found (its poll
+    noted) and its position told.
+    """
+    changes = Changes(now)
+    live = state.leases.get(lease_id)
+    if live is not None:
+        return ResumeDecision(live, live.park or "active"), changes
+    lease = state.parked[lease_id]
+    key = lease.user_kernel
+    waiting = state.queue.get(key)
+    if waiting is not None:
+        assert waiting.resume_of == lease.id, "a parked lease's kernel waits only to resume"
+        state.queue[key] = replace(waiting, last_polled_at=now)
+        return ResumeDecision(lease, "parked", position_of(state, key, now, policy)), changes
+    if priority is None:
+        priority = _queue_priority(state, lease)
+    req = Request(
+        id=new_id(),
+        user=lease.user,
+        kernel_id=lease.kernel_id,
+        fraction_ppm=lease.fraction_ppm,
+        arrived_at=lease.parked_at if lease.parked_at is not None else now,
+        last_polled_at=now,
+        groups=frozenset(lease.groups),
+        group=lease.group,
+        gpu_uuids=(lease.gpu_uuid,),
+        priority=priority,
+        mps_uid=lease.mps_uid,
+        resume_of=lease.id,
+    )
+    state.queue[key] = req
+    changes.queued.append(req)
+    grant_waiting(state, now, policy, changes)
+    back = state.leases.get(lease_id)
+    if back is not None:
+        return ResumeDecision(back, "resuming"), changes
+    position = position_of(state, key, now, policy)
+    return ResumeDecision(state.parked[lease_id], "parked", position), changes
+
+
+def _queue_priority(state: PoolState, lease: Lease) -> int:
+    """The priority the queue gives ``lease``'s user now: that of a waiting request of the
+    same user, else of the same course kernel's group, else 0."""
+    same_group = None
+    for r in state.queue.values():
+        if r.user == lease.user:
+            return r.priority
+        if same_group is None and lease.group is not None and r.group == lease.group:
+            same_group = r.priority
+    return same_group or 0
+
+
+def resume_done(state: PoolState, lease_id: str, now: float) -> Changes:
+    """The node agent reports a lease's restore done: ``resuming`` -> ``active``
+    (``park`` and ``parked_at`` cleared). A lease not ``resuming`` changes nothing."""
+    changes = Changes(now)
+    lease = state.leases.get(lease_id)
+    if lease is None or lease.park != "resuming":
+        return changes
+    fresh = replace(lease, park=None, parked_at=None)
+    state.update_lease(fresh)
+    changes.parks.append(fresh)
+    return changes
+
+
+#: the start of the reason of a lease whose restore failed (:func:`resume_failed`)
+RESTORE_FAILED = "the GPU state could not be restored: "
+
+
+def resume_failed(state: PoolState, lease_id: str, why: str, now: float, policy: Policy) -> Changes:
+    """The restore of a ``resuming`` lease failed (the agent says ``why``): it is revoked
+    and the queue drains. A lease not ``resuming`` changes nothing."""
+    lease = state.leases.get(lease_id)
+    if lease is None or lease.park != "resuming":
+        return Changes(now)
+    return end(state, [(lease, "revoked", RESTORE_FAILED + why)], now, policy)
 
 
 # -- accounting -------------------------------------------------------------------
 
 
 def check_invariants(state: PoolState, policy: Policy) -> None:
-    """Assert the capacity and bookkeeping invariants (used by tests and the simulator)."""
+    """Assert the capacity and bookkeeping invariants (used by tests and the simulator).
+
+    Parked leases: apart from ``leases``, holding no capacity, counted for their kernel
+    and user; a kernel waits in the queue while it holds a lease only with the one
+    resume request of its parked lease, and every resume request has its parked lease."""
     totals: dict[str, int] = {u: 0 for u in state.gpus}
+    counts: dict[str, int] = {u: 0 for u in state.gpus}
     seen: set[tuple[str, str]] = set()
-    for lease in state.leases.values():
+    held: dict[str, int] = {}
+    numbers: dict[str, int] = {}
+    for lease in [*state.leases.values(), *state.parked.values()]:
         assert lease.active, lease
-        totals[lease.gpu_uuid] = totals.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        parked = lease.id in state.parked
+        assert (lease.park == "parked") == parked, lease
+        assert not (parked and lease.id in state.leases), f"{lease.id} both parked and not"
+        assert (lease.park is None) == (lease.parked_at is None), lease
         key = (lease.user, lease.kernel_id)
         assert key not in seen, f"two active leases for {key}"
         seen.add(key)
-        assert key not in state.queue, f"{key} both holds a lease and waits"
+        assert state.by_kernel.get(key) == lease.id, f"by_kernel drifted on {key}"
+        held[lease.user] = held.get(lease.user, 0) + lease.fraction_ppm
+        numbers[lease.user] = numbers.get(lease.user, 0) + 1
+        waiting = state.queue.get(key)
+        if parked:
+            assert waiting is None or waiting.resume_of == lease.id, f"{key} waits anew"
+            continue
+        totals[lease.gpu_uuid] = totals.get(lease.gpu_uuid, 0) + lease.fraction_ppm
+        counts[lease.gpu_uuid] = counts.get(lease.gpu_uuid, 0) + 1
+        assert waiting is None, f"{key} both holds a lease and waits"
+    assert len(state.by_kernel) == len(seen), "by_kernel names a lease that is gone"
+    assert held == state.held_by_user, f"held_by_user drifted: {state.held_by_user} != {held}"
+    assert numbers == state.leases_by_user, "leases_by_user drifted"
+    for req in state.queue.values():
+        if req.resume_of is None:
+            continue
+        of = state.parked.get(req.resume_of)
+        assert of is not None, f"resume request {req.id} of a lease not parked"
+        assert req.key == of.user_kernel and req.gpu_uuids == (of.gpu_uuid,), req
+        assert req.fraction_ppm == of.fraction_ppm, req
     for uuid, total in totals.items():
         assert total <= policy.capacity_ppm, f"GPU {uuid} over-allocated: {total} ppm"
         assert state.allocated.get(uuid, 0) == total, f"allocated map drifted on {uuid}"
+        assert state.lease_count.get(uuid, 0) == counts[uuid], f"lease_count drifted on {uuid}"

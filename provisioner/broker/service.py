@@ -25,8 +25,8 @@ from collections.abc import Callable
 from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
 from ..wire import ENDED_LEASE_STATES
-from .core import REAP_INTERVAL, Metrics, ServiceCore, new_id
-from .leases import AcquireResult, LeaseService
+from .core import REAP_INTERVAL, Metrics, ParkSettings, ServiceCore, new_id
+from .leases import AcquireResult, LeaseService, ResumeResult
 from .nodes import Heartbeat, NodeService, NodeView
 from .policy import Policy
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
@@ -49,6 +49,7 @@ class BrokerService:
         metrics: Metrics | None = None,
         id_factory: Callable[[], str] = new_id,
         reap_interval: float = REAP_INTERVAL,
+        park: ParkSettings | None = None,
     ) -> None:
         self.core = ServiceCore(
             store,
@@ -58,6 +59,7 @@ class BrokerService:
             metrics=metrics,
             id_factory=id_factory,
             reap_interval=reap_interval,
+            park=park,
         )
         self.leases = LeaseService(self.core)
         self.quotas = QuotaService(self.core)
@@ -138,7 +140,9 @@ __all__ = [
     "LeaseUsage",
     "Metrics",
     "NodeView",
+    "ParkSettings",
     "QuotaStanding",
+    "ResumeResult",
     "Waiting",
     "new_id",
 ]

@@ -35,7 +35,7 @@ from .metrics import BrokerMetrics
 from .policy import Policy
 from .remote import RemoteMetrics, RemoteService
 from .routes import make_app
-from .service import BrokerService
+from .service import BrokerService, ParkSettings
 from .store import Store
 
 #: the logger a step reports to (the Application's)
@@ -102,12 +102,20 @@ def open_store(
 
 
 def build_service(
-    store: Store, gpus: list[GPU], policy: Policy, *, metrics_per_user: bool, reap_interval: float
+    store: Store,
+    gpus: list[GPU],
+    policy: Policy,
+    *,
+    metrics_per_user: bool,
+    reap_interval: float,
+    park: ParkSettings | None = None,
 ) -> tuple[BrokerService, BrokerMetrics]:
     """The service over ``store`` and ``gpus``, and the metrics that read it."""
     service: BrokerService | None = None
     metrics = BrokerMetrics(lambda: service, per_user=metrics_per_user)
-    service = BrokerService(store, gpus, policy, metrics=metrics, reap_interval=reap_interval)
+    service = BrokerService(
+        store, gpus, policy, metrics=metrics, reap_interval=reap_interval, park=park
+    )
     return service, metrics
 
 

@@ -13,17 +13,19 @@ fractions on each GPU plus the new ones fit, and that the kernel holds no other
 active lease, all in the transaction that inserts. Two broker processes writing at
 once therefore cannot over-allocate a GPU.
 
-Tables (schema version 6)::
+Tables (schema version 7)::
 
     schema_version  version PK, description, applied_at
     gpus            uuid PK, node, name, memory_mb, idx, capacity_ppm
     leases          id PK, user, kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb,
                     state, grp, created_at, renewed_at, expires_at, ended_at, reason,
-                    pid, execution_state, last_activity, user_groups (JSON, v2)
+                    pid, execution_state, last_activity, user_groups (JSON, v2),
+                    park_state (NULL|'parking'|'parked'|'resuming'), parked_at (v7)
                     indexes: (state), (user), (gpu_uuid) WHERE state='active',
                     UNIQUE (user, kernel_id) WHERE state='active', (ended_at) (v3)
     requests        id PK, user, kernel_id, fraction_ppm, groups (JSON), grp, node,
-                    gpu_uuids (JSON or NULL), priority, arrived_at, last_polled_at
+                    gpu_uuids (JSON or NULL), priority, arrived_at, last_polled_at,
+                    resume_of (v7: the parked lease a resume request brings back)
                     UNIQUE (user, kernel_id)
     queue_log       id PK (the request's), user, kernel_id, fraction_ppm, grp,
                     user_groups (JSON), arrived_at, left_at, outcome (NULL while
@@ -37,6 +39,11 @@ Tables (schema version 6)::
                     expires_at (v6; used on PostgreSQL with ``--ha-lock``)
 
 Times are float POSIX seconds; fractions are integer parts per million.
+
+Parking (v7): a parked lease's row stays ``state='active'`` (it is not ended: the
+one-lease-per-kernel index still holds) with ``park_state='parked'``, and holds no
+capacity: every capacity sum skips it (``store_schema._HOLDS``). Loading puts it into
+``PoolState.parked`` (``PoolState.build``), so a restarted broker keeps it parked.
 
 Fenced leadership (PostgreSQL, ``--ha-lock``): ``store.fencing``
 (:class:`~provisioner.broker.store_fencing.Fencing`, ``store_fencing.py``) takes, renews and
@@ -191,7 +198,9 @@ class Store(LeaseWrites):
             return [(GPU(u, n, nm, m, i), cap) for (u, n, nm, m, i, cap) in conn.execute(stmt)]
 
     def load_active(self) -> tuple[list[Lease], list[Request]]:
-        """Active leases and queued requests (in arrival order), read at broker start."""
+        """Active leases (parked ones too, with ``park``; ``PoolState.build`` files them
+        apart) and queued requests (in arrival order, resume requests with ``resume_of``),
+        read at broker start."""
         with self._tx("load the active leases and the queue", write=False) as conn:
             active = [_lease_from_row(row) for row in conn.execute(_SELECT_ACTIVE)]
             queued = [_request_from_row(row) for row in conn.execute(_SELECT_REQUESTS)]
@@ -373,11 +382,13 @@ class Store(LeaseWrites):
         return held, queued
 
     def counts(self) -> dict[str, int]:
-        """Number of leases in each state (every state present, zero included)."""
+        """Number of leases in each wire state (every state present, zero included): a
+        live lease being parked, parked or resumed counts under that state, not active."""
         out: dict[str, int] = dict.fromkeys(LEASE_STATES, 0)
         with self._tx("count leases", write=False) as conn:
-            for state, n in conn.execute(_COUNTS):
-                out[state] = int(n)
+            for state, park, n in conn.execute(_COUNTS):
+                key = park if park is not None and state == "active" else state
+                out[key] += int(n)
         return out
 
     def put_node(self, node: Node) -> None:

@@ -195,6 +195,13 @@ def _define_v6_leadership(md: sa.MetaData) -> sa.Table:
 # version 6: fenced leadership of active/standby brokers (one row, see the module docstring)
 leadership = _define_v6_leadership(metadata)
 
+# version 7: parking (issue 28). A live lease's park state (NULL | 'parking' | 'parked' |
+# 'resuming'; ``state`` stays 'active') and when parking began; a parked lease holds no
+# capacity (every capacity sum skips it). A queued resume request names its parked lease.
+leases.append_column(sa.Column("park_state", sa.String(16), nullable=True))
+leases.append_column(sa.Column("parked_at", sa.Double, nullable=True))
+requests.append_column(sa.Column("resume_of", sa.String(64), nullable=True))
+
 # --------------------------------------------------------------------------- migrations
 
 
@@ -244,6 +251,13 @@ def _v6_leadership(conn: Connection) -> None:
     conn.execute(table.insert().values(id=1, holder=None, epoch=0, expires_at=0.0))
 
 
+def _v7_parking(conn: Connection) -> None:
+    # ADD COLUMN only: no constraint is rebuilt (SQLite could not without copying tables)
+    conn.execute(sa.text("ALTER TABLE leases ADD COLUMN park_state VARCHAR(16)"))
+    conn.execute(sa.text("ALTER TABLE leases ADD COLUMN parked_at DOUBLE PRECISION"))
+    conn.execute(sa.text("ALTER TABLE requests ADD COLUMN resume_of VARCHAR(64)"))
+
+
 #: Ordered schema steps; append ``Migration(N + 1, ...)`` to change the schema (and change
 #: the module's tables after ``_define_v1`` to match).
 MIGRATIONS: tuple[Migration, ...] = (
@@ -253,6 +267,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "nodes registered by node agents", _v4_nodes),
     Migration(5, "nodes record their agent's enforcement mode", _v5_node_enforce),
     Migration(6, "fenced leadership of active/standby brokers", _v6_leadership),
+    Migration(7, "parked leases and resume requests", _v7_parking),
 )
 
 _PG_UPGRADE_LOCK = 0x67_6C_5F_73_74_6F_72  # pg_advisory_xact_lock key ("gl_stor")
@@ -317,6 +332,8 @@ _LEASE_COLS = (
     leases.c.execution_state,
     leases.c.last_activity,
     leases.c.user_groups,  # a JSON list: see _lease_from_row
+    leases.c.park_state,  # v7, then parked_at: see _lease_from_row
+    leases.c.parked_at,
 )
 _SELECT_LEASES = sa.select(*_LEASE_COLS)
 _SELECT_ACTIVE = _SELECT_LEASES.where(leases.c.state == "active").order_by(
@@ -329,9 +346,14 @@ _LOCK_GPUS = (
     .order_by(gpus.c.uuid)
     .with_for_update()
 )
+#: a live lease that holds its capacity: active and not parked (schema version 7)
+_HOLDS = sa.and_(
+    leases.c.state == "active",
+    sa.or_(leases.c.park_state.is_(None), leases.c.park_state != "parked"),
+)
 _HELD_ON_GPUS = (
     sa.select(leases.c.gpu_uuid, sa.func.sum(leases.c.fraction_ppm))
-    .where(leases.c.state == "active", leases.c.gpu_uuid.in_(sa.bindparam("uuids", expanding=True)))
+    .where(_HOLDS, leases.c.gpu_uuid.in_(sa.bindparam("uuids", expanding=True)))
     .group_by(leases.c.gpu_uuid)
 )
 # The same on SQLite, pinned to the partial per-GPU index: without statistics SQLite's
@@ -339,7 +361,8 @@ _HELD_ON_GPUS = (
 # (3-6 ms per grant at 10,000 leases instead of microseconds).
 _HELD_ON_GPUS_SQLITE = sa.text(
     "SELECT gpu_uuid, sum(fraction_ppm) FROM leases INDEXED BY ix_leases_active_gpu "
-    "WHERE state = 'active' AND gpu_uuid IN :uuids GROUP BY gpu_uuid"
+    "WHERE state = 'active' AND (park_state IS NULL OR park_state <> 'parked') "
+    "AND gpu_uuid IN :uuids GROUP BY gpu_uuid"
 ).bindparams(sa.bindparam("uuids", expanding=True))
 _ACTIVE_FOR_KERNEL = sa.select(leases.c.id).where(
     leases.c.state == "active",
@@ -368,6 +391,12 @@ _END = (
         reason=sa.bindparam("b_reason"),
     )
 )
+#: a live lease's park state changed (``Changes.parks``)
+_PARK = (
+    leases.update()
+    .where(leases.c.id == sa.bindparam("b_id"), leases.c.state == "active")
+    .values(park_state=sa.bindparam("b_park_state"), parked_at=sa.bindparam("b_parked_at"))
+)
 _ENDED_AMONG = sa.select(leases.c.id, leases.c.state, leases.c.reason).where(
     leases.c.id.in_(sa.bindparam("ids", expanding=True)), leases.c.state != "active"
 )
@@ -388,6 +417,7 @@ _REQUEST_COLS = (
     requests.c.node,
     requests.c.gpu_uuids,
     requests.c.priority,
+    requests.c.resume_of,  # v7
 )
 _SELECT_REQUESTS = sa.select(*_REQUEST_COLS).order_by(requests.c.arrived_at, requests.c.id)
 _TOUCH_REQUEST = (
@@ -412,7 +442,9 @@ _UPDATE_QUOTA = (
     .where(quotas.c.level == sa.bindparam("b_level"), quotas.c.name == sa.bindparam("b_name"))
     .values({f: sa.bindparam(f) for f in Quota.FIELDS})
 )
-_COUNTS = sa.select(leases.c.state, sa.func.count()).group_by(leases.c.state)
+_COUNTS = sa.select(leases.c.state, leases.c.park_state, sa.func.count()).group_by(
+    leases.c.state, leases.c.park_state
+)
 _LEAVE_QUEUE = (
     queue_log.update()
     .where(queue_log.c.id == sa.bindparam("b_id"), queue_log.c.left_at.is_(None))
@@ -485,6 +517,7 @@ def _request_row(req: Request) -> dict[str, Any]:
         "priority": req.priority,
         "arrived_at": req.arrived_at,
         "last_polled_at": req.last_polled_at,
+        "resume_of": req.resume_of,
     }
 
 
@@ -514,19 +547,28 @@ def _lease_row(lease: Lease) -> dict[str, Any]:
         "execution_state": lease.execution_state,
         "last_activity": lease.last_activity,
         "user_groups": json.dumps(list(lease.groups)),
+        "park_state": lease.park,
+        "parked_at": lease.parked_at,
     }
 
 
 def _lease_from_row(row: Sequence[Any]) -> Lease:
-    *fields, user_groups = row
+    *fields, user_groups, park_state, parked_at = row
     lease = Lease(*fields)
     if user_groups:  # NULL: granted before schema version 2
         lease.groups = tuple(json.loads(user_groups))
+    lease.park = park_state
+    lease.parked_at = parked_at
     return lease
 
 
+def _park_params(lease: Lease) -> dict[str, Any]:
+    """A park state change's bind parameters for ``_PARK``."""
+    return {"b_id": lease.id, "b_park_state": lease.park, "b_parked_at": lease.parked_at}
+
+
 def _request_from_row(row: Sequence[Any]) -> Request:
-    (rid, user, kernel_id, ppm, arrived, polled, groups, grp, node, uuids, prio) = row
+    (rid, user, kernel_id, ppm, arrived, polled, groups, grp, node, uuids, prio, resume_of) = row
     return Request(
         id=rid,
         user=user,
@@ -539,4 +581,5 @@ def _request_from_row(row: Sequence[Any]) -> Request:
         node=node,
         gpu_uuids=None if uuids is None else tuple(json.loads(uuids)),
         priority=prio,
+        resume_of=resume_of,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -20,12 +21,12 @@ from ..errors import (
     DuplicateRequest,
 )
 from ..model import (
-    LEASE_STATES,
     PPM,
     Changes,
     Lease,
     Request,
 )
+from ..wire import ENDED_LEASE_STATES
 from .store_engine import Database
 from .store_schema import (
     _ACTIVE_FOR_KERNEL,
@@ -37,8 +38,10 @@ from .store_schema import (
     _INSERT_LEASE,
     _LEAVE_QUEUE,
     _LOCK_GPUS,
+    _PARK,
     _RENEW,
     _lease_row,
+    _park_params,
     _queue_log_row,
     _renew_params,
     _request_row,
@@ -106,7 +109,11 @@ class LeaseWrites(Database):
         updated, new leases inserted (those that also ended within the batch inserted
         ended), requests that joined and left within the batch only logged; capacity and
         the one-lease-per-kernel rule are re-checked for the leases still active, under
-        the same locks as :meth:`insert_leases`. All or nothing: on a refusal
+        the same locks as :meth:`insert_leases`. Parking (``Changes.parks``): each live
+        lease's latest park state and ``parked_at`` are written (a parked row holds no
+        capacity in the database's sums); a granted resume request (``Changes.resumed``)
+        leaves the queue as granted, creates no lease, and its lease's GPU is re-checked
+        for capacity with the park states written. All or nothing: on a refusal
         (:class:`CapacityConflict`, :class:`DuplicateLease`, :class:`DuplicateRequest`)
         or a failure (:class:`StoreError`) nothing of the batch is written.
 
@@ -119,13 +126,20 @@ class LeaseWrites(Database):
         queued: dict[str, Request] = {}
         left: dict[str, tuple[str, float]] = {}  # request id -> (outcome, when)
         renewed: dict[str, Lease] = {}
+        parks: dict[str, Lease] = {}  # lease id -> its latest park state
+        retaken: set[str] = set()  # GPUs where a parked lease takes its share again
         for ch in batch:
             for g in ch.granted:
                 new[g.lease.id] = g.lease
                 if g.request is not None:
                     served[g.request.id] = g.lease.created_at
+            for lease in ch.parks:
+                parks[lease.id] = lease
+            for req, lease in ch.resumed:
+                served[req.id] = ch.now
+                retaken.add(lease.gpu_uuid)
             for lease, state, reason in ch.ended:
-                if state == "active" or state not in LEASE_STATES:
+                if state not in ENDED_LEASE_STATES:
                     raise ValueError(f"a lease ends as released, expired or revoked, not {state!r}")
                 ended.setdefault(lease.id, (state, ch.now, reason))
                 renewed.pop(lease.id, None)
@@ -138,6 +152,8 @@ class LeaseWrites(Database):
                     renewed[lease.id] = lease
         for rid, at in served.items():
             left.setdefault(rid, ("granted", at))
+        # a new lease is inserted with its latest park state
+        new = {i: _parked_as(x, parks.get(i)) for i, x in new.items()}
         still = [x for x in new.values() if x.id not in ended]
         rows = [_lease_row(x) for x in still] + [
             {
@@ -147,8 +163,9 @@ class LeaseWrites(Database):
             for x in new.values()
             if x.id in ended
         ]
+        moves = [_park_params(x) for i, x in parks.items() if i not in new and i not in ended]
         gone: dict[str, tuple[str, str | None]] = {}
-        if not (new or ended or queued or left or renewed):
+        if not (new or ended or queued or left or renewed or parks):
             return gone
         with self._tx(f"record {len(batch)} change(s)") as conn:
             old_ends = [
@@ -158,9 +175,11 @@ class LeaseWrites(Database):
             ]
             if old_ends:
                 conn.execute(_END, old_ends)
-            if still:
+            if moves:  # before the capacity sums: a parked row holds nothing, a resumed one does
+                conn.execute(_PARK, moves)
+            if still or retaken:
                 # one-lease-per-kernel: the partial unique index (IntegrityError below)
-                self._check_grants(conn, still, capacity_ppm, kernels=False)
+                self._check_grants(conn, still, capacity_ppm, kernels=False, also=retaken)
             if rows:
                 try:
                     conn.execute(_INSERT_LEASE, rows)
@@ -181,6 +200,10 @@ class LeaseWrites(Database):
                 for i in range(0, len(ids), 500):
                     for lid, st, why in conn.execute(_ENDED_AMONG, {"ids": ids[i : i + 500]}):
                         gone[lid] = (st, why)
+            # requests that left first: a kernel whose resume request left may wait anew
+            out = [{"b_id": rid} for rid in left if rid not in queued]
+            if out:
+                conn.execute(_DELETE_REQUEST, out)
             if queued:
                 waiting = [_request_row(r) for r in queued.values() if r.id not in left]
                 try:
@@ -192,9 +215,6 @@ class LeaseWrites(Database):
                         "A kernel of this batch is already waiting for a GPU; keep polling "
                         "the same request.",
                     ) from exc
-            out = [{"b_id": rid} for rid in left if rid not in queued]
-            if out:
-                conn.execute(_DELETE_REQUEST, out)
             if left:
                 conn.execute(
                     _LEAVE_QUEUE,
@@ -207,11 +227,18 @@ class LeaseWrites(Database):
 
     @staticmethod
     def _check_grants(
-        conn: Connection, new: list[Lease], capacity_ppm: int, *, kernels: bool = True
+        conn: Connection,
+        new: list[Lease],
+        capacity_ppm: int,
+        *,
+        kernels: bool = True,
+        also: set[str] | frozenset[str] = frozenset(),
     ) -> None:
-        """Capacity on each GPU of ``new`` (its rows locked) and, with ``kernels``, that no
-        kernel of ``new`` holds another active lease (a query per lease, naming it)."""
-        adding: dict[str, int] = {}
+        """Capacity on each GPU of ``new`` and of ``also`` (GPUs where a parked lease's
+        share was taken again: its row is already ``resuming``) with their rows locked,
+        and, with ``kernels``, that no kernel of ``new`` holds another active lease (a
+        query per lease, naming it)."""
+        adding: dict[str, int] = dict.fromkeys(also, 0)
         for lease in new:
             if lease.state != "active":
                 raise ValueError(f"insert_leases records new active leases, not {lease.state!r}")
@@ -229,6 +256,13 @@ class LeaseWrites(Database):
                 )
             limit = min(capacity_ppm, caps[uuid])
             total = int(held.get(uuid) or 0) + adding[uuid]
+            if total > limit and not adding[uuid]:
+                raise CapacityConflict(
+                    f"GPU {uuid} has no room to resume a parked lease: "
+                    f"{int(held.get(uuid) or 0) / PPM:g} of {limit / PPM:g} would be leased "
+                    "(another broker process granted it first); keep waiting to resume.",
+                    gpu_uuid=uuid,
+                )
             if total > limit:
                 raise CapacityConflict(
                     f"GPU {uuid} cannot take {adding[uuid] / PPM:g} more of its capacity: "
@@ -261,13 +295,20 @@ class LeaseWrites(Database):
             return
         params = []
         for lease_id, state, ended_at, reason in ends:
-            if state == "active" or state not in LEASE_STATES:
+            if state not in ENDED_LEASE_STATES:
                 raise ValueError(f"a lease ends as released, expired or revoked, not {state!r}")
             params.append(
                 {"b_id": lease_id, "b_state": state, "b_ended_at": ended_at, "b_reason": reason}
             )
         with self._tx("end leases") as conn:
             conn.execute(_END, params)
+
+
+def _parked_as(lease: Lease, latest: Lease | None) -> Lease:
+    """``lease`` with the park state of ``latest`` (its latest record in a batch), if any."""
+    if latest is None:
+        return lease
+    return replace(lease, park=latest.park, parked_at=latest.parked_at)
 
 
 __all__ = ["LeaseWrites"]

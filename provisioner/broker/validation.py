@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -45,6 +46,8 @@ from ..wire import (
     MAX_WAIT,
     MAX_WINDOW_S,
     MPS_STATES,
+    PARK_ACTIONS,
+    PARK_OUTCOMES,
     PRIORITY_RANGE,
     fraction_to_ppm,
 )
@@ -512,7 +515,22 @@ __all__ = [
 
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = ("usage", "at", "mps", "mps_uid", "kernels", "driver_limits")
+NODE_HEARTBEAT_FIELDS = (
+    "usage",
+    "at",
+    "mps",
+    "mps_uid",
+    "kernels",
+    "driver_limits",
+    "checkpoint",
+    "host_memory_available_mb",
+    "parking",
+)
+PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb", "seconds")
+#: the largest host memory (MiB) a heartbeat may report: 1 EiB
+MAX_HOST_MEMORY_MB = 2**40
+#: the longest a park or resume may have taken (s), as a heartbeat reports it
+MAX_PARK_SECONDS = 86400.0
 KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 
@@ -657,3 +675,105 @@ def parse_node_kernels(
     if body.get("driver_limits") is not None:
         limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
     return kernels, limits
+
+
+# -- parking (issue 28) -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParkOutcome:
+    """One outcome of a park or resume order, as a node heartbeat's ``parking`` reports it."""
+
+    lease_id: str
+    action: str  # park | resume (wire.PARK_ACTIONS)
+    outcome: str  # done | failed | waiting (wire.PARK_OUTCOMES)
+    message: str | None = None
+    pids: tuple[int, ...] = ()
+    mb: int | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class NodeParkReport:
+    """A node heartbeat's parking fields: ``checkpoint`` and ``host_memory_available_mb``
+    (None: absent, an agent older than parking) and the ``parking`` outcomes."""
+
+    checkpoint: bool | None = None
+    host_memory_available_mb: int | None = None
+    outcomes: tuple[ParkOutcome, ...] = ()
+
+
+def parse_node_parking(body: dict[str, Any]) -> NodeParkReport:
+    """A node heartbeat's ``checkpoint`` (boolean), ``host_memory_available_mb`` (whole
+    MiB, 0 or more) and ``parking`` (at most one outcome per lease and action:
+    ``{lease_id, action: park|resume, outcome: done|failed|waiting, message?, pids?, mb?,
+    seconds?}``). Any other shape is a 400 naming the field; the body's other fields are
+    checked by :func:`parse_node_heartbeat`."""
+    checkpoint = body.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, bool):
+        raise InvalidRequest(
+            f"'checkpoint' must be true or false, not a JSON {_json_type(checkpoint)}."
+        )
+    host = body.get("host_memory_available_mb")
+    if host is not None:
+        host = _int(host, "host_memory_available_mb", low=0, high=MAX_HOST_MEMORY_MB)
+    outcomes: list[ParkOutcome] = []
+    if body.get("parking") is not None:
+        for raw in _list(body, "parking", MAX_USAGE_SAMPLES):
+            entry = _object(raw, "'parking'")
+            check_fields(entry, PARK_OUTCOME_FIELDS, "parking outcome")
+            action = entry.get("action")
+            if action not in PARK_ACTIONS:
+                raise InvalidRequest(
+                    f"A parking outcome's 'action' is {' or '.join(PARK_ACTIONS)}, "
+                    f"not {_show(action)}."
+                )
+            outcome = entry.get("outcome")
+            if outcome not in PARK_OUTCOMES:
+                raise InvalidRequest(
+                    f"A parking outcome's 'outcome' is {', '.join(PARK_OUTCOMES)}, "
+                    f"not {_show(outcome)}."
+                )
+            message = entry.get("message")
+            if message is not None:
+                message = _text(message, "message", max_chars=MAX_REASON_CHARS)
+            pids = entry.get("pids")
+            if pids is not None:
+                pids = [
+                    _int(p, "pids", low=1, high=MAX_PID)
+                    for p in _list(entry, "pids", MAX_USAGE_SAMPLES)
+                ]
+            mb = entry.get("mb")
+            if mb is not None:
+                mb = _int(mb, "mb", low=0, high=MAX_GPU_MEMORY_MB)
+            seconds = entry.get("seconds")
+            if seconds is not None:
+                seconds = _number(seconds, "seconds", low=0.0, high=MAX_PARK_SECONDS)
+            outcomes.append(
+                ParkOutcome(
+                    lease_id=_text(entry.get("lease_id"), "lease_id"),
+                    action=str(action),
+                    outcome=str(outcome),
+                    message=message,
+                    pids=tuple(pids or ()),
+                    mb=mb,
+                    seconds=seconds,
+                )
+            )
+    if len({(o.lease_id, o.action) for o in outcomes}) != len(outcomes):
+        raise InvalidRequest(
+            "Two parking outcomes name the same lease and action; send one of each."
+        )
+    return NodeParkReport(checkpoint, host, tuple(outcomes))
+
+
+RESUME_FIELDS = ("wait",)
+
+
+def parse_resume(body: dict[str, Any]) -> float:
+    """``POST /api/v1/leases/{id}/resume`` body ``{}`` or ``{"wait": seconds}`` -> the
+    long-poll's seconds (0 to ``MAX_WAIT``, default 0)."""
+    check_fields(body, RESUME_FIELDS, "resume request")
+    if body.get("wait") is None:
+        return 0.0
+    return _number(body["wait"], "wait", low=0.0, high=MAX_WAIT)

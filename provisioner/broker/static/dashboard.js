@@ -308,6 +308,24 @@
     return b;
   }
 
+  // 1st, 2nd, 3rd, 4th, 11th, 21st, ...
+  function ordinal(n) {
+    const tens = n % 100;
+    const suffix = tens >= 10 && tens <= 20 ? "th" : ({ 1: "st", 2: "nd", 3: "rd" }[n % 10] || "th");
+    return n + suffix;
+  }
+
+  // a parked (or parking, resuming) lease says so, with its place while its resume waits
+  const PARK_STATES = ["parking", "parked", "resuming"];
+  function idleCell(x, t) {
+    if (PARK_STATES.includes(x.state)) {
+      const place = x.resume && x.resume.position;
+      const text = place ? x.state + ", " + ordinal(place) + " to resume" : x.state;
+      return el("span", { class: "parked", title: x.parked_at ? "parked " + ago(t - x.parked_at) + " ago" : "" }, text);
+    }
+    return x.execution_state === "busy" ? "busy" : (x.last_activity ? ago(t - x.last_activity) : "–");
+  }
+
   function drawLeases(all, gpus, force) {
     const box = $("leases");
     if (!force && busy(box)) return;
@@ -329,7 +347,7 @@
         names.get(x.gpu.uuid) || x.gpu.uuid.slice(0, 12),
         pct(x.fraction),
         x.memory_limit_mb + " MiB",
-        x.execution_state === "busy" ? "busy" : (x.last_activity ? ago(t - x.last_activity) : "–"),
+        idleCell(x, t),
         ago(t - x.created_at),
       ];
       if (admin) row.push(revokeButton(x));
