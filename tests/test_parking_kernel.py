@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from provisioner import wire
-from provisioner.devtools.testing import execute, wait_for, wait_for_async
+from provisioner.devtools.testing import execute, wait_for_async
 from provisioner.kernel.broker_clients import BrokerClients
 from provisioner.kernel.lease import GrantedLease
 from provisioner.kernel.lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
@@ -412,6 +412,47 @@ async def test_keeper_shuts_a_parked_kernel_down_when_its_resume_finds_the_lease
 
 
 # -- end to end: a real broker parks a real kernel -----------------------------------------
+@pytest.fixture
+def broker_db_url(tmp_path: Path) -> str:
+    """SQLite only: the broker's own parking tests cover PostgreSQL."""
+    return f"sqlite:///{tmp_path / 'b.sqlite'}"
+
+
+async def release(b: Any, user: str, lease_id: str) -> None:
+    async with httpx.AsyncClient(base_url=f"{b.url}/api/v1", headers=b.headers(user)) as c:
+        assert (await c.delete(f"/leases/{lease_id}")).status_code in (200, 204)
+
+
+async def run_until(
+    km: Any, code: str, when: dict[str, Callable[[], Any]], timeout: float = 60
+) -> tuple[str, dict[str, Any]]:
+    """Run ``code`` in the kernel; when its output first shows a key of ``when``, await that
+    action (the test acts on what the cell prints). Its output and the execute reply."""
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=30)
+        msg_id = kc.execute(code)
+        out = ""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = await kc.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                out += msg["content"]["text"]
+                for words in [w for w in when if w in out]:
+                    await when.pop(words)()
+            elif msg["msg_type"] == "error":
+                out += f"{msg['content']['ename']}: {msg['content']['evalue']}"
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        reply = await kc.get_shell_msg(timeout=10)
+        return out, dict(reply["content"])
+    finally:
+        kc.stop_channels()
+
+
 needs_parking = pytest.mark.skipif(
     not hasattr(wire, "PARK_STATES"),
     reason="the broker's parking (branches park-core and park-service) is not merged yet",
@@ -450,9 +491,15 @@ async def test_a_parked_kernel_resumes_when_a_cell_runs_and_keeps_its_variables(
         done: list[dict[str, Any]] = []
         stop = threading.Event()
 
+        busy: list[str] = []  # bob's lease: renewed as a busy kernel (never idle reclaimed)
+        bob_http = b.http("bob")
+
         def agent_loop() -> None:
-            """The node agent: checkpoint offered; every order it is given succeeds."""
+            """The node agent: checkpoint offered; every order it is given succeeds. And bob's
+            kernel elsewhere, busy, so that alice's resume waits behind it."""
             while not stop.is_set():
+                for lease_id in busy:
+                    bob_http.post(f"/leases/{lease_id}/renew", json={"execution_state": "busy"})
                 beat = {
                     "usage": [],
                     "checkpoint": True,
@@ -489,26 +536,18 @@ async def test_a_parked_kernel_resumes_when_a_cell_runs_and_keeps_its_variables(
                     )
                 assert r.status_code == 201, r.text  # alice's idle kernel was parked for bob
                 bobs = r.json()["id"]
+                busy.append(bobs)
                 await wait_for_async(
                     lambda: read_json(state_path).get("state") == "parked",
                     timeout=15,
                     what="the state file to say parked",
                 )
-
-                def release_when_queued() -> None:
-                    """The resume waits behind bob: he leaves once it is in the queue."""
-                    wait_for(
-                        lambda: read_json(state_path).get("position") is not None,
-                        timeout=20,
-                        what="the resume to wait in the queue",
-                    )
-                    with httpx.Client(base_url=f"{b.url}/api/v1", headers=b.headers("bob")) as c:
-                        c.delete(f"/leases/{bobs}")
-
-                leaver = threading.Thread(target=release_when_queued, daemon=True)
-                leaver.start()
-                out, reply = await execute(km, "print(x)", timeout=60)
-                leaver.join(10)
+                out, reply = await run_until(
+                    km,
+                    "print(x)",
+                    # the resume waits behind bob: he leaves once the cell says so
+                    {"1st in queue": lambda: (busy.clear(), release(b, "bob", bobs))[1]},
+                )
                 assert reply["status"] == "ok", (out, reply)
                 assert "GPU parked: resuming before this cell runs…" in out
                 assert "resuming: 1st in queue" in out
@@ -520,3 +559,4 @@ async def test_a_parked_kernel_resumes_when_a_cell_runs_and_keeps_its_variables(
             stop.set()
             beats.join(5)
             agent.close()
+            bob_http.close()
