@@ -184,6 +184,33 @@ class LeaseCalls:
         except (errors.LeaseNotFound, errors.LeaseGone) as exc:
             log.debug("lease %s was already released (%s)", lease_id, exc.code)
 
+    async def resume(self, lease_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """``POST /api/v1/leases/{id}/resume``: bring a parked lease's GPU memory back.
+
+        Called by the lease keeper (:mod:`provisioner.kernel.lease_keeper`) when a cell is
+        run in a parked kernel (the ``%gpu`` extension's hook asked for it), in a loop until
+        the lease is active again. ``wait`` > 0 (at most ``MAX_WAIT``) asks the broker to
+        hold the answer that long (a long-poll) while the resume waits; the read timeout is
+        ``wait`` plus the client's own, so the long-poll is never cut short here.
+
+        Returns the broker's answer as a dict: the lease object (``"state": "active"``)
+        when its memory is back (200), else the 202 body ``{"lease", "state"
+        ("parking"|"parked"|"resuming"), "position", "eta_seconds", "queue_length"}``.
+        Raises the usual errors: :class:`errors.LeaseNotFound` (404: unknown, or another
+        user's), :class:`errors.LeaseRevoked`/:class:`errors.LeaseExpired`/
+        :class:`errors.LeaseGone` (410: the lease ended; ``details['reason']`` says why).
+        """
+        client = self._client
+        poll_wait = max(0.0, min(float(wait), MAX_WAIT))
+        body: dict[str, Any] = {"wait": poll_wait} if poll_wait > 0 else {}
+        response = await client.send(
+            "POST",
+            _lease_path(lease_id, "resume"),
+            body=body,
+            read_timeout=(poll_wait + client.timeout) if poll_wait > 0 else None,
+        )
+        return client.json_object(response)
+
     async def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
         """Admin: ``POST /api/v1/leases/{id}/revoke {reason}``; returns the ended lease.
 

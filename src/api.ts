@@ -13,14 +13,26 @@ export interface ILease {
   state: string;
   expires_at?: number;
   reason?: string | null;
+  /** when the broker began parking its GPU memory (s since the epoch), else null */
+  parked_at?: number | null;
+}
+
+/** A lease whose GPU memory the broker parked in host RAM (or is parking, or restoring). */
+export const PARK_STATES = ['parking', 'parked', 'resuming'] as const;
+export type ParkState = (typeof PARK_STATES)[number];
+
+/** Whether `state` is one of the parked states (alive: running a cell resumes it). */
+export function isParked(state: string | undefined): state is ParkState {
+  return (PARK_STATES as readonly string[]).includes(state ?? '');
 }
 
 /** One GPU kernel of this server: `GET {base_url}gpu-lease/api/kernels`. */
 export interface IKernelLease {
   kernel_id: string;
-  state: 'waiting' | 'active' | 'revoked' | 'expired' | 'released';
+  state: 'waiting' | 'active' | ParkState | 'revoked' | 'expired' | 'released';
   fraction: number;
   lease?: ILease;
+  /** waiting: the place in the GPU queue; parked/resuming: the resume's place while it waits */
   position?: number;
   waiting?: number;
   eta_seconds?: number;
@@ -29,6 +41,8 @@ export interface IKernelLease {
   path?: string;
   kernel_name?: string;
   waiting_since?: number;
+  /** parking/parked/resuming: when the server first saw it so (s since the epoch) */
+  parked_since?: number;
   ended_at?: number;
 }
 

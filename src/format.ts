@@ -81,6 +81,10 @@ export function statusText(k: IKernelLease | null, trans: TranslationBundle): st
     }
     case 'waiting':
       return trans.__('GPU queue: %1', queuePlace(k, trans));
+    case 'parking':
+    case 'parked':
+    case 'resuming':
+      return parkedText(k, trans);
     case 'revoked':
       return trans.__('GPU lease revoked');
     case 'expired':
@@ -104,6 +108,30 @@ export function queuePlace(k: IKernelLease, trans: TranslationBundle): string {
     parts.push(aboutWait(k.eta_seconds, trans));
   }
   return parts.join(' · ');
+}
+
+/**
+ * A parked kernel in the status bar: "GPU parked" while its memory is (being) parked and
+ * nobody asked for it back; "resuming: 2nd in queue · about 4 min" while its resume waits
+ * (parked with a place in the queue, or resuming); "resuming" while the memory comes back.
+ */
+export function parkedText(k: IKernelLease, trans: TranslationBundle): string {
+  if (k.position) {
+    const place = trans.__('%1 in queue', ordinal(k.position));
+    return typeof k.eta_seconds === 'number'
+      ? trans.__('resuming: %1 · %2', place, aboutWait(k.eta_seconds, trans))
+      : trans.__('resuming: %1', place);
+  }
+  return k.state === 'resuming' ? trans.__('resuming') : trans.__('GPU parked');
+}
+
+/** The notification when a kernel's GPU memory was parked. */
+export function parkedMessage(k: IKernelLease, trans: TranslationBundle): string {
+  const tail = trans.__('running a cell resumes it — variables are kept.');
+  return fitting(
+    trans.__('The GPU memory of %1 was parked while others waited; %2', label(k, trans), tail),
+    trans.__("Your kernel's GPU memory was parked while others waited; %1", tail)
+  );
 }
 
 /** A notebook's file name for messages, else the kernel's name. */

@@ -3,7 +3,7 @@ import { NotebookPanel } from '@jupyterlab/notebook';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { fetchKernels, IKernelLease, stopWaiting } from './api';
+import { fetchKernels, IKernelLease, isParked, stopWaiting } from './api';
 
 /** How long a kernel may wait, not queued yet, before the status bar says it waits. */
 export const QUIET_MS = 3000;
@@ -131,7 +131,7 @@ export class GPULeaseModel {
       if (k.path !== path) {
         continue;
       }
-      if ((k.state === 'waiting' || k.state === 'active') && !evenIfNewer) {
+      if ((k.state === 'waiting' || k.state === 'active' || isParked(k.state)) && !evenIfNewer) {
         return null;
       }
       if (

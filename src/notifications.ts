@@ -1,10 +1,19 @@
-// Toasts: while a GPU kernel waits (with "Stop waiting"), and when a lease is revoked or expires.
+// Toasts: while a GPU kernel waits (with "Stop waiting"), when its GPU memory is parked, and
+// when a lease is revoked or expires.
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { TranslationBundle } from '@jupyterlab/translation';
 
-import { IKernelLease } from './api';
-import { endedMessage, endedToast, fitting, fraction, label, waitingMessage } from './format';
+import { IKernelLease, isParked } from './api';
+import {
+  endedMessage,
+  endedToast,
+  fitting,
+  fraction,
+  label,
+  parkedMessage,
+  waitingMessage
+} from './format';
 import { GPULeaseModel } from './model';
 
 export class GPULeaseNotifier {
@@ -28,6 +37,9 @@ export class GPULeaseNotifier {
         }
       } else if (k.state === 'active') {
         this._granted(k);
+        this._parked.delete(k.kernel_id);
+      } else if (isParked(k.state)) {
+        this._onParked(k);
       } else if (k.state === 'revoked' || k.state === 'expired') {
         // seen alive in this page, or its notebook is open: tell now
         const open = this._tracker.find(p => p.context.path === k.path);
@@ -36,7 +48,7 @@ export class GPULeaseNotifier {
           this._ended(k);
         }
       }
-      if (k.state === 'waiting' || k.state === 'active') {
+      if (k.state === 'waiting' || k.state === 'active' || isParked(k.state)) {
         this._seenLive.add(k.kernel_id);
       }
     }
@@ -92,6 +104,15 @@ export class GPULeaseNotifier {
       Notification.update({ id, message, type: 'in-progress', autoClose: false, actions });
       this._lastText.set(k.kernel_id, message);
     }
+  }
+
+  /** Tell once per parking (not again until the kernel was active in between). */
+  private _onParked(k: IKernelLease): void {
+    if (this._parked.has(k.kernel_id)) {
+      return;
+    }
+    this._parked.add(k.kernel_id);
+    Notification.info(parkedMessage(k, this._trans), { autoClose: 15000 });
   }
 
   private _granted(k: IKernelLease): void {
@@ -171,6 +192,7 @@ export class GPULeaseNotifier {
   }
 
   private _waitingToasts = new Map<string, string>();
+  private _parked = new Set<string>();
   private _lastText = new Map<string, string>();
   private _endedToasts = new Map<string, string>();
   private _toldPage = new Set<string>();

@@ -4,7 +4,7 @@ import { INotebookTracker } from '@jupyterlab/notebook';
 import { TranslationBundle } from '@jupyterlab/translation';
 import { Widget } from '@lumino/widgets';
 
-import { IKernelLease } from './api';
+import { IKernelLease, isParked } from './api';
 import { aboutWait, MEMORY_WARNING, memoryUse, mib, statusText } from './format';
 import { GPULeaseModel } from './model';
 
@@ -33,6 +33,7 @@ export class GPULeaseStatus extends Widget {
     const text = statusText(k, this._trans);
     this.node.textContent = text;
     this.node.dataset.state = k?.state ?? '';
+    this.node.dataset.parked = isParked(k?.state) ? 'yes' : '';
     const use = memoryUse(k);
     this.node.dataset.memory = use ? (use[0] >= MEMORY_WARNING * use[1] ? 'high' : 'ok') : '';
     this.node.title = k ? this._title(k) : '';
@@ -83,9 +84,44 @@ export class GPULeaseStatus extends Widget {
               aboutWait(k.eta_seconds, trans)
             )
           : trans.__('This kernel waits for a GPU: the number is its place in the queue.');
+      case 'parking':
+      case 'parked':
+      case 'resuming':
+        return this._parkedTitle(k);
       default:
         return k.reason ?? '';
     }
+  }
+
+  private _parkedTitle(k: IKernelLease): string {
+    const trans = this._trans;
+    const at = k.lease?.parked_at;
+    const since =
+      typeof at === 'number'
+        ? ' ' + trans.__('(since %1)', new Date(at * 1000).toLocaleTimeString())
+        : '';
+    const lines = [
+      trans.__(
+        "This kernel's GPU memory was parked in the computer's memory while others waited%1.",
+        since
+      )
+    ];
+    if (k.state === 'resuming' && !k.position) {
+      lines.push(trans.__('It is being restored now.'));
+    } else if (k.position) {
+      lines.push(
+        typeof k.eta_seconds === 'number'
+          ? trans.__(
+              'Its resume waits in the GPU queue; the broker estimates %1.',
+              aboutWait(k.eta_seconds, trans)
+            )
+          : trans.__('Its resume waits in the GPU queue.')
+      );
+    } else {
+      lines.push(trans.__('Running a cell resumes it; your variables are kept.'));
+    }
+    lines.push(trans.__('Run %gpu for details.'));
+    return lines.join('\n');
   }
 
   private _watchPanel(): void {

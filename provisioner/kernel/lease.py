@@ -24,6 +24,11 @@ from typing import Any
 
 from ..errors import InvalidRequest
 
+#: a parked lease's wire states (the same as ``wire.PARK_STATES`` of the broker): the lease
+#: lives on, its GPU memory is being parked, is in host RAM, or is being restored. Never
+#: an end: the keeper keeps renewing, and a cell run in the kernel asks for the resume.
+PARK_STATES: tuple[str, ...] = ("parking", "parked", "resuming")
+
 
 @dataclass(frozen=True)
 class LeasedGPU:
@@ -61,7 +66,7 @@ class GrantedLease:
     #: the framework memory cap (MiB): the reservation minus the CUDA context overhead
     memory_limit_mb: int | None
     gpu: LeasedGPU
-    #: active | revoked | released | expired
+    #: active | parking | parked | resuming (alive: see PARK_STATES) | revoked | released | expired
     state: str
     created_at: float | None = None
     renewed_at: float | None = None
@@ -92,6 +97,16 @@ class GrantedLease:
             reason=_text(body.get("reason")),
             raw=dict(body),
         )
+
+    @property
+    def parked(self) -> bool:
+        """Its GPU memory is parked, being parked or being restored (``PARK_STATES``)."""
+        return self.state in PARK_STATES
+
+    @property
+    def parked_at(self) -> float | None:
+        """When the broker began parking it (``parked_at``; None unless parked)."""
+        return _number(self.raw.get("parked_at"))
 
     @property
     def ttl(self) -> float | None:
@@ -131,4 +146,4 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-__all__ = ["GrantedLease", "LeasedGPU", "positive_int", "short_id"]
+__all__ = ["PARK_STATES", "GrantedLease", "LeasedGPU", "positive_int", "short_id"]

@@ -19,6 +19,18 @@ What ends a lease from the broker's side, seen on renewal:
   log and the state file, and the kernel is shut down.
 - ``LeaseExpired`` / unknown lease (the server was cut off longer than the TTL): one
   attempt to get the same fraction of the same GPU back; if it cannot fit, as revoked.
+  A parked lease is not taken back that way (a new lease would not restore the parked
+  memory): its kernel is shut down as revoked.
+
+Parking (issue 28; ``PARK_STATES``): the broker may park an idle kernel's GPU memory in
+host RAM while others wait. Renewals go on (``parking``/``parked``/``resuming`` are not
+ends) and write the wire state to the state file. While the lease is parked the keeper
+looks for ``<state file>.resume`` every ``RESUME_WATCH_INTERVAL`` seconds (one ``stat``):
+the kernel's ``pre_run_cell`` hook (``startup/gpu_lease_magic.py``) creates it when a cell
+is run. Then the keeper calls ``client.leases.resume`` (long-polls of ``long_poll`` s) until
+the lease is active, writing the place in the queue to the state file and the board after
+each answer, and deletes the ``.resume`` file; a lease that ended meanwhile is handled as a
+revoke (the reason shown, the kernel shut down).
 
 The keeper knows its kernel only through :class:`KernelHandle` (the provisioner), and
 its request only through :class:`LeaseAsk` (the provisioner's traits, read at each call).
@@ -28,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import (
@@ -41,7 +54,7 @@ from ..errors import (
 )
 from .broker_clients import BrokerClients
 from .kernelspecs import format_fraction
-from .lease import GrantedLease, short_id
+from .lease import PARK_STATES, GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
 from .state_file import StateFile
 from .status import LeaseBoard
@@ -50,6 +63,12 @@ from .status import LeaseBoard
 DEFAULT_RENEW_INTERVAL = 30.0
 #: never renew more often than this (s), whatever the TTL
 MIN_RENEW_INTERVAL = 0.2
+#: how often a parked lease's keeper looks for ``<state file>.resume`` (s)
+RESUME_WATCH_INTERVAL = 0.25
+#: the first pause after a resume call the broker could not answer (s); doubles up to a renewal interval
+RESUME_RETRY = 0.5
+#: never ask for a resume more often than this (s), whatever the broker's long-poll does
+MIN_RESUME_PERIOD = 0.5
 
 
 @dataclass(frozen=True)
@@ -131,6 +150,11 @@ class LeaseKeeper:
         self._stopped_waiting = False
         #: done when the :meth:`end` under way is (a second caller waits for the first)
         self._ending: asyncio.Future[None] | None = None
+        #: while the lease is parked: the task that watches for the kernel's resume request
+        #: and then resumes (see :meth:`_park_watch`)
+        self.park_task: asyncio.Task[None] | None = None
+        #: the broker's latest answer to a resume that waits: ``position``, ``eta_seconds``
+        self.resume_progress: dict[str, Any] | None = None
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -282,17 +306,29 @@ class LeaseKeeper:
                 )
             )
         except GPULeaseError as exc:
-            if self.lease is not lease:  # ended meanwhile: cancelled on a loop that was blocked
+            if not self._holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
                 return False
             return await self._renewal_failed(lease, exc)
         if self.lease is not None and self.lease.id == fresh.id:
-            self.lease = fresh
-            self._write_state(fresh)
-            self._show(fresh)
+            self._hold(fresh)
         return True
+
+    def _hold(self, fresh: GrantedLease) -> None:
+        """The broker's latest word on the lease held: keep it, write the state file, show
+        it; a parked lease's watcher starts (once) and an active one forgets its resume."""
+        self.lease = fresh
+        if not fresh.parked:
+            self.resume_progress = None
+        self._write_state(fresh)
+        self._show(fresh)
+        if fresh.parked:
+            self._watch_parked()
 
     async def _renewal_failed(self, lease: GrantedLease, exc: GPULeaseError) -> bool:
         """What a failed renewal of ``lease`` means; False when the lease has ended."""
+        if isinstance(exc, (LeaseExpired, LeaseNotFound)) and lease.parked:
+            await self._lost("expired", _parked_reason(exc))
+            return False
         if isinstance(exc, (LeaseExpired, LeaseNotFound)):
             return await self._recover(exc)
         if isinstance(exc, LeaseGone):
@@ -371,7 +407,10 @@ class LeaseKeeper:
         if self.board is not None:
             self.board.end(self._kernel_id, state, reason)  # JupyterLab shows the reason
         self.lease = None
-        self.renew_task = None  # this is the renewal task: shutdown must not cancel it
+        if self.renew_task is asyncio.current_task():
+            self.renew_task = None  # this is the renewal task: shutdown must not cancel it
+        if self.park_task is asyncio.current_task():
+            self.park_task = None  # the same for the resume under way
         try:
             await self.kernel.shut_kernel_down()
         except Exception:
@@ -400,9 +439,10 @@ class LeaseKeeper:
             ending.set_result(None)
 
     async def _end(self, why: str) -> None:
-        task, self.renew_task = self.renew_task, None
-        if task is not None and task is not asyncio.current_task():
-            await cancel_and_wait(task)
+        for task in (self.renew_task, self.park_task):
+            if task is not None and task is not asyncio.current_task():
+                await cancel_and_wait(task)
+        self.renew_task = self.park_task = None
         lease, self.lease = self.lease, None
         if lease is not None:
             try:
@@ -426,6 +466,105 @@ class LeaseKeeper:
             self.state_file.remove()
         self.kernel.lease_ended()
         await self.clients.aclose()
+
+    # -- parking -------------------------------------------------------------------------
+    def _watch_parked(self) -> None:
+        """Start :meth:`_park_watch` on this loop unless it runs already (or no state file:
+        without one the kernel has no way to ask, and renewals simply go on)."""
+        task = self.park_task
+        if self.state_file is None or (task is not None and not task.done()):
+            return
+        self.park_task = asyncio.ensure_future(self._park_watch())
+
+    async def _park_watch(self) -> None:
+        """While the lease is parked: wait for the kernel to ask (``<state file>.resume``),
+        then resume. Ends when the lease is active again or has ended.
+
+        Cheap: one ``stat`` every ``RESUME_WATCH_INTERVAL`` seconds, only while parked
+        (renewals keep telling the state meanwhile; a lease found active stops the watch).
+        """
+        state_file = self.state_file
+        assert state_file is not None
+        while True:
+            lease = self.lease
+            if lease is None or not lease.parked:
+                if lease is not None:
+                    state_file.resume_done()  # resumed without us (another server process)
+                return
+            if state_file.resume_asked():
+                break
+            await asyncio.sleep(RESUME_WATCH_INTERVAL)
+        self.log.info(
+            "Kernel %s asks for its parked GPU memory back; resuming GPU lease %s.",
+            self._kernel_id,
+            lease.short_id,
+        )
+        await self._resume(state_file)
+
+    async def _resume(self, state_file: StateFile) -> None:
+        """``client.leases.resume`` until the lease is active (then the ``.resume`` file goes)
+        or has ended (handled as a revoke). Each 202 answer (state, place in the queue,
+        estimated wait) goes to the state file, which the kernel's hook prints, and to the
+        board, which JupyterLab's status bar shows. A broker that cannot answer is asked
+        again with backoff, up to a renewal interval apart, as renewals do."""
+        started = time.monotonic()
+        retry = RESUME_RETRY
+        while True:
+            lease = self.lease
+            if lease is None:
+                return
+            long_poll = self._ask.long_poll if self._ask is not None else 30.0
+            asked = time.monotonic()
+            try:
+                answer = await self.clients.get(renewal=True).leases.resume(
+                    lease.id, wait=long_poll
+                )
+            except GPULeaseError as exc:
+                if not self._holds(lease):
+                    return
+                if isinstance(exc, (LeaseGone, LeaseNotFound)):
+                    state = "expired" if isinstance(exc, (LeaseExpired, LeaseNotFound)) else None
+                    await self._lost(
+                        state or str(exc.details.get("state") or "revoked"), _parked_reason(exc)
+                    )
+                    return
+                self.log.warning(
+                    "Could not resume GPU lease %s of kernel %s; asking again in %g s: %s",
+                    lease.short_id,
+                    self._kernel_id,
+                    retry,
+                    exc,
+                )
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, max(RESUME_RETRY, self.interval()))
+                continue
+            retry = RESUME_RETRY
+            if not self._holds(lease):
+                return  # ended meanwhile
+            fresh, progress = _resume_answer(answer, lease)
+            if fresh.id != lease.id:
+                return
+            self.resume_progress = progress
+            self._hold(fresh)
+            if not fresh.parked:
+                state_file.resume_done()
+                self.log.info(
+                    "GPU lease %s of kernel %s is active again: resumed in %.1f s.",
+                    fresh.short_id,
+                    self._kernel_id,
+                    time.monotonic() - started,
+                )
+                return
+            self.log.debug(
+                "GPU lease %s of kernel %s: %s, position %s",
+                fresh.short_id,
+                self._kernel_id,
+                fresh.state,
+                (progress or {}).get("position"),
+            )
+            pause = MIN_RESUME_PERIOD - (time.monotonic() - asked)
+            if pause > 0:
+                await asyncio.sleep(pause)
 
     # -- stop waiting ----------------------------------------------------------------------
     async def stop_waiting(self) -> bool:
@@ -469,7 +608,24 @@ class LeaseKeeper:
     def _show(self, lease: GrantedLease) -> None:
         if self.board is not None:
             fraction = self._ask.fraction if self._ask is not None else 0.0
-            self.board.active(self._kernel_id, fraction, dict(lease.raw))
+            if lease.parked:
+                progress = self.resume_progress or {}
+                self.board.parked(
+                    self._kernel_id,
+                    fraction,
+                    dict(lease.raw),
+                    state=lease.state,
+                    position=progress.get("position"),
+                    waiting=progress.get("queue_length"),
+                    eta_seconds=progress.get("eta_seconds"),
+                )
+            else:
+                self.board.active(self._kernel_id, fraction, dict(lease.raw))
+
+    def _holds(self, lease: GrantedLease) -> bool:
+        """Whether ``lease`` is still the one held (its object may have been replaced by a
+        fresher answer: renewals and the resume loop both update it)."""
+        return self.lease is not None and self.lease.id == lease.id
 
     @property
     def _kernel_id(self) -> str:
@@ -480,12 +636,60 @@ class LeaseKeeper:
     ) -> None:
         if self.state_file is not None:
             fraction = self._ask.fraction if self._ask is not None else 0.0
-            self.state_file.write(lease, fraction=fraction, state=state, reason=reason)
+            progress = (self.resume_progress or {}) if lease.parked and state is None else {}
+            self.state_file.write(
+                lease,
+                fraction=fraction,
+                state=state,
+                reason=reason,
+                position=progress.get("position"),
+                eta_seconds=progress.get("eta_seconds"),
+            )
 
 
 def _reason(exc: GPULeaseError) -> str:
     reason = exc.details.get("reason")
     return str(reason) if reason else exc.message.rstrip(".")
+
+
+def _parked_reason(exc: GPULeaseError) -> str:
+    """Why a parked kernel is shut down: the broker's reason, and that its memory is lost."""
+    return (
+        f"{_reason(exc)}; this kernel's GPU memory was parked, and with the lease gone it "
+        "cannot be restored. Start the kernel again and re-run your notebook"
+    )
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _resume_answer(
+    answer: dict[str, Any], held: GrantedLease
+) -> tuple[GrantedLease, dict[str, Any] | None]:
+    """The broker's answer to a resume: the lease (200), or the 202 body's lease in the
+    body's ``state`` with its ``position``/``eta_seconds``. A body without a usable lease
+    object keeps ``held`` in the body's state."""
+    state = answer.get("state")
+    if isinstance(answer.get("lease"), dict) and state in PARK_STATES:
+        try:
+            fresh = GrantedLease.from_json(answer["lease"])
+        except GPULeaseError:
+            fresh = held
+        position, eta = answer.get("position"), answer.get("eta_seconds")
+        length = answer.get("queue_length")
+        progress = {
+            "position": _count(position),
+            "eta_seconds": eta
+            if isinstance(eta, (int, float)) and not isinstance(eta, bool) and eta >= 0
+            else None,
+            "queue_length": _count(length),
+        }
+        return replace(fresh, state=str(state)), progress
+    try:
+        return GrantedLease.from_json(answer), None
+    except GPULeaseError:
+        return replace(held, state=str(state) if isinstance(state, str) else held.state), None
 
 
 __all__ = ["KernelHandle", "KernelReport", "LeaseAsk", "LeaseKeeper"]

@@ -3,7 +3,10 @@
 The provisioner passes its path to the kernel as ``GPU_LEASE_STATE_FILE``; the lease
 keeper rewrites it at each renewal and when the broker ends the lease, so ``%gpu`` shows
 the state, the expiry and the reason (``startup/gpu_lease_magic.py`` reads ``state``,
-``expires_at`` and ``reason``). It lives next to the connection file, in the server's
+``expires_at`` and ``reason``; while the lease is parked, ``parked_at`` and, while a
+resume waits, ``position`` and ``eta_seconds``: the magic's ``pre_run_cell`` hook waits
+on them). Beside it, ``<path>.resume`` (:attr:`StateFile.resume_flag`) is the kernel's
+way to ask for its parked GPU memory back: the hook creates it, the keeper deletes it. It lives next to the connection file, in the server's
 private runtime folder, mode 0600, and goes when the lease is released, except when the
 broker ended the lease: then the reason stays readable after the kernel is gone.
 Errors are logged, never raised: ``%gpu`` is a convenience, the kernel is not.
@@ -52,10 +55,14 @@ class StateFile:
         fraction: float,
         state: str | None = None,
         reason: str | None = None,
+        position: int | None = None,
+        eta_seconds: float | None = None,
     ) -> None:
         """Write ``lease``'s state atomically (``state``/``reason`` override the lease's).
 
         ``fraction`` is what was asked for, written when the broker's lease omits it.
+        ``position``/``eta_seconds``: a parked lease's place in the queue while its resume
+        waits (the broker's latest 202 answer to the keeper's resume call).
         """
         data = {
             "state": state or lease.state,
@@ -72,6 +79,9 @@ class StateFile:
             "mps": lease.raw.get("mps"),
             "mps_server_uid": lease.raw.get("mps_server_uid"),
             "used_mb": lease.raw.get("used_mb"),
+            "parked_at": lease.parked_at,
+            "position": position,
+            "eta_seconds": eta_seconds,
             "updated_at": time.time(),
         }
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -83,8 +93,24 @@ class StateFile:
         except OSError as exc:
             self.log.warning("Could not write the GPU lease state file %s: %s", self.path, exc)
 
+    @property
+    def resume_flag(self) -> str:
+        """``<path>.resume``: created by the kernel's ``pre_run_cell`` hook when a cell is run
+        while the lease is parked (the kernel runs as the user, in the same 0700 folder)."""
+        return f"{self.path}.resume"
+
+    def resume_asked(self) -> bool:
+        """Whether the kernel asked for its parked GPU memory back (one ``stat``)."""
+        return os.path.exists(self.resume_flag)
+
+    def resume_done(self) -> None:
+        """The lease is active again (or ended): the request is answered."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.resume_flag)
+
     def remove(self) -> None:
         """Delete the file, unless :attr:`keep` says its reason must stay readable."""
+        self.resume_done()
         if not self.keep:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)

@@ -3,7 +3,8 @@
 Who writes: each :class:`~provisioner.kernel.provisioner.GPULeaseProvisioner`, at the
 moments it learns something anyway -- before it asks the broker (``waiting``), from each
 queued long-poll answer (position, queue length, estimated wait), from the grant and from
-every renewal (``active``), and when the lease ends (``revoked``/``expired`` with the
+every renewal (``active``; ``parking``/``parked``/``resuming`` while the broker has parked
+the kernel's GPU memory, with the place in the queue while its resume waits), and when the lease ends (``revoked``/``expired`` with the
 broker's reason, or ``released``). Nothing here talks to the broker.
 
 Who reads: the jupyter_server extension (:mod:`provisioner.lab`), which answers the
@@ -28,9 +29,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..wire import ENDED_LEASE_STATES, KERNEL_LEASE_STATES
+from .lease import PARK_STATES
 
 #: the states a kernel's GPU lease can be in, as the JupyterLab extension shows them
-STATES = KERNEL_LEASE_STATES
+STATES: tuple[str, ...] = tuple(
+    dict.fromkeys((*KERNEL_LEASE_STATES[:2], *PARK_STATES, *KERNEL_LEASE_STATES[2:]))
+)
 ENDED = ENDED_LEASE_STATES
 
 StopWaiting = Callable[[], Awaitable[bool]]
@@ -74,6 +78,8 @@ class KernelLease:
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.state == "waiting":
             out["waiting_since"] = self.since
+        if self.state in PARK_STATES:
+            out["parked_since"] = self.since
         if self.state in ENDED:
             out["ended_at"] = self.since
         return out
@@ -161,6 +167,40 @@ class LeaseBoard:
             position=None,
             waiting=None,
             eta_seconds=None,
+            reason=None,
+            since=since,
+            updated_at=now,
+        )
+
+    def parked(
+        self,
+        kernel_id: str,
+        fraction: float,
+        lease: dict[str, Any],
+        *,
+        state: str,
+        position: int | None = None,
+        waiting: int | None = None,
+        eta_seconds: float | None = None,
+    ) -> None:
+        """The broker parked the kernel's GPU memory: ``state`` is ``parking``/``parked``, or
+        ``resuming`` once the memory is re-reserved. From each renewal, and from each answer
+        to the keeper's resume call: ``position`` (and ``waiting``, the queue's length, and
+        ``eta_seconds``) while the resume waits in the queue."""
+        now = self.clock()
+        old = self.live.get(kernel_id)
+        self._stoppers.pop(kernel_id, None)
+        self.ended.pop(kernel_id, None)
+        since = old.since if old is not None and old.state in PARK_STATES else now
+        base = old or KernelLease(kernel_id, state, fraction)
+        self.live[kernel_id] = replace(
+            base,
+            state=state,
+            fraction=float(lease.get("fraction") or fraction),
+            lease=dict(lease),
+            position=position,
+            waiting=waiting if position is not None else None,
+            eta_seconds=_seconds(eta_seconds),
             reason=None,
             since=since,
             updated_at=now,
@@ -260,4 +300,4 @@ def _seconds(value: Any) -> float | None:
     return None
 
 
-__all__ = ["ENDED", "STATES", "KernelLease", "LeaseBoard", "board_for"]
+__all__ = ["ENDED", "PARK_STATES", "STATES", "KernelLease", "LeaseBoard", "board_for"]

@@ -25,7 +25,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..client import BrokerClient, broker_env
 from ..errors import GPULeaseError
-from ..kernel.status import LeaseBoard, board_for
+from ..kernel.status import ENDED, LeaseBoard, board_for
 
 
 class GPULeaseLab(LoggingConfigurable):
@@ -78,7 +78,7 @@ class GPULeaseLab(LoggingConfigurable):
             self._maybe_refresh_queue(board)
         out = []
         for record in board.snapshot():
-            if record.state in ("waiting", "active") and record.kernel_id not in known:
+            if record.state not in ENDED and record.kernel_id not in known:
                 continue  # its manager is gone without a word (never seen; defensive)
             item = record.to_json()
             path = self._paths.get(record.kernel_id) or self._api_path(record.session_path)
