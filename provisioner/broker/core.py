@@ -450,7 +450,8 @@ class ServiceCore:
         """(writer's thread) The database's active leases on ``pool`` and its queue.
 
         Leases on GPUs not in the pool are revoked; queued requests whose kernel holds an
-        active lease were served (by another writer) and are dropped.
+        active lease were served (by another writer) and are dropped, and so are resume
+        requests whose parked lease is no longer parked; a parked lease's resume request stays.
         """
         leases, queue = self.store.load_active()
         known = {g.uuid for g in pool}
@@ -460,12 +461,23 @@ class ServiceCore:
                 [(x.id, "revoked", now, "its GPU is no longer in the pool") for x in orphans]
             )
             log.warning("Revoked %d lease(s) on GPUs no longer in the pool", len(orphans))
-        held = {x.user_kernel for x in leases}
-        served = [r for r in queue if r.key in held]
+        # a parked lease's kernel waits for its resume: its request (``resume_of``) stays
+        held = {x.user_kernel for x in leases if x.park != "parked"}
+        parked = {x.id for x in leases if x.park == "parked" and x.gpu_uuid in known}
+        served = [
+            r
+            for r in queue
+            if r.key in held or (r.resume_of is not None and r.resume_of not in parked)
+        ]
         if served:
             self.store.delete_requests([r.id for r in served], outcome="dropped", at=now)
-            log.warning("Dropped %d queued request(s) whose kernel holds a lease", len(served))
-        return [x for x in leases if x.gpu_uuid in known], [r for r in queue if r.key not in held]
+            log.warning(
+                "Dropped %d queued request(s) whose kernel holds a lease (or whose parked "
+                "lease is gone)",
+                len(served),
+            )
+        gone = {r.id for r in served}
+        return [x for x in leases if x.gpu_uuid in known], [r for r in queue if r.id not in gone]
 
     def _install(
         self,

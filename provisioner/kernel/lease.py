@@ -24,10 +24,10 @@ from typing import Any
 
 from ..errors import InvalidRequest
 
-#: a parked lease's wire states (the same as ``wire.PARK_STATES`` of the broker): the lease
-#: lives on, its GPU memory is being parked, is in host RAM, or is being restored. Never
-#: an end: the keeper keeps renewing, and a cell run in the kernel asks for the resume.
-PARK_STATES: tuple[str, ...] = ("parking", "parked", "resuming")
+# a parked lease's wire states: the lease lives on, its GPU memory is being parked, is in
+# host RAM, or is being restored. Never an end: the keeper keeps renewing, and a cell run in
+# the kernel asks for the resume.
+from ..wire import PARK_STATES as PARK_STATES
 
 
 @dataclass(frozen=True)
