@@ -124,6 +124,12 @@ def test_agent_tokens_may_call_only_their_own_node(nb: NodeBroker) -> None:
         # another node's name, another node's GPU
         assert register(a, "gpu-b", gpus_of("gpu-b")).status_code == 403
         assert register(b, "gpu-b", gpus_of("gpu-a")).status_code == 403
+        # a GPU the broker's --gpus declares (on node 'local'), even by an agent of that name
+        declared = [g for g in pool(u).values() if g["uuid"] in _declared(u)][0]
+        mine = [{k: declared[k] for k in ("uuid", "name", "memory_mb")} | {"index": 99}]
+        r = register(a, "gpu-a", gpus_of("gpu-a") + mine)
+        assert r.status_code == 403, r.text
+        assert "declared by the broker's --gpus" in r.json()["message"], r.text
         assert a.delete("/nodes/gpu-b").status_code == 403
         assert a.post("/nodes/gpu-b/heartbeat", json={"usage": []}).status_code == 403
         # a user may not register or drain nodes

@@ -74,11 +74,21 @@ class NodeService:
         await self.core.ready()
         self._check_node_caller(ident, name)
         now = self.core.clock()
-        owners = {g.uuid: g.node for g in self.core.declared}
+        declared = {g.uuid: g.node for g in self.core.declared}
+        owners = dict(declared)
         for other in self.core.nodes.values():
             if other.name != name:
                 owners.update((g.uuid, other.name) for g in other.gpus)
         for g in gpus:
+            if g.uuid in declared:
+                # declared with the broker's --gpus: an agent cannot take it over, even on
+                # the node it was declared on (a name match would read "node 'a', not 'a'")
+                raise Forbidden(
+                    f"GPU {g.uuid} is declared by the broker's --gpus (on node "
+                    f"{declared[g.uuid]!r}), so no agent may register it; drop it from the "
+                    "broker's --gpus to let this node's agent report it.",
+                    gpu_uuid=g.uuid,
+                )
             if g.uuid in owners:
                 raise Forbidden(
                     f"GPU {g.uuid} belongs to node {owners[g.uuid]!r}, not {name!r}; an agent "
