@@ -209,6 +209,22 @@ def _always_serving() -> None:
     """The gate of a broker without ``--ha-lock``: it may always answer."""
 
 
+class NotParked(str):
+    """Why an idle lease is revoked rather than parked (``ServiceCore.park_check``).
+
+    ``tell_student``: the node parks kernels but could not park this one now (its agent
+    lost, too little host memory), which the student's revoke reason says; where parking
+    is not offered at all (turned off, no agent, no checkpoint API) only the log says why.
+    """
+
+    tell_student: bool
+
+    def __new__(cls, text: str, *, tell_student: bool = False) -> NotParked:
+        self = super().__new__(cls, text)
+        self.tell_student = tell_student
+        return self
+
+
 class ServiceCore:
     """The state every service shares, and the one way to change it (``commit``).
 
@@ -591,7 +607,7 @@ class ServiceCore:
         gpu = self.state.gpus.get(lease.gpu_uuid)
         return reserved_mb(lease.fraction_ppm, gpu.memory_mb) if gpu is not None else 0
 
-    def park_check(self, now: float) -> Callable[[Lease], str | None]:
+    def park_check(self, now: float) -> Callable[[Lease], NotParked | None]:
         """The reaper's ``can_park`` for one pass (``LeaseService.tick``): None when the
         lease may be parked instead of revoked, else why not (the revoke reason says it).
 
@@ -607,29 +623,35 @@ class ServiceCore:
                 if node is not None:
                     taken[node.name] = taken.get(node.name, 0) + self.park_need_mb(lease)
 
-        def can_park(lease: Lease) -> str | None:
+        def can_park(lease: Lease) -> NotParked | None:
             if not self.park.idle:
-                return "parking is turned off on this broker"
+                return NotParked("parking is turned off on this broker")
             node = self.node_of(lease.gpu_uuid)
             if node is None:
-                return "no node agent reports its GPU"
+                return NotParked("no node agent reports its GPU")
+            info = self.node_parking.get(node.name)
+            if info is None:
+                return NotParked(
+                    f"node {node.name}'s agent has not said since this broker started "
+                    "whether it can park kernels"
+                )
+            if not info.checkpoint:
+                return NotParked(f"the CUDA driver on node {node.name} offers no checkpoint API")
             state = node_rules.node_state(node, now, self.policy)
             if state != "up":
-                return f"node {node.name}'s agent is {state}"
-            info = self.node_parking.get(node.name)
-            if info is None or not info.checkpoint:
-                return f"the CUDA driver on node {node.name} offers no checkpoint API"
+                return NotParked(f"node {node.name}'s agent is {state}", tell_student=True)
             if info.host_memory_available_mb is None:
-                return f"node {node.name}'s agent did not report its host memory"
+                return NotParked(f"node {node.name}'s agent did not report its host memory")
             need = self.park_need_mb(lease)
             already = taken.get(node.name, 0)
             room = info.host_memory_available_mb - self.park.host_reserve_mb - already
             if room < need:
-                return (
+                return NotParked(
                     f"node {node.name} has too little free host memory to hold its "
                     f"{need} MiB of GPU memory ({info.host_memory_available_mb} MiB "
                     f"available, {self.park.host_reserve_mb} MiB kept in reserve, "
-                    f"{already} MiB taken by kernels parking there)"
+                    f"{already} MiB taken by kernels parking there)",
+                    tell_student=True,
                 )
             taken[node.name] = already + need
             return None

@@ -492,9 +492,12 @@ class LeaseService:
 
         def can_park(lease: Lease) -> str | None:
             why = check(lease)
-            if why is not None:
-                refused[lease.id] = why
-            return why
+            if why is None:
+                return None
+            refused[lease.id] = why
+            # the student reads why only where the node parks kernels (checkpoint API on)
+            # and could not this time; where it never does, the reason stays today's
+            return why if why.tell_student else ""
 
         reaped = scheduling.reap(
             self.core.state,

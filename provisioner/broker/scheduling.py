@@ -881,7 +881,10 @@ def reap(
             changes.parks.append(fresh)
             parking.append(fresh)
         else:
-            revoked.append((victim, "revoked", f"{why}; it could not be parked: {refusal}"))
+            # an empty refusal: parking is not offered there at all, so the student's reason
+            # stays today's (an admin's log says why; see LeaseService._reap)
+            said = f"{why}; it could not be parked: {refusal}" if refusal else why
+            revoked.append((victim, "revoked", said))
     if revoked:
         changes.extend(end(state, revoked, now, policy, drain_queue=False))
     if drain_queue:
