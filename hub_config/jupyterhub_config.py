@@ -300,6 +300,10 @@ if env("GPU_LEASE_HTTP_PROCESSES"):  # HTTP in front processes (docs/admins.md, 
     broker_cmd += ["--http-processes", str(int(env("GPU_LEASE_HTTP_PROCESSES", "")))]
 if env("GPU_LEASE_NODE_GRACE"):  # seconds a node agent may be silent before its node is lost
     broker_cmd.append(f"--GPULeaseBroker.node_grace={float(env('GPU_LEASE_NODE_GRACE', ''))}")
+if env("GPU_LEASE_IDLE_RECLAIM_AFTER"):  # seconds idle before a kernel is parked/reclaimed
+    broker_cmd.append(
+        f"--GPULeaseBroker.idle_reclaim_after={float(env('GPU_LEASE_IDLE_RECLAIM_AFTER', ''))}"
+    )
 if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)
     broker_cmd += ["--tokens-file", str(Path(env("GPU_LEASE_AGENT_TOKENS")).resolve())]
 broker_service: dict[str, Any] = {"cwd": str(STATE)}

@@ -27,8 +27,9 @@ host RAM while others wait. Renewals go on (``parking``/``parked``/``resuming`` 
 ends) and write the wire state to the state file. While the lease is parked the keeper
 looks for ``<state file>.resume`` every ``RESUME_WATCH_INTERVAL`` seconds (one ``stat``):
 the kernel's ``pre_run_cell`` hook (``startup/gpu_lease_magic.py``) creates it when a cell
-is run. Then the keeper calls ``client.leases.resume`` (long-polls of ``long_poll`` s) until
-the lease is active, writing the place in the queue to the state file and the board after
+is run. Then the keeper calls ``client.leases.resume`` (first at once, for the resume's place
+in the queue; then long-polls of ``RESUME_LONG_POLL`` s at most) until the lease is active,
+writing the place in the queue to the state file and the board after
 each answer, and deletes the ``.resume`` file; a lease that ended meanwhile is handled as a
 revoke (the reason shown, the kernel shut down).
 
@@ -69,6 +70,9 @@ RESUME_WATCH_INTERVAL = 0.25
 RESUME_RETRY = 0.5
 #: never ask for a resume more often than this (s), whatever the broker's long-poll does
 MIN_RESUME_PERIOD = 0.5
+#: the longest one resume call long-polls (s), ``long_poll`` permitting: each answer carries
+#: the resume's place in the queue, which the waiting cell prints and the status bar shows
+RESUME_LONG_POLL = 5.0
 
 
 @dataclass(frozen=True)
@@ -509,16 +513,16 @@ class LeaseKeeper:
         again with backoff, up to a renewal interval apart, as renewals do."""
         started = time.monotonic()
         retry = RESUME_RETRY
+        # The first call does not long-poll: it queues the resume and answers its place at
+        # once (a long-poll would tell the cell and the status bar nothing for its length).
+        wait = 0.0
         while True:
             lease = self.lease
             if lease is None:
                 return
-            long_poll = self._ask.long_poll if self._ask is not None else 30.0
             asked = time.monotonic()
             try:
-                answer = await self.clients.get(renewal=True).leases.resume(
-                    lease.id, wait=long_poll
-                )
+                answer = await self.clients.get(renewal=True).leases.resume(lease.id, wait=wait)
             except GPULeaseError as exc:
                 if not self._holds(lease):
                     return
@@ -539,6 +543,8 @@ class LeaseKeeper:
                 retry = min(retry * 2, max(RESUME_RETRY, self.interval()))
                 continue
             retry = RESUME_RETRY
+            long_poll = self._ask.long_poll if self._ask is not None else 30.0
+            wait = min(long_poll, RESUME_LONG_POLL)
             if not self._holds(lease):
                 return  # ended meanwhile
             fresh, progress = _resume_answer(answer, lease)
