@@ -78,6 +78,8 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("DELETE", "/api/v1/leases/{lease_id}"): tuple(204 if s == 200 else s for s in LEASE_OWNER),
     ("POST", "/api/v1/leases/{lease_id}/renew"): LEASE_OWNER,
     ("POST", "/api/v1/leases/{lease_id}/revoke"): ADMIN_ONLY,
+    # resuming a lease that is not parked: 200 at once for its owner (and an admin)
+    ("POST", "/api/v1/leases/{lease_id}/resume"): LEASE_OWNER,
     ("GET", "/api/v1/queue"): USERS_200,
     ("GET", "/api/v1/quotas"): ADMIN_ONLY,
     ("GET", "/api/v1/quotas/me"): USERS_200,
@@ -113,6 +115,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/api/v1/leases"): "acquire",
     ("POST", "/api/v1/leases/{lease_id}/renew"): {"execution_state": "idle"},
     ("POST", "/api/v1/leases/{lease_id}/revoke"): {"reason": "authorization test"},
+    ("POST", "/api/v1/leases/{lease_id}/resume"): {},
     ("PUT", "/api/v1/quotas/default"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/users/{name}"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/groups/{name}"): {"max_leases": 100},
