@@ -429,6 +429,7 @@ async def test_a_parked_kernel_survives_a_broker_failover(
                         assert lease["state"] == "parked", lease
                         assert lease["parked_at"] == parked_at
                         assert await rig.allocated() == FRACTION  # bob's share only
+                        assert "1 active lease(s), 1 parked" in standby.log(), standby.log()
                         await rig.release_bob(bobs)
                         await rig.resumed(km, p, {})
                         # the agent's orders and outcomes went to the new broker
