@@ -107,9 +107,11 @@ class BrokerService:
         self.core.last_tick = now
         self.core.drain_before_serving(now)
         log.info(
-            "Broker state loaded: %d GPU(s), %d active lease(s) (%d given a TTL of grace), %d waiting",
+            "Broker state loaded: %d GPU(s), %d active lease(s), %d parked (%d given a TTL "
+            "of grace), %d waiting",
             len(self.core.state.gpus),
             len(self.core.state.leases),
+            len(self.core.state.parked),  # held, but holding no GPU memory: not "active"
             grace,
             len(self.core.state.queue),
         )
