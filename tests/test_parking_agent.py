@@ -229,7 +229,10 @@ async def test_a_failed_checkpoint_is_reported_and_the_kernel_runs_on(
     finally:
         await parker.close()
     assert failed["outcome"] == "failed"
-    assert "cuCheckpointProcessCheckpoint failed" in failed["message"], failed
+    said = failed["message"]
+    assert said.startswith("cuCheckpointProcessCheckpoint of process"), failed
+    assert said.count("cuCheckpointProcessCheckpoint") == 1, failed  # named once
+    assert "now LOCKED" not in said and "was unlocked" in said, failed  # no stale state
     assert "CUDA_ERROR_UNKNOWN" in failed["message"]
     assert state(node, kernel.pid) is state(node, kernel.child) is ProcessState.RUNNING
     assert node.calls()[-1].startswith("cuCheckpointProcessUnlock")

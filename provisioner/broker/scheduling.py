@@ -927,7 +927,7 @@ def park_failed(state: PoolState, lease_id: str, why: str, now: float, policy: P
     lease = state.leases.get(lease_id)
     if lease is None or lease.park != "parking":
         return Changes(now)
-    reason = f"{idle_reason(policy)}; parking failed: {why}"
+    reason = f"{idle_reason(policy)}; parking failed: {why.rstrip('.')}"
     return end(state, [(lease, "revoked", reason)], now, policy)
 
 
@@ -1036,7 +1036,7 @@ def resume_failed(state: PoolState, lease_id: str, why: str, now: float, policy:
     lease = state.leases.get(lease_id)
     if lease is None or lease.park != "resuming":
         return Changes(now)
-    return end(state, [(lease, "revoked", RESTORE_FAILED + why)], now, policy)
+    return end(state, [(lease, "revoked", RESTORE_FAILED + why.rstrip("."))], now, policy)
 
 
 # -- accounting -------------------------------------------------------------------

@@ -365,7 +365,12 @@ class Parker:
                 self._undo(handle, done)
                 log.warning("Parking lease %s failed: %s", lease, exc)
                 return self._outcome(
-                    order, "failed", f"{exc.step} failed: {exc}", pids=[pid], mb=need
+                    order,
+                    "failed",
+                    f"{_step_failed(exc)}; the process was unlocked and runs on with its GPU "
+                    "memory.",
+                    pids=[pid],
+                    mb=need,
                 )
             done.append(pid)
         seconds = time.perf_counter() - started
@@ -450,7 +455,7 @@ class Parker:
                 handle.resume(pid)
             except CheckpointFailed as exc:
                 log.warning("Resuming lease %s failed: %s", lease, exc)
-                return self._outcome(order, "failed", f"{exc.step} failed: {exc}", pids=[pid])
+                return self._outcome(order, "failed", f"{_step_failed(exc)}.", pids=[pid])
         seconds = time.perf_counter() - started
         pids = sorted(parked + locked)
         try:
@@ -476,3 +481,10 @@ __all__ = [
     "host_memory_available_mb",
     "host_pid",
 ]
+
+
+def _step_failed(exc: CheckpointFailed) -> str:
+    """``exc`` as one clause that names its step once and no state the agent has since
+    changed (a failed park is unlocked before it is reported)."""
+    text = str(exc).split(" (the process is now", 1)[0].rstrip(".")
+    return text if text.startswith(exc.step) else f"{exc.step} failed: {text}"
