@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,32 @@ def test_resume_waits_for_the_gpu_then_restores(pb: NodeBroker, scene: Scene) ->
     assert scene.alice.delete(f"/leases/{scene.id}").status_code == 204
     r = scene.alice.post(url, json={})
     assert r.status_code == 410 and r.json()["state"] == "released"
+
+
+def test_a_resume_asked_while_parking_queues_once_the_lease_is_parked(
+    pb: NodeBroker, scene: Scene
+) -> None:
+    """The student runs a cell while the agent is still checkpointing: the long-poll that
+    answered "parking" queues the resume itself as soon as the park is done."""
+    assert scene.bob_asks().status_code == 202
+    scene.wait_state("parking")
+    url = f"/leases/{scene.id}/resume"
+    r = scene.alice.post(url, json={})
+    assert r.status_code == 202 and r.json()["state"] == "parking", r.text
+    assert r.json()["position"] is None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, pb.http("alice") as poller:
+        waiting = pool.submit(lambda: poller.post(url, json={"wait": 3}))
+        # nothing outside the broker shows a long-poll in flight: give it a moment to
+        # arrive first (were it late, the test would still pass, through the plain path)
+        time.sleep(0.5)
+        assert scene.outcome("park", "done", pids=[4243], mb=900)["orders"] == []
+        # bob's waiting request gets the GPU; alice's resume waits behind nobody else
+        assert scene.bob_asks().status_code == 200
+        r = waiting.result(timeout=20)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["state"] == "parked" and body["position"] == 1, body
+    assert lease_of(scene.alice, scene.id)["resume"]["position"] == 1
 
 
 def test_a_failed_resume_revokes(scene: Scene) -> None:

@@ -267,6 +267,7 @@ class LeaseService:
         waiter.count += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
+        queued = False  # the resume request queued by this poll (at most once)
         try:
             while True:
                 self.core.check_serving()
@@ -274,6 +275,16 @@ class LeaseService:
                 if lease is None or lease.park is None:  # ended (410) or active (200)
                     await self.core.writer.barrier()
                     return await self.core.mutate(lambda: self._resume_once(ident, lease_id))
+                req = self.core.state.queue.get(lease.user_kernel)
+                if (
+                    not queued
+                    and lease.park == "parked"
+                    and (req is None or req.resume_of != lease_id)
+                ):
+                    # asked while it was still parking: now it is parked, queue the resume
+                    queued = True
+                    await self.core.mutate(lambda: self._resume_once(ident, lease_id))
+                    continue
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     await self.core.writer.barrier()
