@@ -92,6 +92,10 @@ def fuzz(broker: Broker, schema: Any, user: str, seen: list[str]) -> list[str]:
                 # hold this one back: which are left depends on the generated examples
                 for waiting in c.get("/queue").json()["queue"]:
                     c.delete(f"/leases/{waiting['id']}")
+                # and the leases earlier operations were given: the student's quota counts them
+                for held in c.get("/leases").json()["leases"]:
+                    if held["kernel_id"].startswith("fuzz-"):
+                        c.delete(f"/leases/{held['id']}")
                 r = c.post(
                     "/leases", json={"kernel_id": f"fuzz-{operation.label}", "fraction": 0.05}
                 )
