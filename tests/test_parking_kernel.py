@@ -5,9 +5,9 @@
   lines it prints, the ``.resume`` request it makes, an interrupt, an ended lease, and its
   cost when the kernel is not parked; also inside a real IPython shell;
 - the lease keeper's parking branch (renewals of a parked lease, the ``.resume`` watcher,
-  the resume loop, the state file and the board) through the real client against a real
-  broker (slow), whose node agent, other user and admin are played over REST as in
-  ``test_parking_broker.py``;
+  resuming a busy kernel that has no cell hook, the resume loop, the state file and the
+  board) through the real client against a real broker (slow), whose node agent, other
+  user and admin are played over REST as in ``test_parking_broker.py``;
 - end to end (slow; runs once the broker has parking): a real ipykernel kernel launched by
   our provisioner is parked by a real broker, and ``print(x)`` resumes it and prints 41.
 """
@@ -556,6 +556,61 @@ async def test_keeper_shuts_a_parked_kernel_down_when_its_resume_finds_the_lease
     assert (await park.lease(lease.id))["state"] == "revoked"
     assert await park.queue() == []  # the revoke dropped the resume request
     os.unlink(state_file.path)  # kept for the reason: the test's to clean
+
+
+@pytest.mark.slow
+async def test_a_kernel_without_the_gpu_hook_is_resumed_when_it_is_busy(
+    pb: NodeBroker, park: Park, tmp_path: Path
+) -> None:
+    """``resume_when_busy`` (the provisioner sets it for kernels without ``%gpu``: R,
+    Julia...): a busy parked kernel is resumed with no ``.resume`` flag; without it (an
+    IPython kernel, whose completions make it briefly busy) busy alone resumes nothing."""
+    keeper, kernel, state_file = keeper_for(pb, tmp_path)
+    lease = await keeper.acquire(ASK)
+    keeper.start_renewing()
+    try:
+        bob = await park.bob_takes_the_gpu()
+        await parked(keeper, state_file)
+        assert keeper.resume_when_busy is False  # the default
+        kernel.execution_state = "busy"
+        await wait_for_async(
+            lambda: _busy(park, lease.id), timeout=10, what="a renewal to say busy"
+        )
+        await park.renewals_go_on(lease.id)
+        await park.no_resume_asked(lease.id)
+
+        keeper.resume_when_busy = True
+        kernel.execution_state = "idle"
+        await wait_for_async(
+            lambda: _busy(park, lease.id, "idle"), timeout=10, what="a renewal to say idle"
+        )
+        await park.renewals_go_on(lease.id)
+        await park.no_resume_asked(lease.id)  # idle: nothing to resume for
+
+        kernel.execution_state = "busy"  # a cell runs (and would block in CUDA)
+        await wait_for_async(
+            lambda: state_of(state_file).get("position") == 1,
+            timeout=10,
+            what="the resume to wait behind bob",
+        )
+        assert (await park.lease(lease.id))["resume"]["position"] == 1
+        await park.bob_leaves(bob)
+        await wait_for_async(
+            lambda: state_of(state_file).get("state") == "active",
+            timeout=10,
+            what="the lease to be active again",
+        )
+        assert not exists(state_file.resume_flag)  # nobody made one: the keeper resumed
+        assert (await park.lease(lease.id))["state"] == "active"
+        record = keeper.board.get("k1") if keeper.board else None
+        assert record is not None and record.state == "active"
+        assert not kernel.shut_down
+    finally:
+        await keeper.end("the test ended")
+
+
+async def _busy(park: Park, lease_id: str, state: str = "busy") -> bool:
+    return (await park.lease(lease_id)).get("execution_state") == state
 
 
 # -- end to end: a real broker parks a real kernel -----------------------------------------
