@@ -486,6 +486,8 @@ async def test_keeper_renews_a_parked_lease_and_resumes_when_the_kernel_asks(
         await park.carry_out("resume")
         await trail.reach("active")
         assert trail.states() == ["parked", "resuming", "active"], trail.seen
+        # resuming has no place in the queue any more (the cell says "restoring…")
+        assert [p for s, p in trail.seen if s == "resuming"] == [None], trail.seen
         assert trail.seen[-1] == ("active", None)
         await wait_for_async(
             lambda: not exists(state_file.resume_flag), timeout=5, what="the .resume flag to go"

@@ -329,9 +329,11 @@ class LeaseKeeper:
 
     def _hold(self, fresh: GrantedLease) -> None:
         """The broker's latest word on the lease held: keep it, write the state file, show
-        it; a parked lease's watcher starts (once) and an active one forgets its resume."""
+        it; a parked lease's watcher starts (once). Only a ``parked`` lease has a place in
+        the queue: a ``resuming`` one (its memory re-reserved, the restore ordered; a renewal
+        may say so before the resume's long-poll does) and an active one forget it."""
         self.lease = fresh
-        if not fresh.parked:
+        if fresh.state != "parked":
             self.resume_progress = None
         self._write_state(fresh)
         self._show(fresh)
