@@ -5,9 +5,9 @@
   lines it prints, the ``.resume`` request it makes, an interrupt, an ended lease, and its
   cost when the kernel is not parked; also inside a real IPython shell;
 - the lease keeper's parking branch (renewals of a parked lease, the ``.resume`` watcher,
-  the resume loop, the state file and the board) over real HTTP, through the real client,
-  against a stand-in of the broker's resume wire (PARKING.md "Resume"): the broker's
-  parking is built beside this branch;
+  resuming a busy kernel that has no cell hook, the resume loop, the state file and the
+  board) through the real client against a real broker (slow), whose node agent, other
+  user and admin are played over REST as in ``test_parking_broker.py``;
 - end to end (slow; runs once the broker has parking): a real ipykernel kernel launched by
   our provisioner is parked by a real broker, and ``print(x)`` resumes it and prints 41.
 """
@@ -22,8 +22,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,12 @@ import pytest
 from provisioner import wire
 from provisioner.devtools.testing import execute, wait_for_async
 from provisioner.kernel.broker_clients import BrokerClients
-from provisioner.kernel.lease import GrantedLease
 from provisioner.kernel.lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from provisioner.kernel.state_file import StateFile
 from provisioner.kernel.status import LeaseBoard
 
 from .test_launcher import load_startup
+from .test_nodes import NodeBroker, gpus_of, register
 
 UUID = "GPU-8f0c1a22-0000-4000-8000-000000000001"
 
@@ -223,84 +222,151 @@ def test_the_hook_in_an_ipython_shell(
         InteractiveShell.clear_instance()
 
 
-# -- the keeper, over HTTP, against a stand-in of the broker's resume wire --------------------
-class StandInBroker:
-    """The lease calls the keeper makes, answered as PARKING.md "Resume" says the broker does:
-    renewals answer the lease in ``state``; resumes answer each of ``resumes`` in turn
-    (status, body) and then 200 with the lease active."""
+# -- the keeper, against a real broker --------------------------------------------------------
+@pytest.fixture
+def broker_db_url(tmp_path: Path) -> str:
+    """SQLite only: the broker's own parking tests cover PostgreSQL."""
+    return f"sqlite:///{tmp_path / 'b.sqlite'}"
 
-    def __init__(self) -> None:
-        self.state = "active"
-        self.resumes: list[tuple[int, dict[str, Any]]] = []
-        self.calls: list[tuple[str, str, dict[str, Any]]] = []
-        stand_in = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
+#: a broker whose pool is the GPUs its agents register, with idle reclaim after 0.5 s
+PARK_ARGS = (
+    "--gpus",
+    "agents",
+    "--GPULeaseBroker.reap_interval=0.2",
+    "--GPULeaseBroker.idle_reclaim_after=0.5",
+)
+GPU_MB = 16384
 
-            def _answer(self, status: int, body: dict[str, Any] | None) -> None:
-                data = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
-            def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}")
-                stand_in.calls.append(("POST", self.path, body))
-                if self.path.endswith("/renew"):
-                    self._answer(200, stand_in.lease())
-                elif self.path.endswith("/resume"):
-                    if stand_in.resumes:
-                        status, answer = stand_in.resumes.pop(0)
-                        if status == 202:
-                            stand_in.state = answer["state"]
-                            answer = {"lease": stand_in.lease(), **answer}
-                        self._answer(status, answer)
-                    else:
-                        stand_in.state = "active"
-                        self._answer(200, stand_in.lease())
-                else:
-                    self._answer(404, {"error": "not_found", "message": "no such call"})
+@pytest.fixture
+def pb(tmp_path: Path, broker_db_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[NodeBroker]:
+    """A real broker whose pool is gpu-a's one GPU, with idle reclaim after half a second and
+    a fast reaper (``tests/test_parking_broker.py``'s); the keeper's token is alice's."""
+    b = NodeBroker(tmp_path, broker_db_url, PARK_ARGS)
+    with b.running(timeout=60):
+        monkeypatch.setenv("GPU_LEASE_TOKEN", b.tokens["alice"])
+        monkeypatch.delenv("GPU_LEASE_TOKEN_FILE", raising=False)
+        yield b
 
-            def do_DELETE(self) -> None:
-                stand_in.calls.append(("DELETE", self.path, {}))
-                self._answer(204, None)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+class Park:
+    """Everyone but the keeper, over REST: gpu-a's node agent (as ``test_parking_broker.py``
+    plays it: its heartbeats say it can checkpoint and has host memory, and report each
+    order it is given as done; the agent itself is tested for real in ``test_parking_agent.py``),
+    bob, who takes the GPU, and an admin. Async clients: the keeper shares the loop."""
 
-    def lease(self) -> dict[str, Any]:
-        now = time.time()
-        return {
-            "id": "lease-park-1",
-            "kernel_id": "k1",
-            "fraction": 0.5,
-            "memory_limit_mb": 15000,
-            "gpu": {"uuid": UUID, "name": "V100", "memory_mb": 32768},
-            "state": self.state,
-            "renewed_at": now,
-            "expires_at": now + 30,
-            "parked_at": None if self.state == "active" else now - 5,
+    def __init__(self, pb: NodeBroker) -> None:
+        self.agent, self.alice, self.bob, self.admin = (
+            pb.client(who) for who in ("agent:gpu-a", "alice", "bob", "admin")
+        )
+
+    async def register(self) -> None:
+        r = await self.agent.put(
+            "/nodes/gpu-a", json={"gpus": gpus_of("gpu-a", 1, GPU_MB), "agent_version": "test"}
+        )
+        assert r.status_code == 200, r.text
+        await self.beat()
+
+    async def beat(self, parking: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "usage": [],
+            "checkpoint": True,
+            "host_memory_available_mb": 100_000,
         }
+        if parking:
+            body["parking"] = parking
+        r = await self.agent.post("/nodes/gpu-a/heartbeat", json=body)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
 
-    def resume_calls(self) -> list[dict[str, Any]]:
-        return [body for method, path, body in self.calls if path.endswith("/resume")]
+    async def carry_out(self, action: str) -> None:
+        """Heartbeats until the broker orders ``action`` (park/resume), then report it done."""
+
+        async def ordered() -> list[dict[str, Any]]:
+            return [o for o in (await self.beat())["orders"] if o["action"] == action]
+
+        orders = await wait_for_async(ordered, timeout=15, what=f"a {action} order")
+        done = [{"lease_id": o["lease_id"], "action": action, "outcome": "done"} for o in orders]
+        assert [o for o in (await self.beat(done))["orders"] if o["action"] == action] == []
+
+    async def bob_takes_the_gpu(self) -> str:
+        """Bob asks for the whole GPU: the broker parks alice's idle lease for him (the agent
+        parks it when ordered) and grants his request; his kernel is busy, so no idle reclaim
+        takes the GPU back from him. His lease's id."""
+        ask = {"kernel_id": "k2", "fraction": 1.0}
+        r = await self.bob.post("/leases", json=ask)
+        assert r.status_code == 202, r.text
+        await self.carry_out("park")
+        r = await self.bob.post("/leases", json=ask)  # the same request, granted now
+        assert r.status_code == 200, r.text
+        bob_id = str(r.json()["id"])
+        r = await self.bob.post(f"/leases/{bob_id}/renew", json={"execution_state": "busy"})
+        assert r.status_code == 200, r.text
+        return bob_id
+
+    async def bob_leaves(self, bob_id: str) -> None:
+        """Bob releases the GPU; the broker grants alice's waiting resume, the agent restores."""
+        assert (await self.bob.delete(f"/leases/{bob_id}")).status_code == 204
+        await self.carry_out("resume")
+
+    async def lease(self, lease_id: str) -> dict[str, Any]:
+        r = await self.alice.get(f"/leases/{lease_id}")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    async def queue(self) -> list[dict[str, Any]]:
+        r = await self.alice.get("/queue")
+        assert r.status_code == 200, r.text
+        return list(r.json()["queue"])
+
+    async def renewals_go_on(self, lease_id: str, seconds: float = 1.0) -> dict[str, Any]:
+        """Wait until the keeper has renewed the lease for ``seconds`` more (4 of its parked
+        watcher's looks a second): the lease then, as the broker has it."""
+        since = (await self.lease(lease_id))["renewed_at"]
+
+        async def renewed() -> dict[str, Any] | None:
+            lease = await self.lease(lease_id)
+            return lease if lease["renewed_at"] >= since + seconds else None
+
+        return dict(await wait_for_async(renewed, timeout=15, what="renewals"))
+
+    async def no_resume_asked(self, lease_id: str) -> None:
+        """The broker saw no resume call: the lease is parked with no resume request."""
+        lease = await self.lease(lease_id)
+        assert lease["state"] == "parked" and "resume" not in lease, lease
+        assert await self.queue() == []
+
+    async def aclose(self) -> None:
+        for c in (self.agent, self.alice, self.bob, self.admin):
+            await c.aclose()
+
+
+@pytest.fixture
+async def park(pb: NodeBroker) -> AsyncIterator[Park]:
+    p = Park(pb)
+    await p.register()
+    yield p
+    await p.aclose()
 
 
 class Kernel:
-    """The keeper's view of its kernel (the provisioner's part of ``KernelHandle``)."""
+    """The keeper's view of its kernel (the provisioner's part of ``KernelHandle``): idle
+    since it was made (the broker's idle reclaim counts from ``last_activity``), until a
+    test says otherwise."""
 
     def __init__(self) -> None:
+        self.execution_state = "idle"
+        self.last_activity = time.time()
         self.shut_down = False
         self.ended = False
 
     def kernel_report(self) -> KernelReport:
-        return KernelReport(pid=os.getpid(), execution_state="idle", last_activity=time.time())
+        return KernelReport(
+            pid=os.getpid(),
+            execution_state=self.execution_state,
+            last_activity=self.last_activity,
+        )
 
     def kernel_exited_for_good(self) -> bool:
         return False
@@ -312,24 +378,16 @@ class Kernel:
         self.ended = True
 
 
-@pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandInBroker]:
-    broker = StandInBroker()
-    monkeypatch.setenv("GPU_LEASE_TOKEN", "tok-alice")
-    monkeypatch.delenv("GPU_LEASE_TOKEN_FILE", raising=False)
-    yield broker
-    broker.server.shutdown()
-    broker.server.server_close()
+#: the whole GPU; long-polls of 2 s (so a resume's state changes reach the state file soon)
+ASK = LeaseAsk(kernel_id="k1", fraction=1.0, long_poll=2.0, renew_interval=0.2)
 
 
-def keeper_for(broker: StandInBroker, tmp_path: Path) -> tuple[LeaseKeeper, Kernel, StateFile]:
+def keeper_for(pb: NodeBroker, tmp_path: Path) -> tuple[LeaseKeeper, Kernel, StateFile]:
     kernel = Kernel()
     log = logging.getLogger("test.parking")
-    keeper = LeaseKeeper(kernel, BrokerClients(lambda: broker.url), log=log)
+    keeper = LeaseKeeper(kernel, BrokerClients(lambda: pb.url), log=log)
     keeper.state_file = StateFile(str(tmp_path / "gpu-lease-k1.json"), kernel_id="k1", log=log)
     keeper.board = LeaseBoard()
-    ask = LeaseAsk(kernel_id="k1", fraction=0.5, long_poll=2.0, renew_interval=0.2)
-    keeper.resume(GrantedLease.from_json(broker.lease()), ask)
     return keeper, kernel, keeper.state_file
 
 
@@ -348,77 +406,216 @@ def state_of(state_file: StateFile) -> dict[str, Any]:
         return {}
 
 
+class Trail:
+    """The state file's successive ``(state, position)``, as read by each :meth:`at`."""
+
+    def __init__(self, state_file: StateFile) -> None:
+        self.state_file = state_file
+        self.seen: list[tuple[Any, Any]] = []
+
+    def at(self, state: str, position: int | None = None) -> bool:
+        """Read the file (noting a change); whether it says ``state`` (at ``position``)."""
+        s = state_of(self.state_file)
+        now = (s.get("state"), s.get("position"))
+        if not self.seen or self.seen[-1] != now:
+            self.seen.append(now)
+        return now[0] == state and (position is None or now[1] == position)
+
+    async def reach(self, state: str, position: int | None = None) -> None:
+        """Wait until the file says ``state`` (at ``position``), noting each change meanwhile."""
+        at = f" at position {position}" if position is not None else ""
+        await wait_for_async(
+            lambda: self.at(state, position),
+            timeout=10,
+            interval=0.005,
+            what=f"the state file to say {state}{at}",
+            detail=lambda: f"it said {self.seen}",
+        )
+
+    def states(self) -> list[Any]:
+        """The states seen, each once in a row."""
+        return [s for i, (s, _) in enumerate(self.seen) if i == 0 or self.seen[i - 1][0] != s]
+
+
+async def parked(keeper: LeaseKeeper, state_file: StateFile) -> None:
+    """Wait until the keeper's renewals found its lease parked; check the state file and
+    the board say so."""
+    await wait_for_async(
+        lambda: state_of(state_file).get("state") == "parked",
+        timeout=15,
+        what="the state file to say parked",
+    )
+    assert keeper.lease is not None and state_of(state_file)["parked_at"] is not None
+    assert keeper.board is not None
+    record = keeper.board.get("k1")
+    assert record is not None and record.state == "parked"
+    assert record.to_json()["state"] == "parked" and "parked_since" in record.to_json()
+
+
+@pytest.mark.slow
 async def test_keeper_renews_a_parked_lease_and_resumes_when_the_kernel_asks(
-    stand_in: StandInBroker, tmp_path: Path
+    pb: NodeBroker, park: Park, tmp_path: Path
 ) -> None:
-    keeper, kernel, state_file = keeper_for(stand_in, tmp_path)
+    keeper, kernel, state_file = keeper_for(pb, tmp_path)
+    lease = await keeper.acquire(ASK)
     keeper.start_renewing()
     try:
-        stand_in.state = "parked"
-        await wait_for_async(lambda: state_of(state_file).get("state") == "parked", timeout=10)
-        assert state_of(state_file)["parked_at"] is not None
+        await wait_for_async(
+            lambda: state_of(state_file).get("state") == "active", what="the first renewal"
+        )
+        bob = await park.bob_takes_the_gpu()
+        await parked(keeper, state_file)
+        # renewals go on; nobody asked: no resume call
+        assert (await park.renewals_go_on(lease.id))["state"] == "parked"
+        await park.no_resume_asked(lease.id)
+        assert not kernel.shut_down and not exists(state_file.resume_flag)
+
+        trail = Trail(state_file)
+        touch(state_file.resume_flag)  # what the kernel's hook does when a cell is run
+        # the resume waits behind bob: its place reaches the state file (the first call
+        # does not long-poll) and the board
+        await trail.reach("parked", 1)
+        assert (await park.lease(lease.id))["resume"]["position"] == 1
+        assert len(await park.queue()) == 1
         record = keeper.board.get("k1") if keeper.board else None
-        assert record is not None and record.state == "parked"
-        assert record.to_json()["state"] == "parked" and "parked_since" in record.to_json()
-        await asyncio.sleep(0.6)  # renewals go on; nobody asked: no resume call
-        assert stand_in.resume_calls() == [] and not kernel.shut_down
-        stand_in.resumes = [
-            (202, {"state": "parked", "position": 2, "eta_seconds": 40, "queue_length": 3}),
-            (202, {"state": "resuming", "position": None, "eta_seconds": None, "queue_length": 2}),
-        ]
-        seen: list[tuple[Any, Any, Any]] = []
-
-        def watch() -> bool:
-            s = state_of(state_file)
-            item = (s.get("state"), s.get("position"), s.get("eta_seconds"))
-            if item not in seen:
-                seen.append(item)
-            return s.get("state") == "active"
-
-        touch(state_file.resume_flag)  # what the kernel's hook does
-        await wait_for_async(watch, timeout=10, interval=0.005)
-        assert ("parked", 2, 40) in seen and seen[-1] == ("active", None, None)
-        # the first call answers the place at once; then long-polls (the keeper's long_poll)
-        assert stand_in.resume_calls()[:2] == [{}, {"wait": 2.0}]
-        await wait_for_async(lambda: not exists(state_file.resume_flag), timeout=5)
+        assert record is not None and (record.state, record.position) == ("parked", 1)
+        assert exists(state_file.resume_flag)  # the cell still waits
+        assert (await park.bob.delete(f"/leases/{bob}")).status_code == 204  # the GPU is free
+        await trail.reach("resuming")
+        assert exists(state_file.resume_flag)  # not active yet: the agent has not restored
+        await park.carry_out("resume")
+        await trail.reach("active")
+        assert trail.states() == ["parked", "resuming", "active"], trail.seen
+        # resuming has no place in the queue any more (the cell says "restoring…")
+        assert [p for s, p in trail.seen if s == "resuming"] == [None], trail.seen
+        assert trail.seen[-1] == ("active", None)
+        await wait_for_async(
+            lambda: not exists(state_file.resume_flag), timeout=5, what="the .resume flag to go"
+        )
         assert keeper.board is not None
         record = keeper.board.get("k1")
         assert record is not None and record.state == "active" and record.position is None
+        now = await park.lease(lease.id)
+        assert now["state"] == "active" and now["parked_at"] is None
         assert not kernel.shut_down and keeper.lease is not None
     finally:
         await keeper.end("the test ended")
 
 
+@pytest.mark.slow
 async def test_keeper_shuts_a_parked_kernel_down_when_its_resume_finds_the_lease_ended(
-    stand_in: StandInBroker, tmp_path: Path
+    pb: NodeBroker, park: Park, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keeper, kernel, state_file = keeper_for(stand_in, tmp_path)
-    stand_in.state = "parked"
-    stand_in.resumes = [
-        (503, {"error": "unavailable", "message": "the broker restarts"}),
-        (410, {"error": "lease_revoked", "message": "revoked", "reason": "an admin ended it"}),
-    ]
-    touch(state_file.resume_flag)
-    keeper.start_renewing()
+    """An admin revokes the lease while its resume waits in the queue (after a broker restart
+    that the resume rides out). No renewal loop here, so that it is the resume's calls that
+    meet both: one renewal tells the broker the kernel is idle, one after the park tells the
+    keeper its lease is parked."""
+    caplog.set_level(logging.INFO, logger="test.parking")
+    keeper, kernel, state_file = keeper_for(pb, tmp_path)
+    lease = await keeper.acquire(ASK)
+    assert await keeper.renew_once()
+    await park.bob_takes_the_gpu()
+    touch(state_file.resume_flag)  # a cell was run
+    assert await keeper.renew_once()  # parked: the watcher starts, finds the flag, resumes
+    await parked(keeper, state_file)
+    await wait_for_async(
+        lambda: state_of(state_file).get("position") == 1,
+        timeout=10,
+        what="the resume to wait in the queue",
+    )
+    # the broker stops under the resume's long-poll: the keeper says so and asks again (with
+    # backoff) until the broker, started again, answers the resume's place once more
+    await asyncio.to_thread(pb.terminate)
+    await wait_for_async(
+        lambda: "Could not resume GPU lease" in caplog.text,
+        timeout=15,
+        what="the keeper to warn that the broker did not answer",
+    )
+    restarted = time.time()
+    await asyncio.to_thread(pb.start)
+    await wait_for_async(
+        lambda: (
+            (s := state_of(state_file)).get("updated_at", 0) > restarted and s.get("position") == 1
+        ),
+        timeout=15,
+        what="the resume's place again, from the restarted broker",
+    )
+    assert not kernel.shut_down and exists(state_file.resume_flag)
+    r = await park.admin.post(
+        f"/leases/{lease.id}/revoke", json={"reason": "the course's GPU time is over"}
+    )
+    assert r.status_code == 200, r.text
     await wait_for_async(lambda: kernel.shut_down, timeout=20, what="the kernel shut down")
     state = state_of(state_file)
     assert state["state"] == "revoked"
-    assert "an admin ended it" in state["reason"] and "cannot be restored" in state["reason"]
+    assert "the course's GPU time is over" in state["reason"]
+    assert "cannot be restored" in state["reason"]
     assert keeper.board is not None
     record = keeper.board.get("k1")
     assert record is not None and record.state == "revoked"
-    await wait_for_async(lambda: kernel.ended, timeout=5)
+    await wait_for_async(lambda: kernel.ended, timeout=5, what="the lease to end")
     assert not exists(state_file.resume_flag)
+    assert (await park.lease(lease.id))["state"] == "revoked"
+    assert await park.queue() == []  # the revoke dropped the resume request
     os.unlink(state_file.path)  # kept for the reason: the test's to clean
 
 
+@pytest.mark.slow
+async def test_a_kernel_without_the_gpu_hook_is_resumed_when_it_is_busy(
+    pb: NodeBroker, park: Park, tmp_path: Path
+) -> None:
+    """``resume_when_busy`` (the provisioner sets it for kernels without ``%gpu``: R,
+    Julia...): a busy parked kernel is resumed with no ``.resume`` flag; without it (an
+    IPython kernel, whose completions make it briefly busy) busy alone resumes nothing."""
+    keeper, kernel, state_file = keeper_for(pb, tmp_path)
+    lease = await keeper.acquire(ASK)
+    keeper.start_renewing()
+    try:
+        bob = await park.bob_takes_the_gpu()
+        await parked(keeper, state_file)
+        assert keeper.resume_when_busy is False  # the default
+        kernel.execution_state = "busy"
+        await wait_for_async(
+            lambda: _busy(park, lease.id), timeout=10, what="a renewal to say busy"
+        )
+        await park.renewals_go_on(lease.id)
+        await park.no_resume_asked(lease.id)
+
+        keeper.resume_when_busy = True
+        kernel.execution_state = "idle"
+        await wait_for_async(
+            lambda: _busy(park, lease.id, "idle"), timeout=10, what="a renewal to say idle"
+        )
+        await park.renewals_go_on(lease.id)
+        await park.no_resume_asked(lease.id)  # idle: nothing to resume for
+
+        kernel.execution_state = "busy"  # a cell runs (and would block in CUDA)
+        await wait_for_async(
+            lambda: state_of(state_file).get("position") == 1,
+            timeout=10,
+            what="the resume to wait behind bob",
+        )
+        assert (await park.lease(lease.id))["resume"]["position"] == 1
+        await park.bob_leaves(bob)
+        await wait_for_async(
+            lambda: state_of(state_file).get("state") == "active",
+            timeout=10,
+            what="the lease to be active again",
+        )
+        assert not exists(state_file.resume_flag)  # nobody made one: the keeper resumed
+        assert (await park.lease(lease.id))["state"] == "active"
+        record = keeper.board.get("k1") if keeper.board else None
+        assert record is not None and record.state == "active"
+        assert not kernel.shut_down
+    finally:
+        await keeper.end("the test ended")
+
+
+async def _busy(park: Park, lease_id: str, state: str = "busy") -> bool:
+    return (await park.lease(lease_id)).get("execution_state") == state
+
+
 # -- end to end: a real broker parks a real kernel -----------------------------------------
-@pytest.fixture
-def broker_db_url(tmp_path: Path) -> str:
-    """SQLite only: the broker's own parking tests cover PostgreSQL."""
-    return f"sqlite:///{tmp_path / 'b.sqlite'}"
-
-
 async def release(b: Any, user: str, lease_id: str) -> None:
     async with httpx.AsyncClient(base_url=f"{b.url}/api/v1", headers=b.headers(user)) as c:
         assert (await c.delete(f"/leases/{lease_id}")).status_code in (200, 204)
@@ -465,7 +662,6 @@ needs_parking = pytest.mark.skipif(
 async def test_a_parked_kernel_resumes_when_a_cell_runs_and_keeps_its_variables(
     tmp_path: Path, broker_db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from .test_nodes import NodeBroker, gpus_of, register
     from .test_provisioner import Specs, kernel, read_json
 
     node = "gpu-a"

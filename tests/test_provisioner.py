@@ -269,6 +269,9 @@ async def test_start_env_renew_shutdown(
         info = await km.provisioner.get_provisioner_info()
         assert info["gpu_lease"]["lease_id"] == lease["id"]
         assert info["gpu_lease"]["fraction"] == 0.02
+        # an IPython kernel: its %gpu cell hook asks for a parked lease back, busy or not
+        assert info["gpu_lease"]["resume_when_busy"] is False
+        assert km.provisioner.lease_keeper.resume_when_busy is False
         await km.shutdown_kernel()
     assert lease_of(broker, km.kernel_id) is None
     assert not exists(state_file)  # removed at shutdown
@@ -369,6 +372,36 @@ async def test_failed_launch_holds_nothing(
         await km.start_kernel()
     assert leases(broker) == []
     assert queue(broker) == []
+
+
+@pytest.mark.slow
+async def test_a_kernel_without_the_gpu_extension_is_resumed_when_busy(
+    server_env: Broker, specs: Specs, tmp_path: Path
+) -> None:
+    """A kernel that is not IPython's (R, Julia...; here a script that answers nothing) has no
+    %gpu cell hook to ask for a parked lease back: pre_launch tells its keeper to resume it
+    when the kernel is busy, and the saved provisioner info keeps that for a restarted
+    server."""
+    broker = server_env
+    script = "import time; time.sleep(300)"
+    specs.add("other", 0.02, argv=[sys.executable, "-c", script, "{connection_file}"])
+    async with kernel("other", tmp_path) as km:
+        assert km.provisioner.lease_keeper.resume_when_busy is True
+        assert lease_of(broker, km.kernel_id) is not None
+        info = await km.provisioner.get_provisioner_info()
+        assert info["gpu_lease"]["resume_when_busy"] is True
+        await km.shutdown_kernel(now=True)
+    # a restarted server takes the kernel back as pre_launch left it (the kernel is gone by
+    # now, so its keeper then releases, finding the lease released already, and stops)
+    again = KernelProvisionerFactory.instance().create_provisioner_instance(
+        km.kernel_id, km.kernel_spec, parent=AsyncKernelManager(kernel_name="other")
+    )
+    assert isinstance(again, GPULeaseProvisioner)
+    assert again.lease_keeper.resume_when_busy is False  # until the saved info says
+    await again.load_provisioner_info(info)
+    assert again.lease_keeper.resume_when_busy is True
+    await wait_for_async(lambda: again.lease_keeper.renew_task is None, what="the keeper to end")
+    assert leases(broker) == []
 
 
 @pytest.mark.slow

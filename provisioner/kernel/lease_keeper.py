@@ -31,7 +31,10 @@ is run. Then the keeper calls ``client.leases.resume`` (first at once, for the r
 in the queue; then long-polls of ``RESUME_LONG_POLL`` s at most) until the lease is active,
 writing the place in the queue to the state file and the board after
 each answer, and deletes the ``.resume`` file; a lease that ended meanwhile is handled as a
-revoke (the reason shown, the kernel shut down).
+revoke (the reason shown, the kernel shut down). A kernel without that hook (not an IPython
+kernel: R, Julia...; ``resume_when_busy``, set by the provisioner) cannot ask: its lease is
+resumed as soon as the kernel is busy, since a cell it runs would otherwise block in CUDA
+with nobody asking.
 
 The keeper knows its kernel only through :class:`KernelHandle` (the provisioner), and
 its request only through :class:`LeaseAsk` (the provisioner's traits, read at each call).
@@ -159,6 +162,13 @@ class LeaseKeeper:
         self.park_task: asyncio.Task[None] | None = None
         #: the broker's latest answer to a resume that waits: ``position``, ``eta_seconds``
         self.resume_progress: dict[str, Any] | None = None
+        #: resume a parked lease as soon as the kernel is busy, without ``<state file>.resume``.
+        #: Set by the provisioner (``pre_launch``) for kernels without the ``%gpu`` extension
+        #: (not IPython: R, Julia...): nothing in them asks, and a cell run there would block
+        #: in CUDA until someone did. Never for IPython kernels: JupyterLab's completions and
+        #: inspections make a kernel briefly busy, and their ``pre_run_cell`` hook asks for
+        #: real cells only (``%gpu`` alone runs without resuming).
+        self.resume_when_busy = False
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -319,9 +329,11 @@ class LeaseKeeper:
 
     def _hold(self, fresh: GrantedLease) -> None:
         """The broker's latest word on the lease held: keep it, write the state file, show
-        it; a parked lease's watcher starts (once) and an active one forgets its resume."""
+        it; a parked lease's watcher starts (once). Only a ``parked`` lease has a place in
+        the queue: a ``resuming`` one (its memory re-reserved, the restore ordered; a renewal
+        may say so before the resume's long-poll does) and an active one forget it."""
         self.lease = fresh
-        if not fresh.parked:
+        if fresh.state != "parked":
             self.resume_progress = None
         self._write_state(fresh)
         self._show(fresh)
@@ -482,9 +494,11 @@ class LeaseKeeper:
 
     async def _park_watch(self) -> None:
         """While the lease is parked: wait for the kernel to ask (``<state file>.resume``),
-        then resume. Ends when the lease is active again or has ended.
+        or, where ``resume_when_busy``, for the kernel to be busy; then resume. Ends when
+        the lease is active again or has ended.
 
-        Cheap: one ``stat`` every ``RESUME_WATCH_INTERVAL`` seconds, only while parked
+        Cheap: one ``stat`` (and, where ``resume_when_busy``, one look at the kernel's
+        execution state) every ``RESUME_WATCH_INTERVAL`` seconds, only while parked
         (renewals keep telling the state meanwhile; a lease found active stops the watch).
         """
         state_file = self.state_file
@@ -495,15 +509,20 @@ class LeaseKeeper:
                 if lease is not None:
                     state_file.resume_done()  # resumed without us (another server process)
                 return
-            if state_file.resume_asked():
+            why = self._resume_wanted(state_file)
+            if why is not None:
                 break
             await asyncio.sleep(RESUME_WATCH_INTERVAL)
-        self.log.info(
-            "Kernel %s asks for its parked GPU memory back; resuming GPU lease %s.",
-            self._kernel_id,
-            lease.short_id,
-        )
+        self.log.info("Kernel %s %s; resuming GPU lease %s.", self._kernel_id, why, lease.short_id)
         await self._resume(state_file)
+
+    def _resume_wanted(self, state_file: StateFile) -> str | None:
+        """Why the parked lease must be resumed now (the end of a log line), or None."""
+        if state_file.resume_asked():
+            return "asks for its parked GPU memory back"
+        if self.resume_when_busy and self.kernel.kernel_report().execution_state == "busy":
+            return "is busy (it has no %gpu cell hook to ask for its parked GPU memory)"
+        return None
 
     async def _resume(self, state_file: StateFile) -> None:
         """``client.leases.resume`` until the lease is active (then the ``.resume`` file goes)

@@ -238,6 +238,9 @@ class GPULeaseProvisioner(LocalProvisioner):
             if not wrapped.wrapped:
                 self.log.warning("Kernel %s: %s", self.kernel_id, wrapped.reason)
             kwargs["cmd"] = wrapped.argv
+            # no %gpu extension (not an IPython kernel: R, Julia...): no cell hook asks for a
+            # parked lease back, so the keeper resumes it when the kernel is busy instead
+            self.lease_keeper.resume_when_busy = not wrapped.extension
             self.lease_keeper.save_state()
         except BaseException:
             await self.lease_keeper.end("the kernel could not be prepared for launch")
@@ -319,6 +322,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 "fraction": self.fraction,
                 "lease": dict(lease.raw),
                 "state_file": state_file.path if state_file is not None else None,
+                "resume_when_busy": self.lease_keeper.resume_when_busy,
             }
         return info
 
@@ -342,6 +346,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             self.lease_keeper.state_file = StateFile(
                 saved["state_file"], kernel_id=self.kernel_id, log=self.log
             )
+        # as pre_launch set it (a kernel without %gpu's cell hook); absent in older saves
+        self.lease_keeper.resume_when_busy = saved.get("resume_when_busy") is True
         self.lease_keeper.resume(lease, self._ask())
         self._death.watch()
         self.lease_keeper.start_renewing(renewal_loop(self.parent))
