@@ -1,6 +1,6 @@
 """What parking costs and saves on the control plane, on this machine's stand-ins (issue 28).
 
-    python benchmarks/park_cycle.py                  # 10 interleaved rounds (~4 min on 2 cores)
+    python benchmarks/park_cycle.py                  # 12 interleaved rounds (~4 min on 2 cores)
     python benchmarks/park_cycle.py --quick          # 3 rounds, 40 cells per hook block
     python benchmarks/park_cycle.py --reap 5 --heartbeat 5 --json out.json   # shipped defaults
 
@@ -25,25 +25,28 @@ with 1000 MiB, as a kernel that computed something holds.
 Each round runs the two modes, in alternating order (park first, then reclaim first):
 
 **The waiter.** Alice's kernel runs ``import numpy`` / ``x = 41`` and idles; once the agent
-reported its memory and it has been idle past ``--idle``, bob asks the broker for 0.6 of
-the same node's GPU (``POST /api/v1/leases`` long-poll). Timed: bob's request sent -> his
-201. Park: the reaper's pass orders the park (lease ``parking``), the agent's next
-heartbeat takes the order, checkpoints, and sends the outcome at once; the broker frees
-the memory and grants bob. Reclaim: the reaper's pass revokes alice's lease and grants bob
-in the same pass (the provisioner then shuts her kernel down at its next renewal; that
-delay is shown, not timed into the waiter's figure). The breakdown comes from the broker's
-and the agent's logs (millisecond timestamps) and the agent's outcome ``seconds``.
+reported its memory, it has been idle past ``--idle``, and a random part (seeded) of the
+longer period (reaper, heartbeat) has passed, bob asks the broker for 0.6 of the same
+node's GPU (``POST /api/v1/leases`` long-poll). (Without that random pause every round
+would meet the reaper and the agent at the same phase: the rounds move in step with the
+agent's beats.) Timed: bob's request sent -> his 201. Park: the reaper's pass orders the
+park (lease ``parking``), the agent's next heartbeat takes the order, checkpoints, and
+sends the outcome at once; the broker frees the memory and grants bob. Reclaim: the
+reaper's pass revokes alice's lease and grants bob in the same pass (the provisioner then
+shuts her kernel down at its next renewal; that delay is shown, not timed into the
+waiter's figure). The breakdown comes from the broker's and the agent's logs (millisecond
+timestamps) and the agent's outcome ``seconds``.
 
-**The returning student.** Bob releases, the GPU is free. Park: the cell ``x`` run in the
-parked kernel, from ``execute`` to its reply (the ``%gpu`` hook sees ``parked`` in the
-state file and asks for the resume, the lease keeper calls the broker, the broker
-re-reserves the GPU and orders the restore at the agent's next heartbeat, the agent
-restores, the keeper's long-poll answers ``active``, the hook lets the cell run).
-Reclaim (the kernel is gone): a new kernel started through the provisioner
-(``start_kernel``, its first ``kernel_info`` reply), the cell that rebuilt ``x`` (``import
-numpy`` / ``x = 41``: numpy's import stands for re-loading data; the real cost of
-re-running a notebook is the student's work, often minutes), then the cell ``x``. Both
-end with the reply showing 41.
+**The returning student.** Bob releases, the GPU is free; after another random pause:
+park: the cell ``x`` run in the parked kernel, from ``execute`` to its reply (the
+``%gpu`` hook sees ``parked`` in the state file and asks for the resume, the lease keeper
+calls the broker, the broker re-reserves the GPU and orders the restore at the agent's
+next heartbeat, the agent restores, the keeper's long-poll answers ``active``, the hook
+lets the cell run). Reclaim (the kernel is gone): a new kernel started through the
+provisioner (``start_kernel``, its first ``kernel_info`` reply), the cell that rebuilt
+``x`` (``import numpy`` / ``x = 41``: numpy's import stands for re-loading data; the real
+cost of re-running a notebook is the student's work, often minutes), then the cell
+``x``. Both end with the reply showing 41.
 
 **The hook's per-cell cost** when not parked: in the park mode's kernel (extension loaded
 by the launcher, the state file saying ``active``), ``--cells`` cells of ``pass`` with the
@@ -63,6 +66,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -230,6 +234,7 @@ class Bench:
         self.nodes: dict[str, Node] = {}
         self.http: dict[str, httpx.AsyncClient] = {}
         self.kernel_log = open(tmp / "kernels.log", "wb")  # noqa: SIM115 - closed in close()
+        self.rng = random.Random(28)  # the same phases at every run with the same options
 
     async def open(self) -> None:
         for user in ("alice", "bob", "admin"):
@@ -307,6 +312,13 @@ class Bench:
             await asyncio.sleep(rest)
         return lease_id
 
+    async def random_phase(self) -> None:
+        """Sleep a random part of the reaper's and the heartbeat's period: each round
+        waits for the reaper and the agent up to the same moments otherwise (the holder is
+        ready right after a heartbeat, a park's outcome resets the agent's beat), so every
+        round would hit the same phase of them, not a student's random one."""
+        await asyncio.sleep(self.rng.uniform(0.0, max(self.args.reap, self.args.heartbeat)))
+
     async def stop_kernel(self, km: Any, kc: Any) -> None:
         kc.stop_channels()
         if km.has_kernel:
@@ -336,6 +348,7 @@ class Bench:
             await cell(kc, REBUILD)
             hook = await self.hook_cells(kc, first_on)  # while the kernel waits to be idle
             lease_id = await self.idle_holder(node, km, kc, started)
+            await self.random_phase()
             short = lease_id[:6]
             sent, granted, bobs = await self.bob_waits(node)
             state = (await self.lease(lease_id))["state"]
@@ -349,6 +362,7 @@ class Bench:
                 "the kernel's state file to say parked",
             )
             await self.release("bob", bobs)
+            await self.random_phase()
             asked = time.time()
             took, out, _ = await cell(kc, "x")
             if out.strip().splitlines()[-1] != "41" or "variables are intact" not in out:
@@ -390,6 +404,7 @@ class Bench:
         try:
             await cell(kc, REBUILD)
             lease_id = await self.idle_holder(node, km, kc, started)
+            await self.random_phase()
             sent, granted, bobs = await self.bob_waits(node)
             waiter: dict[str, float] = {"total": granted - sent}
             revoked = logged(self.broker.log_path, f"Revoked idle lease {lease_id[:6]}…", sent)
@@ -407,6 +422,7 @@ class Bench:
             await self.stop_kernel(km, kc)
             node.set_processes({})
         await self.release("bob", bobs)
+        await self.random_phase()
         t0 = time.perf_counter()
         km, kc, start = await self.start_kernel(node)
         try:
@@ -607,7 +623,7 @@ async def measure(args: argparse.Namespace, tmp: Path, broker: BrokerProcess) ->
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 rounds, 40 cells per hook block")
-    ap.add_argument("--rounds", type=int, help="interleaved rounds (10; quick 3)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds (12; quick 3)")
     ap.add_argument("--cells", type=int, help="cells of `pass` per hook block (100; quick 40)")
     ap.add_argument("--warmup", type=int, default=1, help="rounds not counted, first (1)")
     ap.add_argument("--reap", type=float, default=1.0, help="broker reap_interval, s (1)")
@@ -616,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--renew", type=float, default=1.0, help="kernels' renew_interval, s (1)")
     ap.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
-    args.rounds = args.rounds or (3 if args.quick else 10)
+    args.rounds = args.rounds or (3 if args.quick else 12)
     args.cells = args.cells or (40 if args.quick else 100)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs, load average "
