@@ -37,7 +37,8 @@ shuts her kernel down at its next renewal; that delay is shown, not timed into t
 waiter's figure). The breakdown comes from the broker's and the agent's logs (millisecond
 timestamps) and the agent's outcome ``seconds``.
 
-**The returning student.** Bob releases, the GPU is free; after another random pause:
+**The returning student.** Once the kernel's state file says ``parked`` (its keeper
+learns it at its next renewal), bob releases, the GPU is free; after another random pause:
 park: the cell ``x`` run in the parked kernel, from ``execute`` to its reply (the
 ``%gpu`` hook sees ``parked`` in the state file and asks for the resume, the lease keeper
 calls the broker, the broker re-reserves the GPU and orders the restore at the agent's
