@@ -34,7 +34,9 @@ each answer, and deletes the ``.resume`` file; a lease that ended meanwhile is h
 revoke (the reason shown, the kernel shut down). A kernel without that hook (not an IPython
 kernel: R, Julia...; ``resume_when_busy``, set by the provisioner) cannot ask: its lease is
 resumed as soon as the kernel is busy, since a cell it runs would otherwise block in CUDA
-with nobody asking.
+with nobody asking. An IPython kernel busy for ``BUSY_RESUME_AFTER`` seconds without a break
+is resumed too: a cell that started before the keeper learnt of the park (its next renewal)
+passed the hook while the state file still said ``active``.
 
 The keeper knows its kernel only through :class:`KernelHandle` (the provisioner), and
 its request only through :class:`LeaseAsk` (the provisioner's traits, read at each call).
@@ -76,6 +78,10 @@ MIN_RESUME_PERIOD = 0.5
 #: the longest one resume call long-polls (s), ``long_poll`` permitting: each answer carries
 #: the resume's place in the queue, which the waiting cell prints and the status bar shows
 RESUME_LONG_POLL = 5.0
+#: a parked IPython kernel busy this long without a break is resumed (s): a cell that began
+#: before its keeper learnt of the park (at the next renewal) waits in CUDA, and its hook,
+#: which ran when the state file still said ``active``, asked for nothing
+BUSY_RESUME_AFTER = 2.0
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ class LeaseKeeper:
         #: inspections make a kernel briefly busy, and their ``pre_run_cell`` hook asks for
         #: real cells only (``%gpu`` alone runs without resuming).
         self.resume_when_busy = False
+        #: while parked: since when the kernel has been busy without a break (monotonic)
+        self._busy_since: float | None = None
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -503,6 +511,7 @@ class LeaseKeeper:
         """
         state_file = self.state_file
         assert state_file is not None
+        self._busy_since = None
         while True:
             lease = self.lease
             if lease is None or not lease.parked:
@@ -517,11 +526,30 @@ class LeaseKeeper:
         await self._resume(state_file)
 
     def _resume_wanted(self, state_file: StateFile) -> str | None:
-        """Why the parked lease must be resumed now (the end of a log line), or None."""
+        """Why the parked lease must be resumed now (the end of a log line), or None.
+
+        Also for IPython kernels, a kernel busy without a break for ``BUSY_RESUME_AFTER``
+        seconds is resumed: a cell that started before this keeper learnt of the park (a
+        renewal later; the state file said ``active``, so the hook let it run) blocks in
+        its first CUDA call with nobody asking. Completions and inspections are far
+        shorter, and ``%gpu`` alone returns at once.
+        """
         if state_file.resume_asked():
             return "asks for its parked GPU memory back"
-        if self.resume_when_busy and self.kernel.kernel_report().execution_state == "busy":
+        busy = self.kernel.kernel_report().execution_state == "busy"
+        now = time.monotonic()
+        if not busy:
+            self._busy_since = None
+            return None
+        if self.resume_when_busy:
             return "is busy (it has no %gpu cell hook to ask for its parked GPU memory)"
+        if self._busy_since is None:
+            self._busy_since = now
+        if now - self._busy_since >= BUSY_RESUME_AFTER:
+            return (
+                f"has been busy for {BUSY_RESUME_AFTER:g} s (a cell that started before it "
+                "was parked waits for its GPU memory)"
+            )
         return None
 
     async def _resume(self, state_file: StateFile) -> None:
