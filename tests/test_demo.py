@@ -11,7 +11,11 @@ with 60 servers.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,3 +95,30 @@ def test_runtime_dir_stays_in_the_state_dir_when_short_enough(state: str, inside
     # a kernel's socket: <runtime>/<user id>/kernel-<uuid>-ipc-N within Linux's 107 bytes
     socket = f"{where}/1234/kernel-{'0' * 8}-{'0' * 4}-{'0' * 4}-{'0' * 4}-{'0' * 12}-ipc-5"
     assert len(socket) <= 107
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ends", ["returns", "sys.exit(3)"])
+def test_fastexit_runs_atexit_and_does_not_wait_for_a_thread_that_never_ends(
+    tmp_path: Path, ends: str
+) -> None:
+    """``provisioner.devtools.fastexit`` (the demo's servers run under it): once the module
+    is done, its ``atexit`` handlers run and the process ends with the module's status,
+    even though a non-daemon thread still waits for ever (as an idle AnyIO worker thread
+    of a stopped single-user server did, which JupyterHub then killed 60 s later)."""
+    done = tmp_path / "atexit-ran"
+    (tmp_path / "lingering.py").write_text(
+        "import atexit, sys, threading\n"
+        f"atexit.register(lambda: open({str(done)!r}, 'w').write('yes'))\n"
+        "threading.Thread(target=threading.Event().wait, name='never ends').start()\n"
+        + ("sys.exit(3)\n" if ends.startswith("sys.exit") else "")
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "provisioner.devtools.fastexit", "lingering"],
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}:{Path.cwd()}"},
+        timeout=60,
+    )
+    assert proc.returncode == (3 if ends.startswith("sys.exit") else 0)
+    assert done.read_text() == "yes"  # the module's atexit handler ran
+    assert time.monotonic() - started < 30  # did not wait for the thread (it never ends)

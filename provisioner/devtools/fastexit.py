@@ -47,10 +47,28 @@ def main() -> None:
         _status = code if isinstance(code, int) else (0 if code is None else 1)
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
-        raise SystemExit(_status) from None
     except BaseException:
         _status = 1
         raise
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """The module is done: run the ``atexit`` handlers now (the last, ``_skip_teardown``,
+    ends the process) instead of leaving them to the interpreter's exit.
+
+    The interpreter runs them only after it has joined every non-daemon thread, and a
+    single-user server can leave one that never ends: an idle AnyIO worker thread (its
+    ``to_thread`` pool ends a worker only when the task that started it ends, and that
+    task may never end once the event loop has stopped). The server had stopped (its
+    kernels shut down, their leases released), yet the process then sat until JupyterHub
+    killed it, 60 s later (seen in tests/test_browser_lab.py as "server took 60.5 seconds
+    to stop", about one run in two).
+    """
+    run = getattr(atexit, "_run_exitfuncs", None)
+    if run is not None:
+        run()
+    _skip_teardown()
 
 
 if __name__ == "__main__":
