@@ -158,8 +158,19 @@ class NodeParking:
 
 @dataclass
 class Waiter:
+    """The long-polls (acquire, resume) waiting on one key; a commit that concerns it sets
+    ``event``."""
+
     event: asyncio.Event = field(default_factory=asyncio.Event)
     count: int = 0
+
+    async def pause(self, seconds: float) -> None:
+        """Until the next wake-up, or ``seconds`` at most."""
+        self.event.clear()
+        try:
+            await asyncio.wait_for(self.event.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
 
 class _RandomBytes:

@@ -177,11 +177,7 @@ class LeaseService:
                         eta_seconds=self.core.eta(key, now),
                         queue_length=len(self.core.state.queue),
                     )
-                waiter.event.clear()
-                try:
-                    await asyncio.wait_for(waiter.event.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+                await waiter.pause(remaining)
         finally:
             waiter.count -= 1
             if waiter.count <= 0:
@@ -289,11 +285,7 @@ class LeaseService:
                 if remaining <= 0:
                     await self.core.writer.barrier()
                     return self._resume_state(lease_id, self.core.clock())
-                waiter.event.clear()
-                try:
-                    await asyncio.wait_for(waiter.event.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
+                await waiter.pause(remaining)
         finally:
             waiter.count -= 1
             if waiter.count <= 0:
