@@ -46,7 +46,6 @@ from .admission import EffectiveQuota
 from .auth import Authenticator, token_from_header
 from .policy import Policy
 from .service import (
-    AcquireResult,
     BrokerService,
     GPUHolding,
     Health,
@@ -54,7 +53,6 @@ from .service import (
     History,
     NodeView,
     QuotaStanding,
-    ResumeResult,
     Waiting,
 )
 
@@ -552,11 +550,35 @@ class GPUsHandler(APIHandler):
         self.write_json({"gpus": [gpu_json(h, policy) for h in await self.service.queries.gpus()]})
 
 
-class LeasesHandler(APIHandler):
-    """``GET`` lists leases; ``POST`` acquires (201 new, 200 repeat, 202 queued)."""
+class LongPollHandler(APIHandler):
+    """A handler whose answer may wait (an acquire or a resume that long-polls): a client
+    that hangs up cancels the wait, and is not answered."""
 
-    _task: asyncio.Task[AcquireResult] | None = None
+    _task: asyncio.Future[Any] | None = None
     _client_gone = False
+
+    async def answer_of(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result; None when the client hung up meanwhile (nobody to answer)."""
+        self._task = asyncio.ensure_future(work)
+        try:
+            return cast(T, await self._task)
+        except asyncio.CancelledError:
+            if self._client_gone:
+                return None
+            raise
+        finally:
+            self._task = None
+
+    def on_connection_close(self) -> None:
+        # the client gave up its long-poll: stop waiting (a queue place stays until the
+        # poll grace runs out, so a quick re-post keeps it)
+        self._client_gone = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+class LeasesHandler(LongPollHandler):
+    """``GET`` lists leases; ``POST`` acquires (201 new, 200 repeat, 202 queued)."""
 
     @api
     async def get(self) -> None:
@@ -571,15 +593,9 @@ class LeasesHandler(APIHandler):
     @api
     async def post(self) -> None:
         ask, wait = validation.parse_acquire(self.json_body(), self.ident)
-        self._task = asyncio.ensure_future(self.service.leases.acquire(self.ident, ask, wait))
-        try:
-            result = await self._task
-        except asyncio.CancelledError:
-            if self._client_gone:
-                return  # nobody to answer
-            raise
-        finally:
-            self._task = None
+        result = await self.answer_of(self.service.leases.acquire(self.ident, ask, wait))
+        if result is None:
+            return
         if result.outcome == "queued":
             req = result.request
             assert req is not None
@@ -605,13 +621,6 @@ class LeasesHandler(APIHandler):
             self.set_header("Location", f"{self.base_url}api/v1/leases/{result.lease.id}")
         self.write_json(await self.lease_json(result.lease), status=ACQUIRE_STATUS[result.outcome])
 
-    def on_connection_close(self) -> None:
-        # the client gave up its long-poll: stop waiting (its queue place stays
-        # until the poll grace runs out, so a quick re-post keeps it)
-        self._client_gone = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-
 
 class LeaseHandler(APIHandler):
     @api
@@ -636,25 +645,16 @@ class RenewHandler(APIHandler):
         self.write_json(await self.lease_json(lease))
 
 
-class ResumeHandler(APIHandler):
+class ResumeHandler(LongPollHandler):
     """``POST {p}api/v1/leases/{id}/resume {wait?}``: the owner wants a parked kernel's GPU
     memory back: 200 with the lease once it is active, else 202 with where it stands."""
-
-    _task: asyncio.Task[ResumeResult] | None = None
-    _client_gone = False
 
     @api
     async def post(self, lease_id: str) -> None:
         wait = validation.parse_resume(self.json_body())
-        self._task = asyncio.ensure_future(self.service.leases.resume(self.ident, lease_id, wait))
-        try:
-            result = await self._task
-        except asyncio.CancelledError:
-            if self._client_gone:
-                return  # nobody to answer
-            raise
-        finally:
-            self._task = None
+        result = await self.answer_of(self.service.leases.resume(self.ident, lease_id, wait))
+        if result is None:
+            return
         lease = await self.lease_json(result.lease)
         if result.state == "active":
             self.write_json(lease)
@@ -670,11 +670,6 @@ class ResumeHandler(APIHandler):
             },
             status=202,
         )
-
-    def on_connection_close(self) -> None:
-        self._client_gone = True
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
 
 
 class RevokeHandler(APIHandler):
