@@ -603,12 +603,6 @@ class ServiceCore:
             node_rules.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
         )
 
-    def node_of(self, gpu_uuid: str) -> Node | None:
-        """The registered node whose agent reports the GPU ``gpu_uuid`` (None: none)."""
-        gpu = self.state.gpus.get(gpu_uuid)
-        node = self.nodes.get(gpu.node) if gpu is not None else None
-        return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
-
     def park_need_mb(self, lease: Lease) -> int:
         """Host MiB parking ``lease`` takes: its kernel's GPU memory as the node's agent last
         reported it, else the memory its lease reserves."""
@@ -630,14 +624,14 @@ class ServiceCore:
         taken: dict[str, int] = {}
         for lease in self.state.leases.values():
             if lease.park == "parking":
-                node = self.node_of(lease.gpu_uuid)
+                node = node_rules.node_of(self.state, self.nodes, lease.gpu_uuid)
                 if node is not None:
                     taken[node.name] = taken.get(node.name, 0) + self.park_need_mb(lease)
 
         def can_park(lease: Lease) -> NotParked | None:
             if not self.park.idle:
                 return NotParked("parking is turned off on this broker")
-            node = self.node_of(lease.gpu_uuid)
+            node = node_rules.node_of(self.state, self.nodes, lease.gpu_uuid)
             if node is None:
                 return NotParked("no node agent reports its GPU")
             info = self.node_parking.get(node.name)
