@@ -4,7 +4,7 @@ closed to placement, over-use, and MPS's one Unix user per GPU.
 Pure (``now`` passed in). The node service (``broker/nodes.py``) reads a node's state and
 over-use from here; placement (``scheduling``) keeps lost or drained nodes' GPUs and GPUs
 whose MPS server serves another user out of an ask's reach; a lease's usage
-(``queries.py``) and the reaper's parking check find its GPU's node here.
+(``queries.py``) and the parking rule (``park_policy.py``) find its GPU's node here.
 """
 
 from __future__ import annotations
