@@ -72,7 +72,6 @@ from ..model import (
     PoolState,
     QuotaBook,
     Request,
-    reserved_mb,
 )
 from . import estimates, node_rules, scheduling
 from .kernel_places import KernelPlaces
@@ -138,7 +137,7 @@ class ParkSettings:
     """The broker's parking options (``GPULeaseBroker.park_idle``, ``park_host_reserve_mb``,
     ``park_timeout``; see ``options.py``), handed to :class:`ServiceCore` by ``app.py``."""
 
-    #: park idle leases instead of revoking them, where the node can (see :meth:`ServiceCore.park_check`)
+    #: park idle leases instead of revoking them, where the node can (see ``park_policy.py``)
     idle: bool = True
     #: host RAM (MiB) a node keeps free beyond what parked kernels take
     host_reserve_mb: int = 2048
@@ -218,22 +217,6 @@ def new_id() -> str:
 
 def _always_serving() -> None:
     """The gate of a broker without ``--ha-lock``: it may always answer."""
-
-
-class NotParked(str):
-    """Why an idle lease is revoked rather than parked (``ServiceCore.park_check``).
-
-    ``tell_student``: the node parks kernels but could not park this one now (its agent
-    lost, too little host memory), which the student's revoke reason says; where parking
-    is not offered at all (turned off, no agent, no checkpoint API) only the log says why.
-    """
-
-    tell_student: bool
-
-    def __new__(cls, text: str, *, tell_student: bool = False) -> NotParked:
-        self = super().__new__(cls, text)
-        self.tell_student = tell_student
-        return self
 
 
 class ServiceCore:
@@ -602,72 +585,6 @@ class ServiceCore:
         self.state.closed = (
             node_rules.closed_gpus(self.nodes.values(), now, self.policy) | self.vanished
         )
-
-    def node_of(self, gpu_uuid: str) -> Node | None:
-        """The registered node whose agent reports the GPU ``gpu_uuid`` (None: none)."""
-        gpu = self.state.gpus.get(gpu_uuid)
-        node = self.nodes.get(gpu.node) if gpu is not None else None
-        return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
-
-    def park_need_mb(self, lease: Lease) -> int:
-        """Host MiB parking ``lease`` takes: its kernel's GPU memory as the node's agent last
-        reported it, else the memory its lease reserves."""
-        used = self.used_mb.get(lease.id)
-        if used is not None:
-            return used
-        gpu = self.state.gpus.get(lease.gpu_uuid)
-        return reserved_mb(lease.fraction_ppm, gpu.memory_mb) if gpu is not None else 0
-
-    def park_check(self, now: float) -> Callable[[Lease], NotParked | None]:
-        """The reaper's ``can_park`` for one pass (``LeaseService.tick``): None when the
-        lease may be parked instead of revoked, else why not (the revoke reason says it).
-
-        Parking needs: ``park_idle`` on; the lease's GPU's node has a registered agent, up,
-        whose latest heartbeat said ``checkpoint: true``; and that node's reported host
-        memory, less ``park_host_reserve_mb`` and the GPU memory of the leases parking
-        there already (those this pass approved included), holds the kernel's GPU memory.
-        """
-        taken: dict[str, int] = {}
-        for lease in self.state.leases.values():
-            if lease.park == "parking":
-                node = self.node_of(lease.gpu_uuid)
-                if node is not None:
-                    taken[node.name] = taken.get(node.name, 0) + self.park_need_mb(lease)
-
-        def can_park(lease: Lease) -> NotParked | None:
-            if not self.park.idle:
-                return NotParked("parking is turned off on this broker")
-            node = self.node_of(lease.gpu_uuid)
-            if node is None:
-                return NotParked("no node agent reports its GPU")
-            info = self.node_parking.get(node.name)
-            if info is None:
-                return NotParked(
-                    f"node {node.name}'s agent has not said since this broker started "
-                    "whether it can park kernels"
-                )
-            if not info.checkpoint:
-                return NotParked(f"the CUDA driver on node {node.name} offers no checkpoint API")
-            state = node_rules.node_state(node, now, self.policy)
-            if state != "up":
-                return NotParked(f"node {node.name}'s agent is {state}", tell_student=True)
-            if info.host_memory_available_mb is None:
-                return NotParked(f"node {node.name}'s agent did not report its host memory")
-            need = self.park_need_mb(lease)
-            already = taken.get(node.name, 0)
-            room = info.host_memory_available_mb - self.park.host_reserve_mb - already
-            if room < need:
-                return NotParked(
-                    f"node {node.name} has too little free host memory to hold its "
-                    f"{need} MiB of GPU memory ({info.host_memory_available_mb} MiB "
-                    f"available, {self.park.host_reserve_mb} MiB kept in reserve, "
-                    f"{already} MiB taken by kernels parking there)",
-                    tell_student=True,
-                )
-            taken[node.name] = already + need
-            return None
-
-        return can_park
 
     async def forget_vanished(self) -> None:
         """Drop vanished GPUs whose last lease ended (from memory and the store)."""

@@ -17,6 +17,7 @@ from ..errors import GPULeaseError, LeaseGone, NotActive, UnknownGPU
 from ..model import Changes, Identity, Lease, Request, ppm_to_fraction
 from . import admission, scheduling
 from .core import ServiceCore, Waiter, check_owner, require_admin
+from .park_policy import ParkPolicy
 from .policy import Ask
 from .scheduling import Existing, Grant, Queued
 
@@ -477,7 +478,7 @@ class LeaseService:
 
     async def _reap(self, now: float) -> tuple[scheduling.Reaped, list[Lease]]:
         """Decide and apply one pass: revoke leases parking past ``park_timeout``, then
-        ``scheduling.reap`` with the core's ``can_park`` (idle victims are parked where
+        ``scheduling.reap`` with ``ParkPolicy.check`` (idle victims are parked where
         their node can, revoked elsewhere); commit; log and count each park, fallback and
         timeout. Returns the pass and the leases revoked for parking too long."""
         self.core.close_gpus(now)
@@ -490,7 +491,7 @@ class LeaseService:
                     self.core.state, lease.id, parking_timeout_why(timeout), now, self.core.policy
                 )
             )
-        check = self.core.park_check(now)
+        check = ParkPolicy(self.core).check(now)
         refused: dict[str, str] = {}
 
         def can_park(lease: Lease) -> str | None:

@@ -1,14 +1,15 @@
-"""The core's rules about nodes: a node's state, the GPUs closed to placement, over-use,
-and MPS's one Unix user per GPU.
+"""The core's rules about nodes: a node's state, the node that reports a GPU, the GPUs
+closed to placement, over-use, and MPS's one Unix user per GPU.
 
 Pure (``now`` passed in). The node service (``broker/nodes.py``) reads a node's state and
 over-use from here; placement (``scheduling``) keeps lost or drained nodes' GPUs and GPUs
-whose MPS server serves another user out of an ask's reach.
+whose MPS server serves another user out of an ask's reach; a lease's usage
+(``queries.py``) and the parking rule (``park_policy.py``) find its GPU's node here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ..model import Lease, Node, PoolState
 from .policy import Policy
@@ -21,6 +22,14 @@ def node_state(node: Node, now: float, policy: Policy) -> str:
     if now - node.last_seen > policy.node_grace:
         return "lost"
     return "up"
+
+
+def node_of(state: PoolState, nodes: Mapping[str, Node], gpu_uuid: str) -> Node | None:
+    """The registered node (of ``nodes``, name -> Node) whose agent reports the GPU
+    ``gpu_uuid`` of ``state`` (None: none)."""
+    gpu = state.gpus.get(gpu_uuid)
+    node = nodes.get(gpu.node) if gpu is not None else None
+    return node if node is not None and any(g.uuid == gpu_uuid for g in node.gpus) else None
 
 
 def closed_gpus(nodes: Iterable[Node], now: float, policy: Policy) -> set[str]:

@@ -15,7 +15,7 @@ from .._version import __version__
 from ..errors import Forbidden, InvalidRequest
 from ..model import GPU, Identity, Lease, Request, ppm_to_fraction
 from ..wire import lease_enforcement
-from . import history, scheduling
+from . import history, node_rules, scheduling
 from .core import ServiceCore, check_owner
 
 log = logging.getLogger("gpu_lease.broker")
@@ -162,7 +162,7 @@ class QueryService:
 
     def lease_usage(self, lease: Lease) -> LeaseUsage:
         """What the lease's node reports: see :class:`LeaseUsage`."""
-        node = self.core.node_of(lease.gpu_uuid)
+        node = node_rules.node_of(self.core.state, self.core.nodes, lease.gpu_uuid)
         resume = self.resume_place(lease)
         if node is None:
             return LeaseUsage(None, lease_enforcement(None), None, resume=resume)
