@@ -4,7 +4,8 @@ The keeper is the lease's state machine; the provisioner decides *when* (jupyter
 hooks), the keeper does *what*:
 
 - :meth:`~LeaseKeeper.acquire` asks the broker, waiting in its queue while the pool is
-  full (``queued`` holds the broker's latest answer meanwhile, and each one is logged);
+  full (its :class:`~.queue_wait.QueueWait`, ``queue_wait``, keeps and logs the broker's
+  answers meanwhile, and gives the place up when the student stops waiting);
 - :meth:`~LeaseKeeper.start_renewing` renews at once (right after the launch) and then
   every ``renew_interval`` seconds (default: a third of the lease's TTL), reporting the
   kernel's pid (with its pid namespace and cgroup), execution state and last activity,
@@ -53,6 +54,7 @@ from .kernelspecs import format_fraction
 from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
 from .parked import ParkWatch
+from .queue_wait import QueueWait
 from .state_file import StateFile
 from .status import LeaseBoard
 
@@ -129,18 +131,16 @@ class LeaseKeeper:
         self.log = log
         #: the lease held now, as the broker last described it
         self.lease: GrantedLease | None = None
-        #: the broker's latest "queued" answer while an acquire waits (position, eta...)
-        self.queued: dict[str, Any] | None = None
         #: where ``%gpu`` reads the lease's state (set by the provisioner before launch)
         self.state_file: StateFile | None = None
         self.renew_task: asyncio.Task[None] | None = None
         #: the server's board JupyterLab reads (set by the provisioner; None outside a server)
         self.board: LeaseBoard | None = None
         self._ask: LeaseAsk | None = None
-        self._acquiring: asyncio.Task[dict[str, Any]] | None = None
-        self._stopped_waiting = False
         #: done when the :meth:`end` under way is (a second caller waits for the first)
         self._ending: asyncio.Future[None] | None = None
+        #: the acquire while it waits in the broker's queue, and the student's "Stop waiting"
+        self.queue_wait = QueueWait(self, clients, log=log)
         #: a parked lease's way back: the kernel's resume request, the resume calls
         self.park_watch = ParkWatch(self, clients, log=log)
 
@@ -156,24 +156,21 @@ class LeaseKeeper:
             ask.kernel_id,
             client.url,
         )
-        self._stopped_waiting = False
-        self._acquiring = asyncio.ensure_future(
-            client.leases.acquire(
-                ask.kernel_id,
-                ask.fraction,
-                node=ask.node,
-                gpu_uuids=list(ask.gpu_uuids) or None,
-                group=ask.group,
-                wait=ask.long_poll,
-                queue_timeout=ask.queue_timeout,
-                on_queued=self._on_queued,
-                mps_uid=ask.mps_uid,
-            )
+        acquiring = client.leases.acquire(
+            ask.kernel_id,
+            ask.fraction,
+            node=ask.node,
+            gpu_uuids=list(ask.gpu_uuids) or None,
+            group=ask.group,
+            wait=ask.long_poll,
+            queue_timeout=ask.queue_timeout,
+            on_queued=self.queue_wait.on_queued,
+            mps_uid=ask.mps_uid,
         )
         try:
-            lease = GrantedLease.from_json(await self._acquiring)
+            lease = GrantedLease.from_json(await self.queue_wait.wait(acquiring))
         except asyncio.CancelledError:
-            if not self._stopped_waiting:
+            if not self.queue_wait.stopped:
                 raise
             self.log.info("GPU request for kernel %s: the student stopped waiting", ask.kernel_id)
             await self.clients.aclose()
@@ -191,9 +188,6 @@ class LeaseKeeper:
             self.log.warning("GPU request for kernel %s failed: %s", ask.kernel_id, exc)
             await self.clients.aclose()
             raise
-        finally:
-            self.queued = None
-            self._acquiring = None
         previous = self.lease.id if self.lease else None
         self.lease = lease
         self._show(lease)
@@ -215,18 +209,6 @@ class LeaseKeeper:
         """Hold ``lease`` again without asking (a restarted server's saved lease)."""
         self._ask = ask
         self.lease = lease
-
-    def _on_queued(self, answer: dict[str, Any]) -> None:
-        self.queued = answer
-        if self.board is not None:
-            self.board.queued(self.kernel_id, answer)
-        position = answer.get("position")
-        self.log.info(
-            "GPU request for kernel %s waits at position %d: %s",
-            self.kernel_id,
-            position if isinstance(position, int) else 0,
-            answer.get("message") or answer.get("reason") or "the GPU pool is full",
-        )
 
     def save_state(self) -> None:
         """Write the held lease to the state file (before launch, and after each renewal)."""
@@ -457,44 +439,6 @@ class LeaseKeeper:
             self.state_file.remove()
         self.kernel.lease_ended()
         await self.clients.aclose()
-
-    # -- stop waiting ----------------------------------------------------------------------
-    async def stop_waiting(self) -> bool:
-        """The student clicked "Stop waiting": give up the queue place; the start then fails.
-
-        Called through the server's board by ``DELETE {base_url}gpu-lease/api/kernels/{id}/
-        request``. The acquire is cancelled first (so it cannot post again), then the queued
-        request is withdrawn by its id (a lease granted at that very moment has the same id
-        and is released with it). False if the kernel is not waiting.
-        """
-        task = self._acquiring
-        if task is None or task.done():
-            return False
-        self._stopped_waiting = True
-        task.cancel()
-        request_id = (self.queued or {}).get("id")
-        if request_id is None and self.board is not None:
-            record = self.board.get(self.kernel_id)
-            request_id = record.request_id if record is not None else None
-        try:
-            async with self.clients.new() as client:
-                if request_id is None:  # not told yet (the first long-poll is still out)
-                    mine = [
-                        q
-                        for q in await client.leases.queue()
-                        if q.get("kernel_id") == self.kernel_id
-                    ]
-                    request_id = mine[0].get("id") if mine else None
-                if isinstance(request_id, str):
-                    await client.leases.release(request_id)
-        except GPULeaseError as exc:
-            self.log.warning(
-                "Could not withdraw the queued GPU request of kernel %s (the broker drops it "
-                "when nobody polls for it): %s",
-                self.kernel_id,
-                exc,
-            )
-        return True
 
     # -- helpers -------------------------------------------------------------------------
     def _show(self, lease: GrantedLease) -> None:

@@ -8,6 +8,7 @@ side: its hooks decide *when*; small collaborators in this package do each job:
 - :mod:`.lease_keeper` — acquire (waiting in the queue), renew, take an expired lease
   back, release: the lease's state machine; :mod:`.loops` says which event loop runs
   the renewals (jupyter_client's blocking ``KernelManager`` runs one only during calls);
+  :mod:`.queue_wait` holds the acquire while it waits in the queue ("Stop waiting");
   :mod:`.parked` resumes a parked lease when the kernel wants its GPU memory back;
 - :mod:`.broker_clients` — the broker clients, made again when the token rotates;
 - :mod:`.state_file` — the file the ``%gpu`` magic reads inside the kernel;
@@ -181,7 +182,7 @@ class GPULeaseProvisioner(LocalProvisioner):
         super().__init__(**kwargs)
         self._clients = BrokerClients(lambda: self.broker_url)
         #: the lease's state machine: ``lease_keeper.lease`` is the lease held now, and
-        #: ``lease_keeper.queued`` the broker's latest answer while the request waits
+        #: ``lease_keeper.queue_wait.queued`` the broker's latest answer while the request waits
         self.lease_keeper = LeaseKeeper(self, self._clients, log=self.log)
         self._death = DeathWatch(self, on_death=lambda: self.lease_keeper.end("the kernel died"))
         #: the kernel's own cgroup (``cgroup.path`` None: none could be made)
@@ -203,7 +204,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 self.fraction,
                 kernel_name=getattr(self.parent, "kernel_name", None),
                 session_path=(kwargs.get("env") or {}).get("JPY_SESSION_NAME"),
-                stop=self.lease_keeper.stop_waiting,
+                stop=self.lease_keeper.queue_wait.stop_waiting,
             )
         try:
             if not self.fraction:
