@@ -187,9 +187,9 @@ class LeaseCalls:
     async def resume(self, lease_id: str, wait: float = 0.0) -> dict[str, Any]:
         """``POST /api/v1/leases/{id}/resume``: bring a parked lease's GPU memory back.
 
-        Called by the lease keeper (:mod:`provisioner.kernel.lease_keeper`) when a cell is
-        run in a parked kernel (the ``%gpu`` extension's hook asked for it), in a loop until
-        the lease is active again. ``wait`` > 0 (at most ``MAX_WAIT``) asks the broker to
+        Called by the lease keeper's park watch (:mod:`provisioner.kernel.parked`) when a
+        cell is run in a parked kernel (the ``%gpu`` extension's hook asked for it), in a
+        loop until the lease is active again. ``wait`` > 0 (at most ``MAX_WAIT``) asks the broker to
         hold the answer that long (a long-poll) while the resume waits; the read timeout is
         ``wait`` plus the client's own, so the long-poll is never cut short here.
 

@@ -32,12 +32,8 @@ import pytest
 from provisioner import wire
 from provisioner.devtools.testing import execute, wait_for_async
 from provisioner.kernel.broker_clients import BrokerClients
-from provisioner.kernel.lease_keeper import (
-    BUSY_RESUME_AFTER,
-    KernelReport,
-    LeaseAsk,
-    LeaseKeeper,
-)
+from provisioner.kernel.lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
+from provisioner.kernel.parked import BUSY_RESUME_AFTER
 from provisioner.kernel.state_file import StateFile
 from provisioner.kernel.status import LeaseBoard
 
@@ -583,7 +579,7 @@ async def test_a_busy_parked_kernel_is_resumed(
     a brief busy (a completion, an inspection) resumes nothing."""
     caplog.set_level(logging.INFO, logger="test.parking")
     keeper, kernel, state_file = keeper_for(pb, tmp_path)
-    keeper.resume_when_busy = hookless
+    keeper.park_watch.resume_when_busy = hookless
     lease = await keeper.acquire(ASK)
     keeper.start_renewing()
     try:

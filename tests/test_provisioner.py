@@ -271,7 +271,7 @@ async def test_start_env_renew_shutdown(
         assert info["gpu_lease"]["fraction"] == 0.02
         # an IPython kernel: its %gpu cell hook asks for a parked lease back, busy or not
         assert info["gpu_lease"]["resume_when_busy"] is False
-        assert km.provisioner.lease_keeper.resume_when_busy is False
+        assert km.provisioner.lease_keeper.park_watch.resume_when_busy is False
         await km.shutdown_kernel()
     assert lease_of(broker, km.kernel_id) is None
     assert not exists(state_file)  # removed at shutdown
@@ -386,7 +386,7 @@ async def test_a_kernel_without_the_gpu_extension_is_resumed_when_busy(
     script = "import time; time.sleep(300)"
     specs.add("other", 0.02, argv=[sys.executable, "-c", script, "{connection_file}"])
     async with kernel("other", tmp_path) as km:
-        assert km.provisioner.lease_keeper.resume_when_busy is True
+        assert km.provisioner.lease_keeper.park_watch.resume_when_busy is True
         assert lease_of(broker, km.kernel_id) is not None
         info = await km.provisioner.get_provisioner_info()
         assert info["gpu_lease"]["resume_when_busy"] is True
@@ -397,9 +397,9 @@ async def test_a_kernel_without_the_gpu_extension_is_resumed_when_busy(
         km.kernel_id, km.kernel_spec, parent=AsyncKernelManager(kernel_name="other")
     )
     assert isinstance(again, GPULeaseProvisioner)
-    assert again.lease_keeper.resume_when_busy is False  # until the saved info says
+    assert again.lease_keeper.park_watch.resume_when_busy is False  # until the saved info says
     await again.load_provisioner_info(info)
-    assert again.lease_keeper.resume_when_busy is True
+    assert again.lease_keeper.park_watch.resume_when_busy is True
     await wait_for_async(lambda: again.lease_keeper.renew_task is None, what="the keeper to end")
     assert leases(broker) == []
 

@@ -4,6 +4,8 @@
   say *when* the lease is taken, kept and given back; the modules below do the work.
 - ``lease_keeper.py`` — the lease's state machine: acquire (waiting in the queue),
   renew, take an expired lease back, release.
+- ``queue_wait.py`` — the acquire while it waits in the broker's queue; "Stop waiting".
+- ``parked.py`` — a parked lease's way back: the kernel's resume request, the resume calls.
 - ``loops.py`` — which event loop runs the renewals, and stopping a task on any loop.
 - ``lease.py`` — ``GrantedLease``: the broker's lease object, typed once on arrival.
 - ``broker_clients.py`` — the broker clients, made again when the server's token rotates.

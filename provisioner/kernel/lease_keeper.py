@@ -4,7 +4,8 @@ The keeper is the lease's state machine; the provisioner decides *when* (jupyter
 hooks), the keeper does *what*:
 
 - :meth:`~LeaseKeeper.acquire` asks the broker, waiting in its queue while the pool is
-  full (``queued`` holds the broker's latest answer meanwhile, and each one is logged);
+  full (its :class:`~.queue_wait.QueueWait`, ``queue_wait``, keeps and logs the broker's
+  answers meanwhile, and gives the place up when the student stops waiting);
 - :meth:`~LeaseKeeper.start_renewing` renews at once (right after the launch) and then
   every ``renew_interval`` seconds (default: a third of the lease's TTL), reporting the
   kernel's pid (with its pid namespace and cgroup), execution state and last activity,
@@ -24,19 +25,10 @@ What ends a lease from the broker's side, seen on renewal:
 
 Parking (issue 28; ``PARK_STATES``): the broker may park an idle kernel's GPU memory in
 host RAM while others wait. Renewals go on (``parking``/``parked``/``resuming`` are not
-ends) and write the wire state to the state file. While the lease is parked the keeper
-looks for ``<state file>.resume`` every ``RESUME_WATCH_INTERVAL`` seconds (one ``stat``):
-the kernel's ``pre_run_cell`` hook (``startup/gpu_lease_magic.py``) creates it when a cell
-is run. Then the keeper calls ``client.leases.resume`` (first at once, for the resume's place
-in the queue; then long-polls of ``RESUME_LONG_POLL`` s at most) until the lease is active,
-writing the place in the queue to the state file and the board after
-each answer, and deletes the ``.resume`` file; a lease that ended meanwhile is handled as a
-revoke (the reason shown, the kernel shut down). A kernel without that hook (not an IPython
-kernel: R, Julia...; ``resume_when_busy``, set by the provisioner) cannot ask: its lease is
-resumed as soon as the kernel is busy, since a cell it runs would otherwise block in CUDA
-with nobody asking. An IPython kernel busy for ``BUSY_RESUME_AFTER`` seconds without a break
-is resumed too: a cell that started before the keeper learnt of the park (its next renewal)
-passed the hook while the state file still said ``active``.
+ends) and write the wire state to the state file; a parked lease's way back (the kernel's
+``.resume`` request, the resume calls) is the keeper's :class:`~.parked.ParkWatch`
+(``park_watch``), which hands each answer back to :meth:`~LeaseKeeper.hold`; a lease that
+ended meanwhile is handled as a revoke (:meth:`~LeaseKeeper.lost_parked`).
 
 The keeper knows its kernel only through :class:`KernelHandle` (the provisioner), and
 its request only through :class:`LeaseAsk` (the provisioner's traits, read at each call).
@@ -46,8 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from ..errors import (
@@ -60,8 +51,10 @@ from ..errors import (
 )
 from .broker_clients import BrokerClients
 from .kernelspecs import format_fraction
-from .lease import PARK_STATES, GrantedLease, short_id
+from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
+from .parked import ParkWatch
+from .queue_wait import QueueWait
 from .state_file import StateFile
 from .status import LeaseBoard
 
@@ -69,19 +62,6 @@ from .status import LeaseBoard
 DEFAULT_RENEW_INTERVAL = 30.0
 #: never renew more often than this (s), whatever the TTL
 MIN_RENEW_INTERVAL = 0.2
-#: how often a parked lease's keeper looks for ``<state file>.resume`` (s)
-RESUME_WATCH_INTERVAL = 0.25
-#: the first pause after a resume call the broker could not answer (s); doubles up to a renewal interval
-RESUME_RETRY = 0.5
-#: never ask for a resume more often than this (s), whatever the broker's long-poll does
-MIN_RESUME_PERIOD = 0.5
-#: the longest one resume call long-polls (s), ``long_poll`` permitting: each answer carries
-#: the resume's place in the queue, which the waiting cell prints and the status bar shows
-RESUME_LONG_POLL = 5.0
-#: a parked IPython kernel busy this long without a break is resumed (s): a cell that began
-#: before its keeper learnt of the park (at the next renewal) waits in CUDA, and its hook,
-#: which ran when the state file still said ``active``, asked for nothing
-BUSY_RESUME_AFTER = 2.0
 
 
 @dataclass(frozen=True)
@@ -151,32 +131,18 @@ class LeaseKeeper:
         self.log = log
         #: the lease held now, as the broker last described it
         self.lease: GrantedLease | None = None
-        #: the broker's latest "queued" answer while an acquire waits (position, eta...)
-        self.queued: dict[str, Any] | None = None
         #: where ``%gpu`` reads the lease's state (set by the provisioner before launch)
         self.state_file: StateFile | None = None
         self.renew_task: asyncio.Task[None] | None = None
         #: the server's board JupyterLab reads (set by the provisioner; None outside a server)
         self.board: LeaseBoard | None = None
         self._ask: LeaseAsk | None = None
-        self._acquiring: asyncio.Task[dict[str, Any]] | None = None
-        self._stopped_waiting = False
         #: done when the :meth:`end` under way is (a second caller waits for the first)
         self._ending: asyncio.Future[None] | None = None
-        #: while the lease is parked: the task that watches for the kernel's resume request
-        #: and then resumes (see :meth:`_park_watch`)
-        self.park_task: asyncio.Task[None] | None = None
-        #: the broker's latest answer to a resume that waits: ``position``, ``eta_seconds``
-        self.resume_progress: dict[str, Any] | None = None
-        #: resume a parked lease as soon as the kernel is busy, without ``<state file>.resume``.
-        #: Set by the provisioner (``pre_launch``) for kernels without the ``%gpu`` extension
-        #: (not IPython: R, Julia...): nothing in them asks, and a cell run there would block
-        #: in CUDA until someone did. Never for IPython kernels: JupyterLab's completions and
-        #: inspections make a kernel briefly busy, and their ``pre_run_cell`` hook asks for
-        #: real cells only (``%gpu`` alone runs without resuming).
-        self.resume_when_busy = False
-        #: while parked: since when the kernel has been busy without a break (monotonic)
-        self._busy_since: float | None = None
+        #: the acquire while it waits in the broker's queue, and the student's "Stop waiting"
+        self.queue_wait = QueueWait(self, clients, log=log)
+        #: a parked lease's way back: the kernel's resume request, the resume calls
+        self.park_watch = ParkWatch(self, clients, log=log)
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -190,24 +156,21 @@ class LeaseKeeper:
             ask.kernel_id,
             client.url,
         )
-        self._stopped_waiting = False
-        self._acquiring = asyncio.ensure_future(
-            client.leases.acquire(
-                ask.kernel_id,
-                ask.fraction,
-                node=ask.node,
-                gpu_uuids=list(ask.gpu_uuids) or None,
-                group=ask.group,
-                wait=ask.long_poll,
-                queue_timeout=ask.queue_timeout,
-                on_queued=self._on_queued,
-                mps_uid=ask.mps_uid,
-            )
+        acquiring = client.leases.acquire(
+            ask.kernel_id,
+            ask.fraction,
+            node=ask.node,
+            gpu_uuids=list(ask.gpu_uuids) or None,
+            group=ask.group,
+            wait=ask.long_poll,
+            queue_timeout=ask.queue_timeout,
+            on_queued=self.queue_wait.on_queued,
+            mps_uid=ask.mps_uid,
         )
         try:
-            lease = GrantedLease.from_json(await self._acquiring)
+            lease = GrantedLease.from_json(await self.queue_wait.wait(acquiring))
         except asyncio.CancelledError:
-            if not self._stopped_waiting:
+            if not self.queue_wait.stopped:
                 raise
             self.log.info("GPU request for kernel %s: the student stopped waiting", ask.kernel_id)
             await self.clients.aclose()
@@ -225,9 +188,6 @@ class LeaseKeeper:
             self.log.warning("GPU request for kernel %s failed: %s", ask.kernel_id, exc)
             await self.clients.aclose()
             raise
-        finally:
-            self.queued = None
-            self._acquiring = None
         previous = self.lease.id if self.lease else None
         self.lease = lease
         self._show(lease)
@@ -249,18 +209,6 @@ class LeaseKeeper:
         """Hold ``lease`` again without asking (a restarted server's saved lease)."""
         self._ask = ask
         self.lease = lease
-
-    def _on_queued(self, answer: dict[str, Any]) -> None:
-        self.queued = answer
-        if self.board is not None:
-            self.board.queued(self._kernel_id, answer)
-        position = answer.get("position")
-        self.log.info(
-            "GPU request for kernel %s waits at position %d: %s",
-            self._kernel_id,
-            position if isinstance(position, int) else 0,
-            answer.get("message") or answer.get("reason") or "the GPU pool is full",
-        )
 
     def save_state(self) -> None:
         """Write the held lease to the state file (before launch, and after each renewal)."""
@@ -311,7 +259,7 @@ class LeaseKeeper:
         if self.kernel.kernel_exited_for_good():
             self.log.warning(
                 "Kernel %s has exited and nothing will restart it; releasing its GPU lease.",
-                self._kernel_id,
+                self.kernel_id,
             )
             await self.end("the kernel exited")
             return False
@@ -328,30 +276,25 @@ class LeaseKeeper:
                 )
             )
         except GPULeaseError as exc:
-            if not self._holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
+            if not self.holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
                 return False
             return await self._renewal_failed(lease, exc)
         if self.lease is not None and self.lease.id == fresh.id:
-            self._hold(fresh)
+            self.hold(fresh)
         return True
 
-    def _hold(self, fresh: GrantedLease) -> None:
-        """The broker's latest word on the lease held: keep it, write the state file, show
-        it; a parked lease's watcher starts (once). Only a ``parked`` lease has a place in
-        the queue: a ``resuming`` one (its memory re-reserved, the restore ordered; a renewal
-        may say so before the resume's long-poll does) and an active one forget it."""
+    def hold(self, fresh: GrantedLease) -> None:
+        """The broker's latest word on the lease held (a renewal's, or a resume's): keep it,
+        write the state file, show it; a parked lease's watch starts (once)."""
         self.lease = fresh
-        if fresh.state != "parked":
-            self.resume_progress = None
+        self.park_watch.follow(fresh, self.state_file)
         self._write_state(fresh)
         self._show(fresh)
-        if fresh.parked:
-            self._watch_parked()
 
     async def _renewal_failed(self, lease: GrantedLease, exc: GPULeaseError) -> bool:
         """What a failed renewal of ``lease`` means; False when the lease has ended."""
         if isinstance(exc, (LeaseExpired, LeaseNotFound)) and lease.parked:
-            await self._lost("expired", _parked_reason(exc))
+            await self.lost_parked(exc)
             return False
         if isinstance(exc, (LeaseExpired, LeaseNotFound)):
             return await self._recover(exc)
@@ -363,18 +306,18 @@ class LeaseKeeper:
             problem += "the renewal is retried in %g s: %s"
         else:
             problem = "Renewing GPU lease %s of kernel %s failed; retrying in %g s: %s"
-        self.log.warning(problem, lease.short_id, self._kernel_id, self.interval(), exc)
+        self.log.warning(problem, lease.short_id, self.kernel_id, self.interval(), exc)
         return True
 
     async def _recover(self, exc: GPULeaseError) -> bool:
         """The lease expired (or the broker forgot it): ask once for the same share again."""
         old = self.lease
         uuid = old.gpu.uuid if old is not None else None
-        ask = self._ask or LeaseAsk(kernel_id=self._kernel_id, fraction=0.0)
+        ask = self._ask or LeaseAsk(kernel_id=self.kernel_id, fraction=0.0)
         self.log.warning(
             "GPU lease %s of kernel %s has ended (%s); asking for %s of the same GPU again.",
             short_id(old.id if old else None),
-            self._kernel_id,
+            self.kernel_id,
             _reason(exc),
             format_fraction(ask.fraction),
         )
@@ -393,7 +336,7 @@ class LeaseKeeper:
             )
         except BrokerUnavailable as err:
             self.log.warning(
-                "Could not re-acquire the GPU lease of kernel %s: %s", self._kernel_id, err
+                "Could not re-acquire the GPU lease of kernel %s: %s", self.kernel_id, err
             )
             return True
         except GPULeaseError as err:
@@ -407,7 +350,7 @@ class LeaseKeeper:
         self._show(lease)
         self.log.info(
             "Kernel %s holds GPU lease %s again (%s of GPU %s).",
-            self._kernel_id,
+            self.kernel_id,
             lease.short_id,
             format_fraction(ask.fraction),
             uuid,
@@ -420,7 +363,7 @@ class LeaseKeeper:
         self.log.warning(
             "GPU lease %s of kernel %s was %s: %s. Shutting the kernel down.",
             short_id(lease.id if lease else None),
-            self._kernel_id,
+            self.kernel_id,
             state,
             reason,
         )
@@ -429,19 +372,24 @@ class LeaseKeeper:
         if self.state_file is not None:
             self.state_file.keep = True  # the reason stays readable after the kernel is gone
         if self.board is not None:
-            self.board.end(self._kernel_id, state, reason)  # JupyterLab shows the reason
+            self.board.end(self.kernel_id, state, reason)  # JupyterLab shows the reason
         self.lease = None
         if self.renew_task is asyncio.current_task():
             self.renew_task = None  # this is the renewal task: shutdown must not cancel it
-        if self.park_task is asyncio.current_task():
-            self.park_task = None  # the same for the resume under way
+        self.park_watch.forget_if_caller()  # the same for the resume under way
         try:
             await self.kernel.shut_kernel_down()
         except Exception:
             self.log.exception(
-                "Could not shut down kernel %s after losing its lease", self._kernel_id
+                "Could not shut down kernel %s after losing its lease", self.kernel_id
             )
         await self.end(f"the lease was {state}")
+
+    async def lost_parked(self, exc: GPULeaseError) -> None:
+        """A parked lease has ended (a renewal or a resume found it gone): as revoked, with
+        the broker's reason and the news that the parked memory is lost."""
+        state = "expired" if isinstance(exc, (LeaseExpired, LeaseNotFound)) else None
+        await self._lost(state or str(exc.details.get("state") or "revoked"), _parked_reason(exc))
 
     # -- the end -------------------------------------------------------------------------
     async def end(self, why: str) -> None:
@@ -463,10 +411,11 @@ class LeaseKeeper:
             ending.set_result(None)
 
     async def _end(self, why: str) -> None:
-        for task in (self.renew_task, self.park_task):
-            if task is not None and task is not asyncio.current_task():
-                await cancel_and_wait(task)
-        self.renew_task = self.park_task = None
+        task = self.renew_task
+        if task is not None and task is not asyncio.current_task():
+            await cancel_and_wait(task)
+        await self.park_watch.stop()
+        self.renew_task = None
         lease, self.lease = self.lease, None
         if lease is not None:
             try:
@@ -476,195 +425,29 @@ class LeaseKeeper:
                     "Could not release GPU lease %s of kernel %s (%s); the broker ends it when "
                     "its TTL runs out: %s",
                     lease.short_id,
-                    self._kernel_id,
+                    self.kernel_id,
                     why,
                     exc,
                 )
             else:
                 self.log.info(
-                    "Released GPU lease %s of kernel %s: %s.", lease.short_id, self._kernel_id, why
+                    "Released GPU lease %s of kernel %s: %s.", lease.short_id, self.kernel_id, why
                 )
         if self.board is not None and lease is not None:
-            self.board.end(self._kernel_id, "released", why)
+            self.board.end(self.kernel_id, "released", why)
         if self.state_file is not None:
             self.state_file.remove()
         self.kernel.lease_ended()
         await self.clients.aclose()
-
-    # -- parking -------------------------------------------------------------------------
-    def _watch_parked(self) -> None:
-        """Start :meth:`_park_watch` on this loop unless it runs already (or no state file:
-        without one the kernel has no way to ask, and renewals simply go on)."""
-        task = self.park_task
-        if self.state_file is None or (task is not None and not task.done()):
-            return
-        self.park_task = asyncio.ensure_future(self._park_watch())
-
-    async def _park_watch(self) -> None:
-        """While the lease is parked: wait for the kernel to ask (``<state file>.resume``),
-        or, where ``resume_when_busy``, for the kernel to be busy; then resume. Ends when
-        the lease is active again or has ended.
-
-        Cheap: one ``stat`` (and, where ``resume_when_busy``, one look at the kernel's
-        execution state) every ``RESUME_WATCH_INTERVAL`` seconds, only while parked
-        (renewals keep telling the state meanwhile; a lease found active stops the watch).
-        """
-        state_file = self.state_file
-        assert state_file is not None
-        self._busy_since = None
-        while True:
-            lease = self.lease
-            if lease is None or not lease.parked:
-                if lease is not None:
-                    state_file.resume_done()  # resumed without us (another server process)
-                return
-            why = self._resume_wanted(state_file)
-            if why is not None:
-                break
-            await asyncio.sleep(RESUME_WATCH_INTERVAL)
-        self.log.info("Kernel %s %s; resuming GPU lease %s.", self._kernel_id, why, lease.short_id)
-        await self._resume(state_file)
-
-    def _resume_wanted(self, state_file: StateFile) -> str | None:
-        """Why the parked lease must be resumed now (the end of a log line), or None.
-
-        Also for IPython kernels, a kernel busy without a break for ``BUSY_RESUME_AFTER``
-        seconds is resumed: a cell that started before this keeper learnt of the park (a
-        renewal later; the state file said ``active``, so the hook let it run) blocks in
-        its first CUDA call with nobody asking. Completions and inspections are far
-        shorter, and ``%gpu`` alone returns at once.
-        """
-        if state_file.resume_asked():
-            return "asks for its parked GPU memory back"
-        busy = self.kernel.kernel_report().execution_state == "busy"
-        now = time.monotonic()
-        if not busy:
-            self._busy_since = None
-            return None
-        if self.resume_when_busy:
-            return "is busy (it has no %gpu cell hook to ask for its parked GPU memory)"
-        if self._busy_since is None:
-            self._busy_since = now
-        if now - self._busy_since >= BUSY_RESUME_AFTER:
-            return (
-                f"has been busy for {BUSY_RESUME_AFTER:g} s (a cell that started before it "
-                "was parked waits for its GPU memory)"
-            )
-        return None
-
-    async def _resume(self, state_file: StateFile) -> None:
-        """``client.leases.resume`` until the lease is active (then the ``.resume`` file goes)
-        or has ended (handled as a revoke). Each 202 answer (state, place in the queue,
-        estimated wait) goes to the state file, which the kernel's hook prints, and to the
-        board, which JupyterLab's status bar shows. A broker that cannot answer is asked
-        again with backoff, up to a renewal interval apart, as renewals do."""
-        started = time.monotonic()
-        retry = RESUME_RETRY
-        # The first call does not long-poll: it queues the resume and answers its place at
-        # once (a long-poll would tell the cell and the status bar nothing for its length).
-        wait = 0.0
-        while True:
-            lease = self.lease
-            if lease is None:
-                return
-            asked = time.monotonic()
-            try:
-                answer = await self.clients.get(renewal=True).leases.resume(lease.id, wait=wait)
-            except GPULeaseError as exc:
-                if not self._holds(lease):
-                    return
-                if isinstance(exc, (LeaseGone, LeaseNotFound)):
-                    state = "expired" if isinstance(exc, (LeaseExpired, LeaseNotFound)) else None
-                    await self._lost(
-                        state or str(exc.details.get("state") or "revoked"), _parked_reason(exc)
-                    )
-                    return
-                self.log.warning(
-                    "Could not resume GPU lease %s of kernel %s; asking again in %g s: %s",
-                    lease.short_id,
-                    self._kernel_id,
-                    retry,
-                    exc,
-                )
-                await asyncio.sleep(retry)
-                retry = min(retry * 2, max(RESUME_RETRY, self.interval()))
-                continue
-            retry = RESUME_RETRY
-            long_poll = self._ask.long_poll if self._ask is not None else 30.0
-            wait = min(long_poll, RESUME_LONG_POLL)
-            if not self._holds(lease):
-                return  # ended meanwhile
-            fresh, progress = _resume_answer(answer, lease)
-            if fresh.id != lease.id:
-                return
-            self.resume_progress = progress
-            self._hold(fresh)
-            if not fresh.parked:
-                state_file.resume_done()
-                self.log.info(
-                    "GPU lease %s of kernel %s is active again: resumed in %.1f s.",
-                    fresh.short_id,
-                    self._kernel_id,
-                    time.monotonic() - started,
-                )
-                return
-            self.log.debug(
-                "GPU lease %s of kernel %s: %s, position %s",
-                fresh.short_id,
-                self._kernel_id,
-                fresh.state,
-                (progress or {}).get("position"),
-            )
-            pause = MIN_RESUME_PERIOD - (time.monotonic() - asked)
-            if pause > 0:
-                await asyncio.sleep(pause)
-
-    # -- stop waiting ----------------------------------------------------------------------
-    async def stop_waiting(self) -> bool:
-        """The student clicked "Stop waiting": give up the queue place; the start then fails.
-
-        Called through the server's board by ``DELETE {base_url}gpu-lease/api/kernels/{id}/
-        request``. The acquire is cancelled first (so it cannot post again), then the queued
-        request is withdrawn by its id (a lease granted at that very moment has the same id
-        and is released with it). False if the kernel is not waiting.
-        """
-        task = self._acquiring
-        if task is None or task.done():
-            return False
-        self._stopped_waiting = True
-        task.cancel()
-        request_id = (self.queued or {}).get("id")
-        if request_id is None and self.board is not None:
-            record = self.board.get(self._kernel_id)
-            request_id = record.request_id if record is not None else None
-        try:
-            async with self.clients.new() as client:
-                if request_id is None:  # not told yet (the first long-poll is still out)
-                    mine = [
-                        q
-                        for q in await client.leases.queue()
-                        if q.get("kernel_id") == self._kernel_id
-                    ]
-                    request_id = mine[0].get("id") if mine else None
-                if isinstance(request_id, str):
-                    await client.leases.release(request_id)
-        except GPULeaseError as exc:
-            self.log.warning(
-                "Could not withdraw the queued GPU request of kernel %s (the broker drops it "
-                "when nobody polls for it): %s",
-                self._kernel_id,
-                exc,
-            )
-        return True
 
     # -- helpers -------------------------------------------------------------------------
     def _show(self, lease: GrantedLease) -> None:
         if self.board is not None:
             fraction = self._ask.fraction if self._ask is not None else 0.0
             if lease.parked:
-                progress = self.resume_progress or {}
+                progress = self.park_watch.progress or {}
                 self.board.parked(
-                    self._kernel_id,
+                    self.kernel_id,
                     fraction,
                     dict(lease.raw),
                     state=lease.state,
@@ -673,23 +456,32 @@ class LeaseKeeper:
                     eta_seconds=progress.get("eta_seconds"),
                 )
             else:
-                self.board.active(self._kernel_id, fraction, dict(lease.raw))
+                self.board.active(self.kernel_id, fraction, dict(lease.raw))
 
-    def _holds(self, lease: GrantedLease) -> bool:
+    def holds(self, lease: GrantedLease) -> bool:
         """Whether ``lease`` is still the one held (its object may have been replaced by a
         fresher answer: renewals and the resume loop both update it)."""
         return self.lease is not None and self.lease.id == lease.id
 
     @property
-    def _kernel_id(self) -> str:
+    def kernel_id(self) -> str:
         return self._ask.kernel_id if self._ask is not None else "?"
+
+    @property
+    def long_poll(self) -> float:
+        """The longest the broker may hold one of this kernel's requests (s)."""
+        return self._ask.long_poll if self._ask is not None else 30.0
+
+    def kernel_busy(self) -> bool:
+        """Whether the kernel is executing now (the park watch resumes a busy kernel)."""
+        return self.kernel.kernel_report().execution_state == "busy"
 
     def _write_state(
         self, lease: GrantedLease, *, state: str | None = None, reason: str | None = None
     ) -> None:
         if self.state_file is not None:
             fraction = self._ask.fraction if self._ask is not None else 0.0
-            progress = (self.resume_progress or {}) if lease.parked and state is None else {}
+            progress = (self.park_watch.progress or {}) if lease.parked and state is None else {}
             self.state_file.write(
                 lease,
                 fraction=fraction,
@@ -711,38 +503,6 @@ def _parked_reason(exc: GPULeaseError) -> str:
         f"{_reason(exc)}; this kernel's GPU memory was parked, and with the lease gone it "
         "cannot be restored. Start the kernel again and re-run your notebook"
     )
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
-
-
-def _resume_answer(
-    answer: dict[str, Any], held: GrantedLease
-) -> tuple[GrantedLease, dict[str, Any] | None]:
-    """The broker's answer to a resume: the lease (200), or the 202 body's lease in the
-    body's ``state`` with its ``position``/``eta_seconds``. A body without a usable lease
-    object keeps ``held`` in the body's state."""
-    state = answer.get("state")
-    if isinstance(answer.get("lease"), dict) and state in PARK_STATES:
-        try:
-            fresh = GrantedLease.from_json(answer["lease"])
-        except GPULeaseError:
-            fresh = held
-        position, eta = answer.get("position"), answer.get("eta_seconds")
-        length = answer.get("queue_length")
-        progress = {
-            "position": _count(position),
-            "eta_seconds": eta
-            if isinstance(eta, (int, float)) and not isinstance(eta, bool) and eta >= 0
-            else None,
-            "queue_length": _count(length),
-        }
-        return replace(fresh, state=str(state)), progress
-    try:
-        return GrantedLease.from_json(answer), None
-    except GPULeaseError:
-        return replace(held, state=str(state) if isinstance(state, str) else held.state), None
 
 
 __all__ = ["KernelHandle", "KernelReport", "LeaseAsk", "LeaseKeeper"]

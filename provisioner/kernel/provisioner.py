@@ -8,6 +8,8 @@ side: its hooks decide *when*; small collaborators in this package do each job:
 - :mod:`.lease_keeper` — acquire (waiting in the queue), renew, take an expired lease
   back, release: the lease's state machine; :mod:`.loops` says which event loop runs
   the renewals (jupyter_client's blocking ``KernelManager`` runs one only during calls);
+  :mod:`.queue_wait` holds the acquire while it waits in the queue ("Stop waiting");
+  :mod:`.parked` resumes a parked lease when the kernel wants its GPU memory back;
 - :mod:`.broker_clients` — the broker clients, made again when the token rotates;
 - :mod:`.state_file` — the file the ``%gpu`` magic reads inside the kernel;
 - :mod:`.death_watch` — noticing a kernel that died for good (jupyter_client does not
@@ -180,7 +182,7 @@ class GPULeaseProvisioner(LocalProvisioner):
         super().__init__(**kwargs)
         self._clients = BrokerClients(lambda: self.broker_url)
         #: the lease's state machine: ``lease_keeper.lease`` is the lease held now, and
-        #: ``lease_keeper.queued`` the broker's latest answer while the request waits
+        #: ``lease_keeper.queue_wait.queued`` the broker's latest answer while the request waits
         self.lease_keeper = LeaseKeeper(self, self._clients, log=self.log)
         self._death = DeathWatch(self, on_death=lambda: self.lease_keeper.end("the kernel died"))
         #: the kernel's own cgroup (``cgroup.path`` None: none could be made)
@@ -202,7 +204,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 self.fraction,
                 kernel_name=getattr(self.parent, "kernel_name", None),
                 session_path=(kwargs.get("env") or {}).get("JPY_SESSION_NAME"),
-                stop=self.lease_keeper.stop_waiting,
+                stop=self.lease_keeper.queue_wait.stop_waiting,
             )
         try:
             if not self.fraction:
@@ -240,7 +242,7 @@ class GPULeaseProvisioner(LocalProvisioner):
             kwargs["cmd"] = wrapped.argv
             # no %gpu extension (not an IPython kernel: R, Julia...): no cell hook asks for a
             # parked lease back, so the keeper resumes it when the kernel is busy instead
-            self.lease_keeper.resume_when_busy = not wrapped.extension
+            self.lease_keeper.park_watch.resume_when_busy = not wrapped.extension
             self.lease_keeper.save_state()
         except BaseException:
             await self.lease_keeper.end("the kernel could not be prepared for launch")
@@ -322,7 +324,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 "fraction": self.fraction,
                 "lease": dict(lease.raw),
                 "state_file": state_file.path if state_file is not None else None,
-                "resume_when_busy": self.lease_keeper.resume_when_busy,
+                "resume_when_busy": self.lease_keeper.park_watch.resume_when_busy,
             }
         return info
 
@@ -347,7 +349,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 saved["state_file"], kernel_id=self.kernel_id, log=self.log
             )
         # as pre_launch set it (a kernel without %gpu's cell hook); absent in older saves
-        self.lease_keeper.resume_when_busy = saved.get("resume_when_busy") is True
+        self.lease_keeper.park_watch.resume_when_busy = saved.get("resume_when_busy") is True
         self.lease_keeper.resume(lease, self._ask())
         self._death.watch()
         self.lease_keeper.start_renewing(renewal_loop(self.parent))
