@@ -504,6 +504,33 @@ async def test_keeper_renews_a_parked_lease_and_resumes_when_the_kernel_asks(
 
 
 @pytest.mark.slow
+async def test_a_renewal_that_finds_a_parked_lease_revoked_says_its_memory_is_lost(
+    pb: NodeBroker, park: Park, tmp_path: Path
+) -> None:
+    """Not the resume but a renewal meets the revoke: the student is told the same, that the
+    parked GPU memory cannot be restored, with the admin's reason."""
+    keeper, kernel, state_file = keeper_for(pb, tmp_path)
+    lease = await keeper.acquire(ASK)
+    try:
+        assert await keeper.renew_once()
+        await park.bob_takes_the_gpu()
+        assert await keeper.renew_once()  # the keeper learns that its lease is parked
+        await parked(keeper, state_file)
+        r = await park.admin.post(
+            f"/leases/{lease.id}/revoke", json={"reason": "the course's GPU time is over"}
+        )
+        assert r.status_code == 200, r.text
+        assert not await keeper.renew_once()
+        await wait_for_async(lambda: kernel.shut_down, timeout=20, what="the kernel shut down")
+        state = state_of(state_file)
+        assert state["state"] == "revoked"
+        assert "the course's GPU time is over" in state["reason"]
+        assert "cannot be restored" in state["reason"]
+    finally:
+        await keeper.end("the test ended")
+
+
+@pytest.mark.slow
 async def test_keeper_shuts_a_parked_kernel_down_when_its_resume_finds_the_lease_ended(
     pb: NodeBroker, park: Park, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

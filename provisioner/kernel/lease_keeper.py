@@ -293,7 +293,7 @@ class LeaseKeeper:
 
     async def _renewal_failed(self, lease: GrantedLease, exc: GPULeaseError) -> bool:
         """What a failed renewal of ``lease`` means; False when the lease has ended."""
-        if isinstance(exc, (LeaseExpired, LeaseNotFound)) and lease.parked:
+        if isinstance(exc, (LeaseExpired, LeaseNotFound, LeaseGone)) and lease.parked:
             await self.lost_parked(exc)
             return False
         if isinstance(exc, (LeaseExpired, LeaseNotFound)):
