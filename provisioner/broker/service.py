@@ -5,6 +5,7 @@ it before listening and :meth:`~BrokerService.close` it at shutdown; the HTTP ha
 call the service that does the job, one call per request:
 
 - ``service.leases`` (``leases.py``): acquire, renew, release, revoke, and the reaper;
+- ``service.resumes`` (``resume.py``): resuming parked leases, with its long-poll;
 - ``service.quotas`` (``quotas.py``): quotas and usage;
 - ``service.nodes`` (``nodes.py``): node agents' registrations, heartbeats and over-use;
 - ``service.queries`` (``queries.py``): reads (leases, queue, GPUs, health, history);
@@ -26,11 +27,12 @@ from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
 from ..wire import ENDED_LEASE_STATES
 from .core import REAP_INTERVAL, Metrics, ParkSettings, ServiceCore, new_id
-from .leases import AcquireResult, LeaseService, ResumeResult
+from .leases import AcquireResult, LeaseService
 from .nodes import Heartbeat, NodeService, NodeView
 from .policy import Policy
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
 from .quotas import QuotaService, QuotaStanding
+from .resume import ResumeResult, ResumeService
 from .store import Store
 
 log = logging.getLogger("gpu_lease.broker")
@@ -62,6 +64,7 @@ class BrokerService:
             park=park,
         )
         self.leases = LeaseService(self.core)
+        self.resumes = ResumeService(self.core)
         self.quotas = QuotaService(self.core)
         self.nodes = NodeService(self.core)
         self.queries = QueryService(self.core)
