@@ -4,11 +4,12 @@ Who calls this: ``app.py`` builds one :class:`BrokerService`, :meth:`~BrokerServ
 it before listening and :meth:`~BrokerService.close` it at shutdown; the HTTP handlers
 call the service that does the job, one call per request:
 
-- ``service.leases`` (``leases.py``): acquire, renew, release, revoke, and the reaper;
+- ``service.leases`` (``leases.py``): acquire, renew, release, revoke;
 - ``service.resumes`` (``resume.py``): resuming parked leases, with its long-poll;
 - ``service.quotas`` (``quotas.py``): quotas and usage;
 - ``service.nodes`` (``nodes.py``): node agents' registrations, heartbeats and over-use;
 - ``service.queries`` (``queries.py``): reads (leases, queue, GPUs, health, history);
+- ``service.reaper`` (``reaper.py``): the reaper's passes, which ``app.py`` runs;
 - ``service.core`` (``core.py``): the state they share, and the one way to change it
   (decide, commit through the writer, answer; reconcile after a refused batch).
 
@@ -32,6 +33,7 @@ from .nodes import Heartbeat, NodeService, NodeView
 from .policy import Policy
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
 from .quotas import QuotaService, QuotaStanding
+from .reaper import Reaper
 from .resume import ResumeResult, ResumeService
 from .store import Store
 
@@ -68,6 +70,7 @@ class BrokerService:
         self.quotas = QuotaService(self.core)
         self.nodes = NodeService(self.core)
         self.queries = QueryService(self.core)
+        self.reaper = Reaper(self.core)
 
     @property
     def state(self) -> PoolState:
