@@ -240,7 +240,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         passes = []
         for _ in range(3):
             clock.now += 5.0
-            passes.append(await svc.leases.tick())
+            passes.append(await svc.reaper.tick())
         assert [p["grace"] for p in passes] == [0, 0, 0]
         assert passes[1]["expired"] == 1  # at +10 s, its expiry (+6 s) has passed
         assert svc.state.leases == {}
@@ -248,7 +248,7 @@ async def test_short_ttl_expires_with_the_default_reap_interval(tmp_path: Path) 
         # a real stall (longer than 3 reap intervals) still gives grace
         (_,) = await take(svc, 1)
         clock.now += 16.0
-        assert (await svc.leases.tick())["grace"] == 1 and len(svc.state.leases) == 1
+        assert (await svc.reaper.tick())["grace"] == 1 and len(svc.state.leases) == 1
     finally:
         svc.close()
 
@@ -266,9 +266,9 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
             clock.now += reap
             for lid in ids:
                 await svc.leases.renew(Identity(svc.state.leases[lid].user), lid)
-            assert (await svc.leases.tick())["expired"] == 0
+            assert (await svc.reaper.tick())["expired"] == 0
         clock.now += jump
-        counts = await svc.leases.tick()
+        counts = await svc.reaper.tick()
         assert counts["expired"] == 0 and counts["grace"] == 10
         assert sorted(svc.state.leases) == sorted(ids)
         assert_store_matches(svc)
@@ -279,7 +279,7 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
             clock.now += reap
             for lid in live:
                 await svc.leases.renew(Identity(svc.state.leases[lid].user), lid)
-            if (await svc.leases.tick())["expired"]:
+            if (await svc.reaper.tick())["expired"]:
                 assert expired_at is None
                 expired_at = clock.now
         assert expired_at is not None

@@ -13,7 +13,7 @@ Start-up, one step each: load the GPUs (exit 2 with the inventory's message if
 there are none), build the authenticator (exit 2 on a bad tokens file), open the
 store, stand by until it leads (``--ha-lock``: :mod:`.leadership`), rebuild the state
 (``service.start()``, exit 1 if the database fails), listen (exit 2 if the address is
-taken), run the reaper (``service.leases.tick()`` every ``reap_interval`` s) and, with
+taken), run the reaper (``service.reaper.tick()`` every ``reap_interval`` s) and, with
 ``--ha-lock``, keep the leadership renewed. SIGTERM/SIGINT stop serving (a waiting
 long-poll answers 503), stop listening, give the leadership up, close the store and
 return (exit 0) within a second. A broker that loses its leadership stops serving at

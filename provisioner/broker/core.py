@@ -243,7 +243,7 @@ class ServiceCore:
         self.declared = list(gpus)
         self.policy = policy
         self.clock = clock
-        #: seconds between the reaper's passes (``LeaseService.tick``, ``app.py``'s ``reap_interval``)
+        #: seconds between the reaper's passes (``Reaper.tick``, ``app.py``'s ``reap_interval``)
         self.reap_interval = float(reap_interval)
         self.metrics: Metrics = metrics or _NoMetrics()
         self.new_id = id_factory

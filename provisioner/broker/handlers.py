@@ -652,7 +652,7 @@ class ResumeHandler(LongPollHandler):
     @api
     async def post(self, lease_id: str) -> None:
         wait = validation.parse_resume(self.json_body())
-        result = await self.answer_of(self.service.leases.resume(self.ident, lease_id, wait))
+        result = await self.answer_of(self.service.resumes.resume(self.ident, lease_id, wait))
         if result is None:
             return
         lease = await self.lease_json(result.lease)

@@ -1,9 +1,10 @@
-"""Leases: acquire (with its long-poll), renew, release, revoke, and the reaper.
+"""Leases: acquire (with its long-poll), renew, release, revoke.
 
 Who calls this: the HTTP handlers (``service.leases.acquire(...)``), one call per
-request, and the reaper loop started by ``app.py`` (:meth:`LeaseService.tick`). Every
-change goes through the shared :class:`~provisioner.broker.core.ServiceCore`: decide
-with ``scheduling``, ``commit``, then answer (see ``core.py``).
+request. A parked lease's resume is ``resume.py``'s; the reaper's passes (expiry, idle
+reclaim, the heartbeats ``renew`` keeps in memory) are ``reaper.py``'s. Every change
+goes through the shared :class:`~provisioner.broker.core.ServiceCore`: decide with
+``scheduling``, ``commit``, then answer (see ``core.py``).
 """
 
 from __future__ import annotations
@@ -13,18 +14,14 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-from ..errors import GPULeaseError, LeaseGone, NotActive, UnknownGPU
-from ..model import Changes, Identity, Lease, Request, ppm_to_fraction
+from ..errors import GPULeaseError, LeaseGone, UnknownGPU
+from ..model import Identity, Lease, Request, ppm_to_fraction
 from . import admission, scheduling
 from .core import ServiceCore, Waiter, check_owner, require_admin
-from .park_policy import ParkPolicy
 from .policy import Ask
 from .scheduling import Existing, Grant, Queued
 
 log = logging.getLogger("gpu_lease.broker")
-
-#: heartbeats persisted per transaction by the reaper (see ``_persist_heartbeats``)
-HEARTBEATS_PER_COMMIT = 200
 
 
 @dataclass
@@ -43,30 +40,8 @@ class AcquireResult:
     queue_length: int = 0
 
 
-@dataclass
-class ResumeResult:
-    """A resume's outcome (``POST /api/v1/leases/{id}/resume``): ``state`` is ``active``
-    (the handler answers 200 with the lease) or a park state (202, with the place of its
-    resume request in the queue while it waits: ``position``, ``eta_seconds``)."""
-
-    state: str
-    lease: Lease
-    position: int | None = None
-    eta_seconds: float | None = None
-    queue_length: int = 0
-
-
-def parking_timeout_why(timeout: float) -> str:
-    """Why parking failed when it took longer than ``park_timeout`` (``scheduling.park_failed``
-    puts it in the revoke reason its student reads)."""
-    return (
-        f"it did not finish within {timeout:g} s (the node's agent did not report the "
-        "kernel's GPU memory saved)"
-    )
-
-
 class LeaseService:
-    """Leases and queued requests of kernels, and the reaper that ends them."""
+    """Leases and queued requests of kernels: acquire, renew, release, revoke."""
 
     def __init__(self, core: ServiceCore) -> None:
         self.core = core
@@ -189,111 +164,6 @@ class LeaseService:
             if req is not None:
                 req.last_polled_at = self.core.clock()
 
-    async def resume(self, ident: Identity, lease_id: str, wait: float = 0.0) -> ResumeResult:
-        """``POST /api/v1/leases/{id}/resume``: the owner (or an admin) wants the parked
-        kernel's GPU memory back.
-
-        An active lease answers at once. A parked one gets a resume request in the queue
-        (``scheduling.resume``: same GPU, same fraction, its place in the queue that of
-        the moment it was parked), granted at once if it fits: the lease is ``resuming``
-        (its capacity reserved again) and its node's agent is ordered to restore it. With
-        ``wait`` > 0 this long-polls until the lease is active again or the wait ends.
-        Another user's lease is 404 like an unknown id; an ended one 410 with its reason.
-        """
-        await self.core.ready()
-        result = await self.core.mutate(lambda: self._resume_once(ident, lease_id))
-        if result.state != "active" and wait > 0:
-            result = await self._wait_for_resume(ident, lease_id, wait)
-        return result
-
-    async def _resume_once(self, ident: Identity, lease_id: str) -> ResumeResult:
-        lease = self.core.state.find_lease(lease_id)
-        if lease is None:
-            lease = await self.core.adopt(ident, lease_id)  # 404, 410, or adopted
-        check_owner(ident, lease)
-        if lease.park is None:
-            await self.core.writer.barrier()  # a resume done in flight is in the database
-            return ResumeResult("active", lease)
-        now = self.core.clock()
-        if lease.park == "parked":
-            waiting = lease.user_kernel in self.core.state.queue
-            decision, changes = scheduling.resume(
-                self.core.state, lease_id, now, self.core.policy, self.core.new_id
-            )
-            self.core.resume_asked.setdefault(lease_id, now)
-            await self.core.commit(changes)
-            if decision.state == "resuming":
-                log.info(
-                    "Resuming lease %s… of %s kernel %s on GPU %s (capacity reserved again)",
-                    lease_id[:6],
-                    lease.user,
-                    lease.kernel_id,
-                    lease.gpu_uuid,
-                )
-            elif not waiting:
-                log.info(
-                    "Queued the resume of lease %s… of %s kernel %s at position %s",
-                    lease_id[:6],
-                    lease.user,
-                    lease.kernel_id,
-                    decision.position,
-                )
-        return self._resume_state(lease_id, now)
-
-    def _resume_state(self, lease_id: str, now: float) -> ResumeResult:
-        """Where the lease ``lease_id`` (held in memory) stands now, for a resume's answer."""
-        lease = self.core.state.find_lease(lease_id)
-        assert lease is not None
-        state = lease.park or "active"
-        key = lease.user_kernel
-        req = self.core.state.queue.get(key)
-        if req is None or req.resume_of != lease_id:
-            return ResumeResult(state, lease, queue_length=len(self.core.state.queue))
-        req.last_polled_at = now
-        return ResumeResult(
-            state,
-            lease,
-            position=scheduling.position_of(self.core.state, key, now, self.core.policy),
-            eta_seconds=self.core.eta(key, now),
-            queue_length=len(self.core.state.queue),
-        )
-
-    async def _wait_for_resume(self, ident: Identity, lease_id: str, wait: float) -> ResumeResult:
-        """Long-poll a resume: woken by each commit that parks, resumes or ends leases."""
-        waiter = self.core.resume_waiters.setdefault(lease_id, Waiter())
-        waiter.count += 1
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait
-        queued = False  # the resume request queued by this poll (at most once)
-        try:
-            while True:
-                self.core.check_serving()
-                lease = self.core.state.find_lease(lease_id)
-                if lease is None or lease.park is None:  # ended (410) or active (200)
-                    await self.core.writer.barrier()
-                    return await self.core.mutate(lambda: self._resume_once(ident, lease_id))
-                req = self.core.state.queue.get(lease.user_kernel)
-                if (
-                    not queued
-                    and lease.park == "parked"
-                    and (req is None or req.resume_of != lease_id)
-                ):
-                    # asked while it was still parking: now it is parked, queue the resume
-                    queued = True
-                    await self.core.mutate(lambda: self._resume_once(ident, lease_id))
-                    continue
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    await self.core.writer.barrier()
-                    return self._resume_state(lease_id, self.core.clock())
-                await waiter.pause(remaining)
-        finally:
-            waiter.count -= 1
-            if waiter.count <= 0:
-                self.core.resume_waiters.pop(lease_id, None)
-            if self.core.none_waiting is not None and not self.core.waiting:
-                self.core.none_waiting.set()
-
     async def renew(
         self,
         ident: Identity,
@@ -307,8 +177,7 @@ class LeaseService:
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
-        Memory only: the reaper's next pass persists the heartbeat (see the module's
-        docstring). A lease active in the database but not in memory is adopted (memory
+        Memory only: the reaper's next pass persists the heartbeat (``reaper.py``). A lease active in the database but not in memory is adopted (memory
         reloaded).
         """
         await self.core.ready()
@@ -416,181 +285,5 @@ class LeaseService:
                 found.kernel_id,
             )
 
-    async def tick(self) -> dict[str, int]:
-        """One reaper pass: expire, drop stale requests, reclaim idle leases, drain the queue,
-        and persist the heartbeats renewed since the last pass.
 
-        Called every ``reap_interval`` seconds by ``app.py``. A gap much longer than
-        expected since the last pass (longer than ``max(ttl / 2, 3 * reap_interval)``:
-        a suspended process, a clock jump forward) or a clock going backward is treated
-        like a restart: every active lease expires exactly one TTL from now instead of
-        expiring at once (forward) or only when the clock catches up (backward).
-        """
-        counts = {
-            "expired": 0,
-            "dropped": 0,
-            "revoked": 0,
-            "granted": 0,
-            "grace": 0,
-            "parking": 0,
-            "park_timeouts": 0,
-        }
-        try:
-            await self.core.ready()
-        except NotActive:
-            return counts  # not the active broker now: it must not decide anything
-        now = self.core.clock()
-        last = self.core.last_tick if self.core.last_tick is not None else now
-        self.core.last_tick = now
-        stall = max(self.core.policy.ttl / 2, 3 * self.core.reap_interval)
-        if now - last > stall or now < last:
-            held = [*self.core.state.leases.values(), *self.core.state.parked.values()]
-            for lease in held:
-                self.core.state.update_lease(replace(lease, expires_at=now + self.core.policy.ttl))
-                self.core.renewed.add(lease.id)
-            for req in self.core.state.queue.values():
-                req.last_polled_at = now
-            counts["grace"] = len(held)
-            log.warning(
-                "Reaper saw a %.0f s gap (clock jump or stall): gave %d lease(s) a TTL of grace",
-                now - last,
-                counts["grace"],
-            )
-            await self._persist_heartbeats(now)
-            return counts
-        reaped, overdue = await self.core.mutate(lambda: self._reap(now))
-        counts["expired"] = len(reaped.expired)
-        counts["dropped"] = len(reaped.dropped)
-        counts["revoked"] = len(reaped.revoked)
-        counts["granted"] = len(reaped.changes.granted)
-        counts["parking"] = len(reaped.parking)
-        counts["park_timeouts"] = len(overdue)
-        if reaped.expired:
-            log.info("Expired %d lease(s) not renewed in time", len(reaped.expired))
-        if reaped.dropped:
-            log.info(
-                "Dropped %d queued request(s) whose clients stopped polling", len(reaped.dropped)
-            )
-        if reaped.revoked:
-            log.info("Revoked %d idle lease(s) for waiting requests", len(reaped.revoked))
-        await self.core.forget_vanished()
-        return counts
-
-    async def _reap(self, now: float) -> tuple[scheduling.Reaped, list[Lease]]:
-        """Decide and apply one pass: revoke leases parking past ``park_timeout``, then
-        ``scheduling.reap`` with ``ParkPolicy.check`` (idle victims are parked where
-        their node can, revoked elsewhere); commit; log and count each park, fallback and
-        timeout. Returns the pass and the leases revoked for parking too long."""
-        self.core.close_gpus(now)
-        timeout = self.core.park.timeout
-        overdue = scheduling.parking_overdue(self.core.state, now, timeout)
-        late = Changes(now)
-        for lease in overdue:
-            late.extend(
-                scheduling.park_failed(
-                    self.core.state, lease.id, parking_timeout_why(timeout), now, self.core.policy
-                )
-            )
-        check = ParkPolicy(self.core).check(now)
-        refused: dict[str, str] = {}
-
-        def can_park(lease: Lease) -> str | None:
-            why = check(lease)
-            if why is None:
-                return None
-            refused[lease.id] = why
-            # the student reads why only where the node parks kernels (checkpoint API on)
-            # and could not this time; where it never does, the reason stays today's
-            return why if why.tell_student else ""
-
-        reaped = scheduling.reap(
-            self.core.state,
-            now,
-            self.core.policy,
-            set(self.core.waiters) | self._resume_polls(),
-            can_park=can_park,
-        )
-        late.extend(reaped.changes)
-        await self.core.commit(late)
-        await self._persist_heartbeats(now)
-        self._note_reaped(reaped, overdue, refused)
-        return reaped, overdue
-
-    def _resume_polls(self) -> set[tuple[str, str]]:
-        """The kernels whose owners long-poll a resume now (their requests are not stale)."""
-        out = set()
-        for lease_id in self.core.resume_waiters:
-            lease = self.core.state.find_lease(lease_id)
-            if lease is not None:
-                out.add(lease.user_kernel)
-        return out
-
-    def _note_reaped(
-        self, reaped: scheduling.Reaped, overdue: list[Lease], refused: dict[str, str]
-    ) -> None:
-        """Log (INFO, ids cut to 6 characters) and count what a committed pass did about
-        parking: orders to park, fallbacks to revoking, parks that timed out."""
-        metrics = self.core.metrics
-        for lease in overdue:
-            log.info(
-                "Revoked lease %s… of %s kernel %s: parking did not finish within %g s",
-                lease.id[:6],
-                lease.user,
-                lease.kernel_id,
-                self.core.park.timeout,
-            )
-        metrics.parked("timeout", len(overdue))
-        for lease in reaped.parking:
-            self.core.resume_asked.pop(lease.id, None)
-            log.info(
-                "Parking idle lease %s… of %s kernel %s on GPU %s for a waiting request",
-                lease.id[:6],
-                lease.user,
-                lease.kernel_id,
-                lease.gpu_uuid,
-            )
-        fallbacks = [x for x in reaped.revoked if x.id in refused]
-        for lease in fallbacks:
-            log.info(
-                "Revoked idle lease %s… of %s kernel %s instead of parking it: %s",
-                lease.id[:6],
-                lease.user,
-                lease.kernel_id,
-                refused[lease.id],
-            )
-        if self.core.park.idle:  # parking turned off refuses nothing
-            metrics.parked("refused", len(fallbacks))
-
-    async def _persist_heartbeats(self, now: float) -> None:
-        """Write the latest heartbeat of every lease renewed since the last pass, at most
-        ``HEARTBEATS_PER_COMMIT`` per transaction, one transaction after another (so a
-        request arriving meanwhile waits for one of them, not for all: 10,000 kernels
-        renewing every 30 s are 1,700 heartbeats per 5 s pass); drop the leases another
-        writer ended in the database."""
-        beats = self.core.take_renewed(now).renewed
-        gone: dict[str, tuple[str, str | None]] = {}
-        for i in range(0, len(beats), HEARTBEATS_PER_COMMIT):
-            chunk = Changes(now, renewed=beats[i : i + HEARTBEATS_PER_COMMIT])
-            try:
-                gone.update(await self.core.commit(chunk))
-            except GPULeaseError:
-                self.core.renewed.update(x.id for x in beats[i + HEARTBEATS_PER_COMMIT :])
-                raise
-        if gone:
-            # another writer ended them in the database: drop them, with their capacity
-            log.warning(
-                "%d renewed lease(s) had ended in the database (another writer); dropped them",
-                len(gone),
-            )
-            held = ((self.core.state.find_lease(i), st, why) for i, (st, why) in gone.items())
-            ends = [(x, st, why) for x, st, why in held if x is not None]
-            await self.core.commit(scheduling.end(self.core.state, ends, now, self.core.policy))
-
-
-__all__ = [
-    "HEARTBEATS_PER_COMMIT",
-    "AcquireResult",
-    "LeaseService",
-    "ResumeResult",
-    "parking_timeout_why",
-]
+__all__ = ["AcquireResult", "LeaseService"]

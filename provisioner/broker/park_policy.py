@@ -1,6 +1,6 @@
 """Whether an idle lease may be parked rather than revoked (issue 28).
 
-Who calls this: the reaper (:meth:`~provisioner.broker.leases.LeaseService.tick`), once
+Who calls this: the reaper (:meth:`~provisioner.broker.reaper.Reaper.tick`), once
 per pass: :meth:`ParkPolicy.check` is the ``can_park`` it hands ``scheduling.reap``.
 What it decides from lives in the shared :class:`~provisioner.broker.core.ServiceCore`:
 the parking options (``core.park``), what each node's agent last said about parking
@@ -50,7 +50,7 @@ class ParkPolicy:
         return reserved_mb(lease.fraction_ppm, gpu.memory_mb) if gpu is not None else 0
 
     def check(self, now: float) -> Callable[[Lease], NotParked | None]:
-        """The reaper's ``can_park`` for one pass (``LeaseService.tick``): None when the
+        """The reaper's ``can_park`` for one pass (``Reaper.tick``): None when the
         lease may be parked instead of revoked, else why not (the revoke reason says it).
 
         Parking needs: ``park_idle`` on; the lease's GPU's node has a registered agent, up,

@@ -53,7 +53,8 @@ MAX_FRAME = 256 * 1024 * 1024
 
 #: what a front may call: each service's API as the handlers use it (service -> methods)
 METHODS: dict[str, frozenset[str]] = {
-    "leases": frozenset({"acquire", "release", "renew", "resume", "revoke"}),
+    "leases": frozenset({"acquire", "release", "renew", "revoke"}),
+    "resumes": frozenset({"resume"}),
     "queries": frozenset(
         {
             "get_lease",
@@ -363,9 +364,10 @@ class _RemoteQueries(_RemotePart):
 class RemoteService:
     """The service's API, as the handlers use it, answered by the broker process.
 
-    ``leases``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's services:
-    every method returns a future (the handlers await what may be remote); ``clock`` is
-    this process's ``time.time`` and ``policy`` is asked once at :meth:`connect`.
+    ``leases``, ``resumes``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's
+    services: every method returns a future (the handlers await what may be remote);
+    ``clock`` is this process's ``time.time`` and ``policy`` is asked once at
+    :meth:`connect`.
     ``queries.lease_facts`` is answered from what came with the lease, else asked.
     ``lost`` is set when the broker's end closes (the front then exits).
     """
@@ -381,6 +383,7 @@ class RemoteService:
         self._link: _BrokerLink | None = None
         self._idle: asyncio.Future[None] | None = None
         self.leases = _RemotePart(self, "leases")
+        self.resumes = _RemotePart(self, "resumes")
         self.quotas = _RemotePart(self, "quotas")
         self.nodes = _RemotePart(self, "nodes")
         self.queries = _RemoteQueries(self, "queries")

@@ -882,7 +882,7 @@ def reap(
             parking.append(fresh)
         else:
             # an empty refusal: parking is not offered there at all, so the student's reason
-            # stays today's (an admin's log says why; see LeaseService._reap)
+            # stays today's (an admin's log says why; see Reaper._reap)
             said = f"{why}; it could not be parked: {refusal}" if refusal else why
             revoked.append((victim, "revoked", said))
     if revoked:

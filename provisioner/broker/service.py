@@ -4,10 +4,12 @@ Who calls this: ``app.py`` builds one :class:`BrokerService`, :meth:`~BrokerServ
 it before listening and :meth:`~BrokerService.close` it at shutdown; the HTTP handlers
 call the service that does the job, one call per request:
 
-- ``service.leases`` (``leases.py``): acquire, renew, release, revoke, and the reaper;
+- ``service.leases`` (``leases.py``): acquire, renew, release, revoke;
+- ``service.resumes`` (``resume.py``): resuming parked leases, with its long-poll;
 - ``service.quotas`` (``quotas.py``): quotas and usage;
 - ``service.nodes`` (``nodes.py``): node agents' registrations, heartbeats and over-use;
 - ``service.queries`` (``queries.py``): reads (leases, queue, GPUs, health, history);
+- ``service.reaper`` (``reaper.py``): the reaper's passes, which ``app.py`` runs;
 - ``service.core`` (``core.py``): the state they share, and the one way to change it
   (decide, commit through the writer, answer; reconcile after a refused batch).
 
@@ -26,11 +28,13 @@ from ..errors import CannotFit, Conflict, GPULeaseError
 from ..model import GPU, PoolState
 from ..wire import ENDED_LEASE_STATES
 from .core import REAP_INTERVAL, Metrics, ParkSettings, ServiceCore, new_id
-from .leases import AcquireResult, LeaseService, ResumeResult
+from .leases import AcquireResult, LeaseService
 from .nodes import Heartbeat, NodeService, NodeView
 from .policy import Policy
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
 from .quotas import QuotaService, QuotaStanding
+from .reaper import Reaper
+from .resume import ResumeResult, ResumeService
 from .store import Store
 
 log = logging.getLogger("gpu_lease.broker")
@@ -62,9 +66,11 @@ class BrokerService:
             park=park,
         )
         self.leases = LeaseService(self.core)
+        self.resumes = ResumeService(self.core)
         self.quotas = QuotaService(self.core)
         self.nodes = NodeService(self.core)
         self.queries = QueryService(self.core)
+        self.reaper = Reaper(self.core)
 
     @property
     def state(self) -> PoolState:

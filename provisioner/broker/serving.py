@@ -227,12 +227,12 @@ async def start_fronts(
 
 # -- serving -----------------------------------------------------------------------------
 def start_reaper(service: BrokerService, reap_interval: float, log: Log) -> PeriodicCallback:
-    """Call ``service.leases.tick()`` every ``reap_interval`` s; a failed pass is logged and
+    """Call ``service.reaper.tick()`` every ``reap_interval`` s; a failed pass is logged and
     retried at the next one (a broker that is not serving skips its passes)."""
 
     async def reap() -> None:
         try:
-            await service.leases.tick()
+            await service.reaper.tick()
         except (StoreError, NotActive) as exc:
             log.warning("Reaper pass failed, will retry: %s", exc.message)
         except Exception:
