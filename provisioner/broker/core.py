@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from ..errors import (
@@ -75,6 +75,7 @@ from ..model import (
 )
 from . import estimates, node_rules, scheduling
 from .kernel_places import KernelPlaces
+from .long_polls import LongPolls
 from .policy import Policy
 from .store import Store
 from .writer import Writer
@@ -155,23 +156,6 @@ class NodeParking:
     host_memory_available_mb: int | None = None
 
 
-@dataclass
-class Waiter:
-    """The long-polls (acquire, resume) waiting on one key; a commit that concerns it sets
-    ``event``."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    count: int = 0
-
-    async def pause(self, seconds: float) -> None:
-        """Until the next wake-up, or ``seconds`` at most."""
-        self.event.clear()
-        try:
-            await asyncio.wait_for(self.event.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
-
-
 class _RandomBytes:
     """``os.urandom`` drawn 4 KiB at a time: one system call per 256 ids, not one per id.
 
@@ -249,7 +233,8 @@ class ServiceCore:
         self.new_id = id_factory
         self.state = PoolState.build(gpus)
         self.book = QuotaBook()
-        self.waiters: dict[tuple[str, str], Waiter] = {}
+        #: the acquire and resume long-polls waiting now
+        self.polls = LongPolls()
         self.last_tick: float | None = None
         self.started_at = 0.0
         #: nodes registered by node agents (name -> Node)
@@ -269,7 +254,6 @@ class ServiceCore:
         #: ``Leadership.check`` with ``--ha-lock``)
         self.gate: Callable[[], None] = _always_serving
         self._closing: str | None = None
-        self.none_waiting: asyncio.Event | None = None
         #: the store's one thread: group commit, reads off the loop
         self.writer = Writer(store, policy.capacity_ppm, self.metrics.committed)
         #: memory may hold changes the database refused: reload before deciding again
@@ -285,8 +269,6 @@ class ServiceCore:
         self.node_parking: dict[str, NodeParking] = {}
         #: lease id -> when its owner first asked to resume it (``resume_wait_seconds``)
         self.resume_asked: dict[str, float] = {}
-        #: lease id -> the resume long-polls waiting for it to be active again
-        self.resume_waiters: dict[str, Waiter] = {}
 
     # -- start-up, serving or not ---------------------------------------------------------
     def drain_before_serving(self, now: float) -> None:
@@ -312,21 +294,10 @@ class ServiceCore:
             raise NotActive(self._closing)
         self.gate()
 
-    @property
-    def waiting(self) -> int:
-        """How many long-polls are waiting now."""
-        return sum(w.count for w in [*self.waiters.values(), *self.resume_waiters.values()])
-
     async def long_polls_answered(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until no long-poll waits: after :meth:`stop_serving`,
         ``app.py`` lets them answer 503 before it closes the connections."""
-        if not self.waiting:
-            return
-        self.none_waiting = asyncio.Event()
-        try:
-            await asyncio.wait_for(self.none_waiting.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+        await self.polls.answered(timeout)
 
     def stop_serving(self, why: str) -> None:
         """From now on every request answers 503, long-polls waiting now included.
@@ -336,8 +307,7 @@ class ServiceCore:
         """
         if self._closing is None:
             self._closing = f"This broker is {why}; retry, and the active broker will answer."
-        for waiter in [*self.waiters.values(), *self.resume_waiters.values()]:
-            waiter.event.set()
+        self.polls.wake_all()
 
     async def ready(self) -> None:
         """Raise unless this broker may answer now; reload memory first if it may hold
@@ -384,12 +354,11 @@ class ServiceCore:
             for lease in changes.renewed:  # still not persisted
                 self.renewed.add(lease.id)
             raise
-        self.wake(
+        self.polls.wake_acquires(
             [g.lease.user_kernel for g in changes.granted] + [r.key for r, _ in changes.dropped]
         )
-        if self.resume_waiters and (changes.parks or changes.ended or changes.dropped):
-            for waiter in self.resume_waiters.values():  # few: each looks at its lease again
-                waiter.event.set()
+        if changes.parks or changes.ended or changes.dropped:
+            self.polls.wake_resumes()
         mine = {x.id for x in changes.renewed}
         return {i: v for i, v in gone.items() if i in mine}
 
@@ -441,9 +410,7 @@ class ServiceCore:
             leases, queue = await self.writer.recover(lambda: self._fetch(now, pool))
             self._install(now, polled, pool, leases, queue)
             self.stale = False
-            self.wake(list(self.waiters))
-            for waiter in self.resume_waiters.values():
-                waiter.event.set()
+            self.polls.wake_all()
             done.set_result(None)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
@@ -542,12 +509,6 @@ class ServiceCore:
             gone = await self.writer.call(lambda: self.store.get_lease(lease_id), read=True)
             raise _gone(gone or found)
         return lease
-
-    def wake(self, keys: list[tuple[str, str]]) -> None:
-        for key in keys:
-            waiter = self.waiters.get(key)
-            if waiter is not None:
-                waiter.event.set()
 
     async def visible_lease(self, ident: Identity, lease_id: str) -> Lease:
         lease = await self.writer.call(lambda: self.store.get_lease(lease_id), read=True)

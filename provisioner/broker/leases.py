@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..errors import GPULeaseError, LeaseGone, UnknownGPU
 from ..model import Identity, Lease, Request, ppm_to_fraction
 from . import admission, scheduling
-from .core import ServiceCore, Waiter, check_owner, require_admin
+from .core import ServiceCore, check_owner, require_admin
 from .policy import Ask
 from .scheduling import Existing, Grant, Queued
 
@@ -118,48 +118,42 @@ class LeaseService:
         self, ident: Identity, ask: Ask, queued: AcquireResult, wait: float
     ) -> AcquireResult:
         key = (ident.user, ask.kernel_id)
-        waiter = self.core.waiters.setdefault(key, Waiter())
-        waiter.count += 1
         deadline = asyncio.get_running_loop().time() + wait
         try:
-            while True:
-                self.core.check_serving()
-                lease = self.core.state.lease_for_kernel(*key)
-                if lease is not None:
-                    await self.core.writer.barrier()  # the grant is in the database
-                    req = queued.request
-                    if req is not None:
-                        self.core.metrics.observe_queue_wait(self.core.clock() - req.arrived_at)
-                    return AcquireResult("granted", lease=lease)
-                req = self.core.state.queue.get(key)
-                if req is None:
-                    raise LeaseGone(
-                        "Your queued GPU request was cancelled before a GPU became free. "
-                        "Start the kernel again to rejoin the queue.",
-                        state="cancelled",
-                    )
-                remaining = deadline - asyncio.get_running_loop().time()
-                if remaining <= 0:
-                    await self.core.writer.barrier()
-                    now = self.core.clock()
-                    req.last_polled_at = now
-                    return AcquireResult(
-                        "queued",
-                        request=req,
-                        position=scheduling.position_of(
-                            self.core.state, key, now, self.core.policy
-                        ),
-                        reason=queued.reason,
-                        eta_seconds=self.core.eta(key, now),
-                        queue_length=len(self.core.state.queue),
-                    )
-                await waiter.pause(remaining)
+            with self.core.polls.for_grant(key) as waiter:
+                while True:
+                    self.core.check_serving()
+                    lease = self.core.state.lease_for_kernel(*key)
+                    if lease is not None:
+                        await self.core.writer.barrier()  # the grant is in the database
+                        req = queued.request
+                        if req is not None:
+                            self.core.metrics.observe_queue_wait(self.core.clock() - req.arrived_at)
+                        return AcquireResult("granted", lease=lease)
+                    req = self.core.state.queue.get(key)
+                    if req is None:
+                        raise LeaseGone(
+                            "Your queued GPU request was cancelled before a GPU became free. "
+                            "Start the kernel again to rejoin the queue.",
+                            state="cancelled",
+                        )
+                    remaining = deadline - asyncio.get_running_loop().time()
+                    if remaining <= 0:
+                        await self.core.writer.barrier()
+                        now = self.core.clock()
+                        req.last_polled_at = now
+                        return AcquireResult(
+                            "queued",
+                            request=req,
+                            position=scheduling.position_of(
+                                self.core.state, key, now, self.core.policy
+                            ),
+                            reason=queued.reason,
+                            eta_seconds=self.core.eta(key, now),
+                            queue_length=len(self.core.state.queue),
+                        )
+                    await waiter.pause(remaining)
         finally:
-            waiter.count -= 1
-            if waiter.count <= 0:
-                self.core.waiters.pop(key, None)
-            if self.core.none_waiting is not None and not self.core.waiting:
-                self.core.none_waiting.set()
             req = self.core.state.queue.get(key)
             if req is not None:
                 req.last_polled_at = self.core.clock()

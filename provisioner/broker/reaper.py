@@ -133,7 +133,7 @@ class Reaper:
             self.core.state,
             now,
             self.core.policy,
-            set(self.core.waiters) | self._resume_polls(),
+            set(self.core.polls.acquires) | self._resume_polls(),
             can_park=can_park,
         )
         late.extend(reaped.changes)
@@ -145,7 +145,7 @@ class Reaper:
     def _resume_polls(self) -> set[tuple[str, str]]:
         """The kernels whose owners long-poll a resume now (their requests are not stale)."""
         out = set()
-        for lease_id in self.core.resume_waiters:
+        for lease_id in self.core.polls.resumes:
             lease = self.core.state.find_lease(lease_id)
             if lease is not None:
                 out.add(lease.user_kernel)

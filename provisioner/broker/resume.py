@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..model import Identity, Lease
 from . import scheduling
-from .core import ServiceCore, Waiter, check_owner
+from .core import ServiceCore, check_owner
 
 log = logging.getLogger("gpu_lease.broker")
 
@@ -111,12 +111,10 @@ class ResumeService:
 
     async def _wait_for_resume(self, ident: Identity, lease_id: str, wait: float) -> ResumeResult:
         """Long-poll a resume: woken by each commit that parks, resumes or ends leases."""
-        waiter = self.core.resume_waiters.setdefault(lease_id, Waiter())
-        waiter.count += 1
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         queued = False  # the resume request queued by this poll (at most once)
-        try:
+        with self.core.polls.for_resume(lease_id) as waiter:
             while True:
                 self.core.check_serving()
                 lease = self.core.state.find_lease(lease_id)
@@ -138,12 +136,6 @@ class ResumeService:
                     await self.core.writer.barrier()
                     return self._resume_state(lease_id, self.core.clock())
                 await waiter.pause(remaining)
-        finally:
-            waiter.count -= 1
-            if waiter.count <= 0:
-                self.core.resume_waiters.pop(lease_id, None)
-            if self.core.none_waiting is not None and not self.core.waiting:
-                self.core.none_waiting.set()
 
 
 __all__ = ["ResumeResult", "ResumeService"]
