@@ -265,3 +265,37 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles among provisioner modules: " + "; ".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+#: the house's most lines for one class (issue 25): a class that grows past it does two jobs
+MOST_CLASS_LINES = 400
+
+
+def long_classes(path: Path, most: int = MOST_CLASS_LINES) -> list[str]:
+    """``Name (N lines)`` for each class in ``path`` longer than ``most`` lines."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{node.name} ({lines} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and (lines := (node.end_lineno or node.lineno) - node.lineno + 1) > most
+    ]
+
+
+def test_the_class_length_check_counts_lines(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{n} = {n}" for n in range(5))
+    source = tmp_path / "m.py"
+    source.write_text(f"class Small:\n    pass\n\n\nclass Big:\n{body}\n")
+    assert long_classes(source, most=5) == ["Big (6 lines)"]
+    assert long_classes(source, most=6) == []
+
+
+def test_no_class_over_the_house_limit() -> None:
+    """No class of the package is over :data:`MOST_CLASS_LINES` lines (docs/developers.md):
+    split it by job (as parking's ``ParkWatch``, ``ResumeService`` and ``ParkPolicy`` were)."""
+    found = {
+        str(p.relative_to(PACKAGE)): long
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (long := long_classes(p))
+    }
+    assert not found, f"classes over {MOST_CLASS_LINES} lines: {found}"
