@@ -294,11 +294,6 @@ class ServiceCore:
             raise NotActive(self._closing)
         self.gate()
 
-    async def long_polls_answered(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) until no long-poll waits: after :meth:`stop_serving`,
-        ``app.py`` lets them answer 503 before it closes the connections."""
-        await self.polls.answered(timeout)
-
     def stop_serving(self, why: str) -> None:
         """From now on every request answers 503, long-polls waiting now included.
 

@@ -171,8 +171,8 @@ class LeaseService:
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
-        Memory only: the reaper's next pass persists the heartbeat (``reaper.py``). A lease active in the database but not in memory is adopted (memory
-        reloaded).
+        Memory only: the reaper's next pass persists the heartbeat (``reaper.py``). A lease
+        active in the database but not in memory is adopted (memory reloaded).
         """
         await self.core.ready()
         lease = self.core.state.find_lease(lease_id)  # a parked lease is renewed too

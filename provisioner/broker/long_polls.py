@@ -75,7 +75,9 @@ class LongPolls:
         return sum(w.count for w in [*self.acquires.values(), *self.resumes.values()])
 
     async def answered(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` s) until no long-poll waits."""
+        """Wait (at most ``timeout`` s) until no long-poll waits: after
+        ``ServiceCore.stop_serving``, ``serving.py`` lets them answer 503 before it closes
+        the connections."""
         if not self.waiting:
             return
         self._none_waiting = asyncio.Event()

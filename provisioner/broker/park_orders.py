@@ -92,47 +92,31 @@ class ParkOrders:
         moved = "" if o.mb is None else f", {o.mb} MiB"
         if o.action == "park":
             metrics.parked(o.outcome, 1)
-            if o.outcome == "done":
-                log.info(
-                    "Parked lease %s… of %s kernel %s on node %s%s%s: its GPU memory is free",
-                    lease.id[:6],
-                    lease.user,
-                    lease.kernel_id,
-                    node.name,
-                    took,
-                    moved,
-                )
-            else:
-                log.info(
-                    "Revoked lease %s… of %s kernel %s: node %s could not park it: %s",
-                    lease.id[:6],
-                    lease.user,
-                    lease.kernel_id,
-                    node.name,
-                    o.message or "no reason given",
-                )
-            return
-        metrics.resumed(o.outcome, 1)
-        asked = self.core.resume_asked.pop(lease.id, None)
-        if o.outcome == "done":
-            if asked is not None:
+        else:
+            metrics.resumed(o.outcome, 1)
+            asked = self.core.resume_asked.pop(lease.id, None)
+            if o.outcome == "done" and asked is not None:
                 metrics.observe_resume_wait(now - asked)
+        if o.outcome == "done":
             log.info(
-                "Resumed lease %s… of %s kernel %s on node %s%s%s",
+                "%s lease %s… of %s kernel %s on node %s%s%s%s",
+                "Parked" if o.action == "park" else "Resumed",
                 lease.id[:6],
                 lease.user,
                 lease.kernel_id,
                 node.name,
                 took,
                 moved,
+                ": its GPU memory is free" if o.action == "park" else "",
             )
         else:
             log.info(
-                "Revoked lease %s… of %s kernel %s: node %s could not resume it: %s",
+                "Revoked lease %s… of %s kernel %s: node %s could not %s it: %s",
                 lease.id[:6],
                 lease.user,
                 lease.kernel_id,
                 node.name,
+                o.action,
                 o.message or "no reason given",
             )
 

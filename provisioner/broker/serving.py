@@ -255,7 +255,7 @@ async def shut_down(
     close open connections, give the leadership up, close the store."""
     log.info("Shutting down")
     service.core.stop_serving("shutting down")
-    await service.core.long_polls_answered(LONG_POLLS_TIMEOUT)
+    await service.core.polls.answered(LONG_POLLS_TIMEOUT)
     await asyncio.sleep(0.01)  # their handlers write the 503s
     reaper.stop()
     if keeper is not None:
