@@ -292,7 +292,7 @@ def drain(
     mps = any(r.mps_uid is not None for r in state.queue.values()) or (
         extra is not None and extra.mps_uid is not None
     )
-    owners = mps_owners(state) if mps else {}
+    owners = mps_owners(state, now, policy) if mps else {}
     while True:
         reserved: set[str] = set()
         granted = len(grants)
@@ -427,7 +427,7 @@ def decide_acquire(
         uid = waiting.mps_uid if ask.mps_uid is None else ask.mps_uid
         touched = replace(waiting, last_polled_at=now, mps_uid=uid)
         ok = usable_gpus(state, waiting.fraction_ppm, policy, waiting.node, waiting.gpu_uuids)
-        blocked = mps_blocked(mps_owners(state), uid) if uid is not None else set()
+        blocked = mps_blocked(mps_owners(state, now, policy), uid) if uid is not None else set()
         return AcquireDecision(
             Queued(
                 touched,
@@ -440,7 +440,11 @@ def decide_acquire(
     check_course(ask)
     ok = check_can_ever_fit(state, ask, policy)
     admit(state, ask, quota, used_fraction_hours, policy)
-    blocked = mps_blocked(mps_owners(state), ask.mps_uid) if ask.mps_uid is not None else set()
+    blocked = (
+        mps_blocked(mps_owners(state, now, policy), ask.mps_uid)
+        if ask.mps_uid is not None
+        else set()
+    )
 
     if not state.queue:
         gpu = place(ok, state.allocated, ask.fraction_ppm, policy, exclude=blocked)
@@ -671,7 +675,8 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     for leases in idle_by_gpu.values():
         leases.sort(key=lambda x: -idle_for(x, now))
     cap = policy.capacity_ppm
-    owners = mps_owners(state) if any(r.mps_uid is not None for r in state.queue.values()) else {}
+    mps = any(r.mps_uid is not None for r in state.queue.values())
+    owners = mps_owners(state, now, policy) if mps else {}
     for req in queue_order(state, now, policy):
         ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
         if req.mps_uid is not None:  # revoking idle leases does not free a GPU's MPS server
