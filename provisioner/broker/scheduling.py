@@ -35,7 +35,9 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   first user's clients are gone): an ``enforcement=mps`` request (``mps_uid`` set) is
   placed only on a GPU whose MPS server serves its uid or none
   (``node_rules.mps_blocked``), else it waits, and the student reads why
-  (:func:`why_waiting`).
+  (:func:`why_waiting`). A GPU's owners come from its agent's report and proven kernels;
+  a lease's claimed uid counts for others only within ``node_rules.mps_claim_window`` of
+  its grant, and a request's within the grant pass that places it (issue 36).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked -- or parked, where the service's ``can_park``

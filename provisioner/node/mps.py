@@ -3,7 +3,8 @@
 A kernel started with ``enforcement=mps`` gets ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (its
 lease's cap) and ``CUDA_MPS_PIPE_DIRECTORY`` of its GPU's daemon; the MPS server then
 refuses that kernel's allocations past the cap, for every framework and for code that
-calls CUDA directly. That holds only while the GPU's daemon runs, so the agent starts one
+calls CUDA directly, and past the limit the agent sets in the daemon (below) even when the
+kernel drops the variable. That holds only while the GPU's daemon runs, so the agent starts one
 ``nvidia-cuda-mps-control -f`` (foreground) per GPU, each with::
 
     CUDA_VISIBLE_DEVICES=<gpu uuid>
