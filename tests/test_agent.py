@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from provisioner.devtools.testing import wait_for, wait_for_async
-from provisioner.node.mps import MPSDaemon
+from provisioner.node.mps import MPSDaemon, MPSSupervisor
 from provisioner.wire import pipe_directory
 
 from .test_nodes import NodeBroker, node_state, pool
@@ -635,3 +636,66 @@ def test_the_mps_daemon_holds_the_cap_when_a_kernel_unsets_or_raises_its_variabl
             proc.kill()
             proc.communicate()  # and closes its pipes
         agent.stop()
+
+
+async def test_the_mps_limits_follow_each_users_leases_in_the_answer_after_issue_36(
+    tmp_path: Path,
+) -> None:
+    """The heartbeat answer as the broker sends it after issue 36 (each kernel with its
+    ``user``, ``gpu_uuid`` and ``memory_mb``), on a stand-in daemon: the next server's
+    default is the GPU's largest MPS lease; the running server (serving this test's user)
+    gets that user's largest, not ``nobody``'s; when the GPU has no MPS lease any more, both drop
+    to ``EMPTY_GPU_LIMIT_MB``. An older broker's answer (no memory) sets nothing."""
+    supervisor = MPSSupervisor(["GPU-x"], str(tmp_path), str(FAKE_MPS))
+    (daemon,) = supervisor.daemons
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(supervisor.run(stop))
+    client: asyncio.subprocess.Process | None = None
+
+    def kernel(user: str, memory: int) -> dict[str, Any]:
+        return {
+            "pid": 7,
+            "pid_ns": 1,
+            "lease_id": f"L-{user}",
+            "user": user,
+            "proof": "x",
+            "gpu_uuid": "GPU-x",
+            "memory_mb": memory,
+            "enforcement": "agent-report",
+        }
+
+    async def control(command: str) -> str:
+        return (await daemon.query(command) or "").strip()
+
+    try:
+        pipe = daemon.env["CUDA_MPS_PIPE_DIRECTORY"]
+        await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
+        await supervisor.apply_limits({"kernels": [{"pid": 7, "pid_ns": 1}], "limits": []})
+        assert await control("get_default_device_pinned_mem_limit 0") == "0"
+        me = pwd.getpwuid(os.getuid()).pw_name
+        answer = {"kernels": [kernel(me, 3000), kernel("nobody", 5000)]}
+        await supervisor.apply_limits(answer)
+        assert await control("get_default_device_pinned_mem_limit 0") == "5000M"
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
+            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert client.stdout is not None
+        assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"
+        assert await supervisor.server_uids() == {"GPU-x": os.getuid()}
+        (server,) = daemon.servers
+        await supervisor.apply_limits(answer)
+        assert await control(f"get_device_pinned_mem_limit {server} 0") == "3000M"
+        await supervisor.apply_limits({"kernels": []})  # both leases ended
+        assert await control("get_default_device_pinned_mem_limit 0") == "1M"
+        assert await control(f"get_device_pinned_mem_limit {server} 0") == "1M"
+    finally:
+        if client is not None and client.returncode is None:
+            client.kill()
+            await client.wait()
+        stop.set()
+        await running

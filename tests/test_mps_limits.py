@@ -92,3 +92,5 @@ def test_each_client_may_pin_its_users_largest_lease_on_the_gpu(
     leases: list[MPSLease], uid: int | None, limit: int | None
 ) -> None:
     assert pinned_limit_mb(leases, G0, uid, uid_of_user) == limit
+    # where the broker is known to name every kernel's memory, a GPU with none is no one's
+    assert pinned_limit_mb(leases, G0, uid, uid_of_user, empty=1) == (limit or 1)

@@ -55,7 +55,12 @@ leases' memory; the smallest would cut U's larger kernels short. Where a lease's
 no account on this node (one uid for every student, e.g. Kubernetes pods as uid 1000), the
 agent cannot tell whose it is, and bounds by the largest MPS lease on the GPU. The default
 for the GPU's next server is also the largest MPS lease there, so a server started between
-two heartbeats is bounded too (dev ``0``: each daemon sees one GPU, ``CUDA_VISIBLE_DEVICES``).
+two heartbeats is bounded too (dev ``0``: each daemon sees one GPU, ``CUDA_VISIBLE_DEVICES``);
+on a GPU where the broker names no MPS lease, both are :data:`EMPTY_GPU_LIMIT_MB` (once
+the broker is known to name its kernels' memory): a client there belongs to no lease the
+agent knows of. The price: a new kernel whose first CUDA call comes before the agent's
+next heartbeat answer names its lease (a few seconds after its launch) is held to that
+for its life; restarting the kernel gives it the lease's limit.
 Both are re-applied when leases come and go, and after a daemon restart (``quit`` loses
 them). What remains (docs/admins.md, "Security model"): a client keeps the limit of its
 start ("existing clients are not affected"), and a student with two leases on one GPU may
@@ -85,6 +90,9 @@ RESTART_FIRST, RESTART_MAX = 1.0, 30.0
 STOP_TIMEOUT = 10.0
 #: seconds one query of a daemon (``get_server_list``, ``get_client_list``) may take
 QUERY_TIMEOUT = 3.0
+#: MiB each client may pin on a GPU where the broker names no MPS lease (a client there
+#: belongs to no lease the agent knows of yet): the smallest limit the daemon takes
+EMPTY_GPU_LIMIT_MB = 1
 
 
 def uid_of(pid: int, proc: str = "/proc") -> int | None:
@@ -152,15 +160,16 @@ def pinned_limit_mb(
     gpu_uuid: str,
     uid: int | None,
     uid_of_user: Callable[[str], int | None] = account_uid,
+    empty: int | None = None,
 ) -> int | None:
     """MiB each client of ``gpu_uuid``'s MPS server may pin, for a server serving ``uid``
     (None: for the GPU's next server): the largest of the GPU's MPS leases that ``uid``'s
     user holds, counting those whose user is no account here (they may be anyone's); with
-    none, the largest of the GPU's; None when the GPU has no MPS lease (nothing to bound
-    by: the limit in force stays)."""
+    none, the largest of the GPU's; ``empty`` when the GPU has no MPS lease (None: nothing
+    to bound by, the limit in force stays)."""
     here = [x for x in leases if x.gpu_uuid == gpu_uuid]
     if not here:
-        return None
+        return empty
     if uid is not None:
         names = {x.user for x in here if x.user is not None}
         uids = {name: uid_of_user(name) for name in names}
@@ -272,13 +281,15 @@ class MPSDaemon:
         self,
         leases: Sequence[MPSLease],
         uid_of_user: Callable[[str], int | None] = account_uid,
+        empty: int | None = None,
     ) -> None:
-        """Set the daemon-side pinned memory limits ``leases`` allow (:func:`pinned_limit_mb`):
-        the default for the GPU's next server and each running server's (for the uid it
-        serves). Only what changed is sent; after a restart of the daemon, all again."""
+        """Set the daemon-side pinned memory limits ``leases`` allow (:func:`pinned_limit_mb`,
+        ``empty`` on a GPU without MPS leases): the default for the GPU's next server and
+        each running server's (for the uid it serves). Only what changed is sent; after a
+        restart of the daemon, all again."""
         if self.state != "running":
             return
-        default = pinned_limit_mb(leases, self.gpu_uuid, None, uid_of_user)
+        default = pinned_limit_mb(leases, self.gpu_uuid, None, uid_of_user, empty)
         if default is not None and self._default_set != (self.starts, default):
             command = f"set_default_device_pinned_mem_limit 0 {default}M"
             if await self.query(command) is not None:
@@ -286,7 +297,7 @@ class MPSDaemon:
                 log.info("MPS daemon of GPU %s: %s", self.gpu_uuid, command)
         self._server_set = {p: mb for p, mb in self._server_set.items() if p in self.servers}
         for server, uid in self.servers.items():
-            limit = pinned_limit_mb(leases, self.gpu_uuid, uid, uid_of_user)
+            limit = pinned_limit_mb(leases, self.gpu_uuid, uid, uid_of_user, empty)
             if limit is None or uid is None or self._server_set.get(server) == limit:
                 continue
             command = f"set_device_pinned_mem_limit {server} 0 {limit}M"
@@ -353,6 +364,10 @@ class MPSSupervisor:
         self, gpu_uuids: Sequence[str], mps_dir: str = DEFAULT_MPS_DIR, control: str = MPS_CONTROL
     ) -> None:
         self.daemons = [MPSDaemon(u, mps_dir, control) for u in gpu_uuids]
+        #: whether the broker names its kernels' memory (``kernels[].memory_mb``, issue 36):
+        #: only then does a GPU it names no MPS lease on get :data:`EMPTY_GPU_LIMIT_MB`
+        #: (an older broker's silence says nothing)
+        self.names_memory = False
 
     def states(self) -> dict[str, str]:
         """GPU uuid -> ``running`` | ``down``, for the heartbeat."""
@@ -367,8 +382,12 @@ class MPSSupervisor:
     async def apply_limits(self, answer: Mapping[str, Any]) -> None:
         """After each heartbeat: each GPU's daemon-side pinned memory limits, from the
         leases the broker's answer names (:meth:`MPSDaemon.set_limits`)."""
+        kernels = answer.get("kernels") or []
+        if any(isinstance(k, dict) and "memory_mb" in k for k in kernels):
+            self.names_memory = True
         leases = mps_leases(answer)
-        await asyncio.gather(*(d.set_limits(leases) for d in self.daemons))
+        empty = EMPTY_GPU_LIMIT_MB if self.names_memory else None
+        await asyncio.gather(*(d.set_limits(leases, empty=empty) for d in self.daemons))
 
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(d.run(stop) for d in self.daemons))
@@ -376,6 +395,7 @@ class MPSSupervisor:
 
 __all__ = [
     "DEFAULT_MPS_DIR",
+    "EMPTY_GPU_LIMIT_MB",
     "MPS_CONTROL",
     "MPS_STATES",
     "MPSDaemon",
