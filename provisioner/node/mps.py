@@ -62,9 +62,12 @@ agent knows of. The price: a new kernel whose first CUDA call comes before the a
 next heartbeat answer names its lease (a few seconds after its launch) is held to that
 for its life; restarting the kernel gives it the lease's limit.
 Both are re-applied when leases come and go, and after a daemon restart (``quit`` loses
-them). What remains (docs/admins.md, "Security model"): a client keeps the limit of its
-start ("existing clients are not affected"), and a student with two leases on one GPU may
-use the larger twice; the agent's ``--enforce`` report/revoke/kill covers that.
+them). What remains (docs/admins.md, "Which cap holds against whom"): a client keeps the
+limit of its start ("existing clients are not affected"); a student with two leases on one
+GPU may use the larger twice; and a kernel that unsets ``CUDA_MPS_PIPE_DIRECTORY`` before
+CUDA starts is no MPS client at all ("if the connection attempt fails, the program
+continues to run as it normally would without MPS", the man page), so no MPS limit
+reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact.
 """
 
 from __future__ import annotations
