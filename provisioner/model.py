@@ -246,7 +246,9 @@ class Lease:
     #: the user's groups (courses) when the lease was granted, sorted; see :func:`attribution`
     groups: tuple[str, ...] = ()
     #: an ``enforcement=mps`` kernel's Unix uid, as its provisioner reported it (None: not
-    #: an MPS kernel). A placement hint, not an identity: see ``node_rules.mps_blocked``.
+    #: an MPS kernel). A claim by the lease's holder, not an identity: it steers its own
+    #: placement, and counts for others only during ``node_rules.mps_claim_window`` after
+    #: the grant (``node_rules.mps_owners``).
     #: Kept in memory only (a restarted broker learns it again from the agents' reports)
     mps_uid: int | None = None
     #: parking (issue 28): None, or "parking" (the broker ordered its kernel's GPU memory
@@ -445,6 +447,10 @@ class PoolState:
     #: GPU uuid -> the uid its MPS server serves clients of now, as the node agents
     #: report it (absent: no server, or one without clients)
     mps_uid: dict[str, int] = field(default_factory=dict)
+    #: lease id -> the uid of its kernel as the node agent proved it (the broker's
+    #: ``KernelPlaces.proven_uids``; absent: not proven); with :attr:`mps_uid`, the only
+    #: sources of a GPU's MPS owners past a grant's claim window (``node_rules.mps_owners``)
+    mps_proven: dict[str, int] = field(default_factory=dict)
     #: lease id -> parked lease (``park == "parked"``): holds no capacity, see the class doc
     parked: dict[str, Lease] = field(default_factory=dict)
     _ordered: list[GPU] | None = field(default=None, repr=False, compare=False)
@@ -602,6 +608,7 @@ class PoolState:
             lease_count=dict(self.lease_count),
             closed=set(self.closed),
             mps_uid=dict(self.mps_uid),
+            mps_proven=dict(self.mps_proven),
             parked={k: replace(v) for k, v in self.parked.items()},
         )
 

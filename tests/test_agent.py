@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from provisioner.devtools.testing import wait_for, wait_for_async
-from provisioner.node.mps import MPSDaemon
+from provisioner.node.mps import MPSDaemon, MPSSupervisor
 from provisioner.wire import pipe_directory
 
 from .test_nodes import NodeBroker, node_state, pool
@@ -511,3 +512,190 @@ async def test_the_agent_learns_whom_each_gpus_mps_server_serves(tmp_path: Path)
         stop.set()
         await running
     assert daemon.state == "down"
+
+
+# -- MPS: the daemon-side memory limit (issue 36, item 3) ---------------------------------
+
+#: a hostile cell: it drops the caps from its environment before CUDA starts, then pins
+#: 6,000 MiB; argv[1]: what it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT to ("" unsets it)
+HOSTILE_CELL = """
+import os, sys
+os.environ.pop("CUPY_GPU_MEMORY_LIMIT", None)
+os.environ.pop("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", None)
+if sys.argv[1]:
+    os.environ["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = sys.argv[1]
+import cupy
+first = cupy.empty(1 << 20)  # CUDA starts: a client of the GPU's MPS server
+try:
+    big = cupy.empty(6000 * 1024 * 1024)
+    print("LIFTED", flush=True)
+except cupy.OutOfMemoryError as exc:
+    print("CAPPED", exc, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_mps_daemon_holds_the_cap_when_a_kernel_unsets_or_raises_its_variable(
+    nb: NodeBroker, tmp_path: Path
+) -> None:
+    """``--mps``: the agent sets each GPU's pinned memory limit in its MPS control daemon
+    from the heartbeat answer's leases (largest lease there: 0.25 of a 16 GiB T4 holds
+    4096 MiB), the default for the next server and the running server's, and re-sets them
+    when leases come and go. A kernel that unsets ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (or
+    raises it) before CUDA starts is still held to it by the server (the stand-in applies
+    the lower of the server's and the client's, as MPS does). Before issue 36 the only cap
+    was the variable: the same cell pinned 6,000 MiB ("LIFTED")."""
+    mps_dir = tmp_path / "mps"
+    agent = Agent(
+        nb, "gpu-a", tmp_path, "--mps", "--mps-dir", str(mps_dir), "--mps-control", str(FAKE_MPS)
+    )
+    agent.gpus = agent.gpus[:1]
+    agent.set_processes({})
+    gpu = agent.gpus[0]["uuid"]
+    pipe = pipe_directory(str(mps_dir), gpu)
+    control_log = mps_dir / gpu / "log" / "control.log"
+    cells: list[subprocess.Popen[str]] = []
+
+    def control(command: str) -> str:
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe}
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(control_log.parent)
+        done = subprocess.run(
+            [str(FAKE_MPS)], input=command + "\n", capture_output=True, text=True, env=env
+        )
+        return done.stdout.strip()
+
+    def cell(limit: str) -> str:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOSTILE_CELL, limit],
+            env={
+                "PYTHONPATH": str(HERE / "standin_gpu"),
+                "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                "CUDA_VISIBLE_DEVICES": gpu,
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3584M",  # as the provisioner sets it
+                "CUPY_GPU_MEMORY_LIMIT": str(3584 * 1024 * 1024),
+            },
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        cells.append(proc)
+        assert proc.stdout is not None
+        return proc.stdout.readline().strip()
+
+    try:
+        agent.start()
+        wait_for(lambda: nodes_of(nb).get("gpu-a", {}).get("mps") == {gpu: "running"}, 30)
+        with nb.http("alice") as u:
+            ask = {"kernel_id": "k", "fraction": 0.25, "gpu_uuids": [gpu], "mps_uid": os.getuid()}
+            lease = u.post("/leases", json=ask).json()
+            memory = lease["memory_limit_mb"] + 512  # cap + the default context: 4096 MiB
+            assert memory == 4096
+            # the provisioner's first renewal: the kernel's pid and cgroup
+            renew = {"pid": os.getpid(), "cgroup": "/gpu-lease/k-mps"}
+            assert u.post(f"/leases/{lease['id']}/renew", json=renew).status_code == 200
+            wait_for(
+                lambda: control("get_default_device_pinned_mem_limit 0") == f"{memory}M",
+                20,
+                "the agent's default limit in the daemon",
+            )
+            # the hostile cell unsets the variable, then raises it: the server's limit holds
+            assert cell("").startswith("CAPPED"), control_log.read_text()
+            assert cell("0=16000M").startswith("CAPPED"), control_log.read_text()
+            # a careless cell's own lower variable still binds it (the lower one wins)
+            assert cell("0=1000M").startswith("CAPPED")
+            text = control_log.read_text()
+            assert text.count(f"(pinned limit {memory} MiB)") == 2, text
+            assert "(pinned limit 1000 MiB)" in text, text
+            (server,) = [int(x) for x in control("get_server_list").split()]
+            wait_for(
+                lambda: control(f"get_device_pinned_mem_limit {server} 0") == f"{memory}M",
+                20,
+                "the running server's limit",
+            )
+            # a larger lease comes: the server's limit follows; it goes: back again
+            big = u.post(
+                "/leases", json={"kernel_id": "k2", "fraction": 0.5, "gpu_uuids": [gpu]}
+            ).json()
+            assert u.post(f"/leases/{big['id']}/renew", json={"cgroup": "/gpu-lease/k2"})
+            wait_for(
+                lambda: control(f"get_device_pinned_mem_limit {server} 0") == "8192M",
+                20,
+                "the limit of the larger lease",
+            )
+            assert u.delete(f"/leases/{big['id']}").status_code in (200, 204)
+            wait_for(
+                lambda: control(f"get_device_pinned_mem_limit {server} 0") == f"{memory}M",
+                20,
+                "the limit after the larger lease ended",
+            )
+        log = agent.log_path.read_text()
+        assert f"set_default_device_pinned_mem_limit 0 {memory}M" in log, log
+        assert f"MPS server {server} of GPU {gpu}" in log, log
+    finally:
+        for proc in cells:
+            proc.kill()
+            proc.communicate()  # and closes its pipes
+        agent.stop()
+
+
+async def test_the_mps_limits_follow_each_users_leases_in_the_answer_after_issue_36(
+    tmp_path: Path,
+) -> None:
+    """The heartbeat answer as the broker sends it after issue 36 (each kernel with its
+    ``user``, ``gpu_uuid`` and ``memory_mb``), on a stand-in daemon: the next server's
+    default is the GPU's largest MPS lease; the running server (serving this test's user)
+    gets that user's largest, not ``nobody``'s; when the GPU has no MPS lease any more, both drop
+    to ``EMPTY_GPU_LIMIT_MB``. An older broker's answer (no memory) sets nothing."""
+    supervisor = MPSSupervisor(["GPU-x"], str(tmp_path), str(FAKE_MPS))
+    (daemon,) = supervisor.daemons
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(supervisor.run(stop))
+    client: asyncio.subprocess.Process | None = None
+
+    def kernel(user: str, memory: int) -> dict[str, Any]:
+        return {
+            "pid": 7,
+            "pid_ns": 1,
+            "lease_id": f"L-{user}",
+            "user": user,
+            "proof": "x",
+            "gpu_uuid": "GPU-x",
+            "memory_mb": memory,
+            "enforcement": "agent-report",
+        }
+
+    async def control(command: str) -> str:
+        return (await daemon.query(command) or "").strip()
+
+    try:
+        pipe = daemon.env["CUDA_MPS_PIPE_DIRECTORY"]
+        await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
+        await supervisor.apply_limits({"kernels": [{"pid": 7, "pid_ns": 1}], "limits": []})
+        assert await control("get_default_device_pinned_mem_limit 0") == "0"
+        me = pwd.getpwuid(os.getuid()).pw_name
+        answer = {"kernels": [kernel(me, 3000), kernel("nobody", 5000)]}
+        await supervisor.apply_limits(answer)
+        assert await control("get_default_device_pinned_mem_limit 0") == "5000M"
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
+            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert client.stdout is not None
+        assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"
+        assert await supervisor.server_uids() == {"GPU-x": os.getuid()}
+        (server,) = daemon.servers
+        await supervisor.apply_limits(answer)
+        assert await control(f"get_device_pinned_mem_limit {server} 0") == "3000M"
+        await supervisor.apply_limits({"kernels": []})  # both leases ended
+        assert await control("get_default_device_pinned_mem_limit 0") == "1M"
+        assert await control(f"get_device_pinned_mem_limit {server} 0") == "1M"
+    finally:
+        if client is not None and client.returncode is None:
+            client.kill()
+            await client.wait()
+        stop.set()
+        await running

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from provisioner.broker import admission
+from provisioner.broker import admission, node_rules
 from provisioner.broker import scheduling as core
 from provisioner.broker.policy import Ask, Policy
 from provisioner.broker.scheduling import Existing, Grant, Queued
@@ -562,6 +562,65 @@ def test_the_reason_names_each_gpu_whose_server_serves_another_user_and_how_full
         "The MPS servers of GPU 0 (A100) and GPU 1 (A100) are serving another user's kernels"
     ), out.reason
     assert "GPU 2 (A100) is 100% allocated" in out.reason, out.reason
+
+
+# -- MPS owners from trusted sources only (issue 36, item 2) ------------------------------
+MADE_UP = 4242  # a uid a student claims; no account runs anything as it
+WINDOW = node_rules.mps_claim_window(Policy())  # 90/3 + 30 = 60 s
+
+
+@pytest.mark.parametrize(
+    "reported, claimed, proven, age, owners",
+    [
+        (None, ANN, None, 0.0, {ANN}),  # just granted: the claim holds (it may start any moment)
+        (None, ANN, None, WINDOW, {ANN}),  # the window's last instant
+        (None, MADE_UP, None, WINDOW + 1, set()),  # past the window a claim alone holds nothing
+        (None, MADE_UP, ANN, 0.0, {ANN}),  # a proof replaces the claim, even within the window
+        (None, ANN, ANN, 3600.0, {ANN}),  # a proven kernel holds its GPU as long as it lives
+        (BOB, MADE_UP, None, 3600.0, {BOB}),  # the agent's report always counts
+        (BOB, MADE_UP, None, 0.0, {BOB, MADE_UP}),
+        (None, None, ANN, 0.0, set()),  # a cooperative kernel does not use MPS
+    ],
+)
+def test_a_gpus_mps_owners_come_from_the_agent_and_proofs_and_a_claim_only_briefly(
+    reported, claimed, proven, age, owners
+):
+    st = pool(V100)
+    lease = acquire(st, Ask("ann", "k", 100_000, mps_uid=claimed)).lease
+    if reported is not None:
+        st.mps_uid[V100.uuid] = reported
+    if proven is not None:
+        st.mps_proven[lease.id] = proven
+    assert node_rules.mps_owners(st, age, Policy()).get(V100.uuid, set()) == owners
+
+
+def test_a_made_up_mps_uid_keeps_another_users_mps_kernel_waiting_only_for_the_window():
+    """The attack of issue 36: a 0.02 lease claiming a made-up uid on the only GPU. The
+    victim waits within the window, and the reaper's drain grants it after."""
+    st = pool(V100)
+    policy = Policy()
+    squat = acquire(st, Ask("mallory", "k", 20_000, mps_uid=MADE_UP))
+    assert isinstance(squat, Grant)
+    out = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=WINDOW / 2)
+    assert isinstance(out, Queued) and "serving another user's kernels" in out.reason
+    assert core.reap(st, WINDOW, policy).changes.granted == []
+    st.queue[("bob", "k")].last_polled_at = WINDOW  # bob's client long-polls meanwhile
+    reaped = core.reap(st, WINDOW + 1, policy)
+    assert [g.lease.user for g in reaped.changes.granted] == ["bob"]
+    assert st.find_lease(squat.lease.id) is not None  # the squatter is not punished
+
+
+def test_two_requests_granted_in_one_pass_still_see_each_others_claims():
+    """Within one grant pass a request's own uid steers the owners (nobody has started yet):
+    two users' MPS kernels are never placed together, whatever the window."""
+    st = pool(V100)
+    policy = Policy()
+    hog = acquire(st, Ask("hog", "k", PPM))
+    for t, (who, uid) in enumerate([("ann", ANN), ("bob", BOB)], 1):
+        assert isinstance(acquire(st, Ask(who, "k", 100_000, mps_uid=uid), now=t), Queued)
+    later = 10 * WINDOW
+    changes = core.end(st, [(hog.lease, "released", None)], later, policy)
+    assert [g.lease.user for g in changes.granted] == ["ann"]
 
 
 def test_a_repeated_acquire_brings_back_the_uid_a_restarted_broker_forgot():

@@ -4,9 +4,11 @@ Random interleavings of acquire (new and repeated), release, renew, clock advanc
 expiry, stale-request drops, idle reclaim and queue drains, checking after every
 step: capacity per GPU, bookkeeping, idempotency of acquire, quotas, and that the
 drain leaves no waiting head that could have been placed; and, with MPS kernels
-(``mps_uid``) and agents' reports of whom each GPU's MPS server serves, that no GPU
-holds MPS leases of two uids (one would hang) and none is placed where another uid is
-served.
+(``mps_uid``, honest or made up), agents' reports of whom each GPU's MPS server serves and
+their proofs of kernels' uids, that no GPU holds MPS leases of two uids that count (proven,
+or claimed within the claim window: one would hang) and none is placed where another uid
+is served; a made-up claim stops counting after the window (issue 36: the reaper's drain
+then places the head it kept out, ``drain_is_complete``).
 
 Parking (issue 28): the reaper parks idle victims where a random ``can_park`` allows,
 the agent's reports (park done/failed, resume done/failed), the parking timeout, the
@@ -51,6 +53,10 @@ GROUPS = {
 }
 #: each user's Unix uid, which an MPS kernel's provisioner reports
 UIDS = {user: 1000 + i for i, user in enumerate(USERS)}
+#: a uid a student makes up (issue 36): no account, nothing ever runs as it
+MADE_UP_UID = 4242
+#: every user's MPS kernel of this name claims :data:`MADE_UP_UID` (each repeat alike)
+LYING_KERNEL = "k3"
 
 
 class Broker(RuleBasedStateMachine):
@@ -76,7 +82,7 @@ class Broker(RuleBasedStateMachine):
         mps=st.booleans(),
     )
     def acquire(self, user, kernel, ppm, node, mps=False):
-        uid = UIDS[user] if mps else None
+        uid = (MADE_UP_UID if kernel == LYING_KERNEL else UIDS[user]) if mps else None
         ask = Ask(user, kernel, ppm, groups=GROUPS[user], node=node, mps_uid=uid)
         quota = admission.effective_quota(self.book, user, GROUPS[user])
         before = self._snapshot()
@@ -91,7 +97,8 @@ class Broker(RuleBasedStateMachine):
             assert (was.id, "released") in [(x.id, how) for x, how, _ in changes.ended]
             assert self.state.find_lease(was.id) is None
         if isinstance(d.outcome, Grant) and uid is not None:  # never where another uid is served
-            owners = node_rules.mps_owners(self.state)[d.outcome.lease.gpu_uuid]
+            owners = node_rules.mps_owners(self.state, self.now, self.policy)
+            owners = owners[d.outcome.lease.gpu_uuid]
             assert owners == {uid}, owners
         # idempotency: asking again at once yields the same lease or the same queue place
         again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
@@ -291,7 +298,8 @@ class Broker(RuleBasedStateMachine):
             ok = core.usable_gpus(
                 self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
             )
-            blocked = node_rules.mps_blocked(node_rules.mps_owners(self.state), head.mps_uid)
+            owners = node_rules.mps_owners(self.state, self.now, self.policy)
+            blocked = node_rules.mps_blocked(owners, head.mps_uid)
             placed = core.place(ok, self.state.allocated, head.fraction_ppm, self.policy, blocked)
             assert placed is None
 
@@ -306,13 +314,40 @@ class Broker(RuleBasedStateMachine):
             assert lease.park == "parked" and lease.parked_at is not None
             assert lease.expires_at > self.now  # expired ones are reaped
 
+    @rule(data=st.data())
+    def mps_proof(self, data):
+        """A node agent proves an MPS lease's kernel within its claim window (as an honest
+        kernel's is: it renews at once after launch), as the uid its user really runs as
+        (a made-up claim is replaced by the truth); the service drains the queue."""
+        window = node_rules.mps_claim_window(self.policy)
+        fresh = sorted(
+            x.id
+            for x in self.state.leases.values()
+            if x.mps_uid is not None
+            and x.id not in self.state.mps_proven
+            and self.now - x.created_at <= window
+        )
+        if not fresh:
+            return
+        lease = self.state.leases[data.draw(st.sampled_from(fresh))]
+        self.state.mps_proven[lease.id] = UIDS[lease.user]
+        core.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
+
     @invariant()
     def one_mps_uid_per_gpu(self):
-        """No GPU holds MPS leases of two uids: a client of the second would hang."""
+        """No GPU holds MPS leases of two uids that count (proven, or claimed within the
+        claim window): a client of the second would hang. A claim past its window counts
+        for nobody (issue 36)."""
+        window = node_rules.mps_claim_window(self.policy)
         uids: dict[str, set[int]] = {}
         for lease in self.state.leases.values():
-            if lease.mps_uid is not None:
-                uids.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
+            if lease.mps_uid != UIDS[lease.user]:
+                continue  # not MPS, or made up: two liars of one made-up uid meet each other
+            uid = self.state.mps_proven.get(lease.id)
+            if uid is None and self.now - lease.created_at <= window:
+                uid = lease.mps_uid
+            if uid is not None:
+                uids.setdefault(lease.gpu_uuid, set()).add(uid)
         assert all(len(u) == 1 for u in uids.values()), uids
 
     @invariant()

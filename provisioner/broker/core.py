@@ -479,7 +479,7 @@ class ServiceCore:
             if req.id in waiting:
                 req.mps_uid = waiting[req.id].mps_uid
         self.state = PoolState.build(pool, fresh, queue)
-        self.state.mps_uid = self.mps_uids()
+        self.refresh_mps_owners()
         self.etas = None
         self.close_gpus(now)
 
@@ -536,6 +536,18 @@ class ServiceCore:
     def mps_uids(self) -> dict[str, int]:
         """GPU uuid -> the uid its MPS server serves, as the nodes' agents last reported."""
         return {u: uid for n in self.nodes.values() for u, uid in n.mps_uid.items()}
+
+    def refresh_mps_owners(self) -> bool:
+        """The state's trusted sources of MPS owners := the agents' reports and the kernels
+        they proved (``KernelPlaces.proven_uids``, where the broker has it: lease id ->
+        uid); True if either changed (a waiting MPS kernel may fit now). Called after
+        each heartbeat, on each reaper pass and when memory is reloaded."""
+        served = self.mps_uids()
+        proven_uids = getattr(self.kernel_places, "proven_uids", None)
+        proven = dict(proven_uids()) if callable(proven_uids) else {}
+        changed = served != self.state.mps_uid or proven != self.state.mps_proven
+        self.state.mps_uid, self.state.mps_proven = served, proven
+        return changed
 
     def close_gpus(self, now: float) -> None:
         self.state.closed = (

@@ -61,16 +61,51 @@ def _mib(mb: int) -> str:
 # -- MPS: one Unix user per GPU at a time ---------------------------------------
 
 
-def mps_owners(state: PoolState) -> dict[str, set[int]]:
-    """GPU uuid -> the uids whose MPS clients use, or may use at any moment, its MPS server:
-    the uid its node agent reports the server serving (``state.mps_uid``), and those of
-    the active ``enforcement=mps`` leases there (a granted kernel may not have touched
-    CUDA yet; a kernel whose lease ended may still run, which the report shows)."""
-    owners: dict[str, set[int]] = {u: {uid} for u, uid in state.mps_uid.items()}
-    for lease in state.leases.values():
-        if lease.mps_uid is not None:
-            owners.setdefault(lease.gpu_uuid, set()).add(lease.mps_uid)
+def mps_claim_window(policy: Policy) -> float:
+    """Seconds after its grant during which an MPS lease's *claimed* uid (the acquire's
+    ``mps_uid``) keeps other users' MPS kernels off its GPU: TTL/3 + ``node_grace``.
+
+    A granted kernel renews at once after its launch (the broker learns its pid), then
+    every TTL/3; its node's agent names it, proves it and reports its server's uid within
+    a heartbeat, and is lost after ``node_grace``. Past that, an honest kernel is known
+    from those trusted sources, and a made-up claim holds nothing (issue 36, item 2)."""
+    return policy.ttl / 3 + policy.node_grace
+
+
+def mps_owners_of(
+    reported: Mapping[str, int],
+    leases: Iterable[Lease],
+    proven: Mapping[str, int],
+    now: float,
+    window: float,
+) -> dict[str, set[int]]:
+    """GPU uuid -> the uids whose MPS clients use, or may use at any moment, its MPS server.
+
+    From trusted sources only: ``reported`` (GPU uuid -> the uid its node agent reports the
+    server serving) and, for each MPS lease (``mps_uid`` set), the uid the agent proved its
+    kernel runs as (``proven``: lease id -> uid). A lease's own claim (its acquire's
+    ``mps_uid``) stands in for a proof only within ``window`` seconds of its grant (a
+    granted kernel may not have started or touched CUDA yet); a proof replaces it. So a
+    student who claims a made-up uid keeps others' MPS kernels off a GPU for at most
+    ``window`` after each of their grants there."""
+    owners: dict[str, set[int]] = {u: {uid} for u, uid in reported.items()}
+    for lease in leases:
+        if lease.mps_uid is None:
+            continue  # not an MPS kernel: it does not hold the server
+        uid = proven.get(lease.id)
+        if uid is None and now - lease.created_at <= window:
+            uid = lease.mps_uid
+        if uid is not None:
+            owners.setdefault(lease.gpu_uuid, set()).add(uid)
     return owners
+
+
+def mps_owners(state: PoolState, now: float, policy: Policy) -> dict[str, set[int]]:
+    """:func:`mps_owners_of` the pool's state: its agents' reports (``state.mps_uid``),
+    its proven kernels (``state.mps_proven``), its active leases."""
+    return mps_owners_of(
+        state.mps_uid, state.leases.values(), state.mps_proven, now, mps_claim_window(policy)
+    )
 
 
 def mps_blocked(owners: dict[str, set[int]], uid: int | None) -> set[str]:

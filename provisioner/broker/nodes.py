@@ -202,13 +202,11 @@ class NodeService:
         node.usage = list(usage)
         node.mps = dict(mps or {})
         node.mps_uid = {u: uid for u, uid in (mps_uid or {}).items() if uid is not None}
-        served = self.core.mps_uids()
-        mps_changed = served != self.core.state.mps_uid
-        self.core.state.mps_uid = served
         places = self.core.kernel_places
         places.forget_ended(set(self.core.state.leases) | set(self.core.state.parked))
         places.driver_limited[name] = set(driver_limits or ())
         ends, kill = self._account_usage(node, usage, now, kernels)
+        mps_changed = self.core.refresh_mps_owners()  # its report, the kernels proven now
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self.core.close_gpus(now)

@@ -228,8 +228,10 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "Sent by enforcement=mps kernels only: the Unix uid the kernel "
                 "runs as (the provisioner's). MPS serves one uid per GPU at a time, so the "
                 "broker places such a kernel only on a GPU whose MPS server serves this uid "
-                "or none (else it waits, with a reason). A placement hint, never an "
-                "identity: the token says who the caller is.",
+                "or none (else it waits, with a reason). A claim, never an identity: it "
+                "steers the caller's own placement, and keeps other users' MPS kernels off "
+                "the granted GPU only for TTL/3 + node_grace after the grant; after that a "
+                "GPU's MPS owners are what its node agent reports and proves.",
             },
         },
     },

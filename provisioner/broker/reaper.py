@@ -108,6 +108,7 @@ class Reaper:
         their node can, revoked elsewhere); commit; log and count each park, fallback and
         timeout. Returns the pass and the leases revoked for parking too long."""
         self.core.close_gpus(now)
+        self.core.refresh_mps_owners()  # the pass's drain sees the proofs made since
         timeout = self.core.park.timeout
         overdue = scheduling.parking_overdue(self.core.state, now, timeout)
         late = Changes(now)

@@ -35,7 +35,9 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   first user's clients are gone): an ``enforcement=mps`` request (``mps_uid`` set) is
   placed only on a GPU whose MPS server serves its uid or none
   (``node_rules.mps_blocked``), else it waits, and the student reads why
-  (:func:`why_waiting`).
+  (:func:`why_waiting`). A GPU's owners come from its agent's report and proven kernels;
+  a lease's claimed uid counts for others only within ``node_rules.mps_claim_window`` of
+  its grant, and a request's within the grant pass that places it (issue 36).
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked -- or parked, where the service's ``can_park``
@@ -292,7 +294,7 @@ def drain(
     mps = any(r.mps_uid is not None for r in state.queue.values()) or (
         extra is not None and extra.mps_uid is not None
     )
-    owners = mps_owners(state) if mps else {}
+    owners = mps_owners(state, now, policy) if mps else {}
     while True:
         reserved: set[str] = set()
         granted = len(grants)
@@ -427,7 +429,7 @@ def decide_acquire(
         uid = waiting.mps_uid if ask.mps_uid is None else ask.mps_uid
         touched = replace(waiting, last_polled_at=now, mps_uid=uid)
         ok = usable_gpus(state, waiting.fraction_ppm, policy, waiting.node, waiting.gpu_uuids)
-        blocked = mps_blocked(mps_owners(state), uid) if uid is not None else set()
+        blocked = mps_blocked(mps_owners(state, now, policy), uid) if uid is not None else set()
         return AcquireDecision(
             Queued(
                 touched,
@@ -440,7 +442,11 @@ def decide_acquire(
     check_course(ask)
     ok = check_can_ever_fit(state, ask, policy)
     admit(state, ask, quota, used_fraction_hours, policy)
-    blocked = mps_blocked(mps_owners(state), ask.mps_uid) if ask.mps_uid is not None else set()
+    blocked = (
+        mps_blocked(mps_owners(state, now, policy), ask.mps_uid)
+        if ask.mps_uid is not None
+        else set()
+    )
 
     if not state.queue:
         gpu = place(ok, state.allocated, ask.fraction_ppm, policy, exclude=blocked)
@@ -671,7 +677,8 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     for leases in idle_by_gpu.values():
         leases.sort(key=lambda x: -idle_for(x, now))
     cap = policy.capacity_ppm
-    owners = mps_owners(state) if any(r.mps_uid is not None for r in state.queue.values()) else {}
+    mps = any(r.mps_uid is not None for r in state.queue.values())
+    owners = mps_owners(state, now, policy) if mps else {}
     for req in queue_order(state, now, policy):
         ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
         if req.mps_uid is not None:  # revoking idle leases does not free a GPU's MPS server

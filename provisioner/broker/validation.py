@@ -243,7 +243,8 @@ def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
     Fields: ``kernel_id`` (1..256 printable characters), ``fraction`` (a JSON number,
     ``0 < f <= 1``), optional ``node``, ``gpu_uuids`` (at most 64 strings),
     ``group``, ``wait`` (long-poll seconds, 0..300, default 0) and ``mps_uid`` (an
-    ``enforcement=mps`` kernel's Unix uid, 0..2**32-2: a placement hint).
+    ``enforcement=mps`` kernel's Unix uid, 0..2**32-2: a claim, see
+    ``node_rules.mps_owners_of``).
     """
     check_fields(body, ACQUIRE_FIELDS, "acquire request")
     if "kernel_id" not in body:

@@ -38,7 +38,10 @@ How each framework's GPU memory is capped, and why here or in the launcher:
 - ``enforcement="mps"`` adds ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=<cap>M``, which the
   MPS server enforces for every framework, including code that calls CUDA directly, and
   ``CUDA_MPS_PIPE_DIRECTORY`` of the GPU's daemon, which the node agent runs (``--mps``;
-  :func:`provisioner.wire.pipe_directory` under ``mps_dir``).
+  :func:`provisioner.wire.pipe_directory` under ``mps_dir``). The variable is the
+  kernel's own: it holds a careless kernel to its cap, not a hostile one (a cell can
+  unset it before CUDA starts). What holds against that is the limit the agent sets in
+  the daemon itself (:mod:`provisioner.node.mps`, "Daemon-side memory limits").
 """
 
 from __future__ import annotations

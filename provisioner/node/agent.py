@@ -214,6 +214,7 @@ async def run_agent(
     mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
     limits: driver_limits.DriverLimits | None = None,
     parker: Parker | None = None,
+    mps_limits: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -228,7 +229,10 @@ async def run_agent(
     With ``mps_states`` (the agent's :class:`~provisioner.node.mps.MPSSupervisor` states),
     each heartbeat carries the GPUs' MPS daemon states; with ``mps_uids`` (its
     :meth:`~provisioner.node.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
-    serves, so that the broker places no MPS kernel where it would hang. With ``limits``
+    serves, so that the broker places no MPS kernel where it would hang; with
+    ``mps_limits`` (its :meth:`~provisioner.node.mps.MPSSupervisor.apply_limits`), each
+    answer's leases set the MPS daemons' own memory limits, which a kernel cannot lift
+    (issue 36). With ``limits``
     (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
     (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says
     which hold. With ``parker`` (:mod:`provisioner.node.parking`), each heartbeat says
@@ -293,6 +297,8 @@ async def run_agent(
                 parker.take(list(beat.get("orders") or []))
             if limits is not None:
                 limited = limits.apply(list(beat.get("limits", [])), log)
+            if mps_limits is not None:
+                await _set_mps_limits(mps_limits, beat)
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
@@ -324,6 +330,16 @@ async def run_agent(
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
     except GPULeaseError as exc:
         log.warning("Could not drain node %s on the way out: %s", node, exc.message)
+
+
+async def _set_mps_limits(
+    mps_limits: Callable[[dict[str, Any]], Awaitable[None]], beat: dict[str, Any]
+) -> None:
+    """The MPS daemons' limits from a heartbeat answer; a failure is logged, never fatal."""
+    try:
+        await mps_limits(beat)
+    except Exception:  # noqa: BLE001 - a failed limit must not stop the heartbeats
+        log.exception("Cannot set the MPS daemons' memory limits")
 
 
 async def _pause(stop: asyncio.Event, ready: asyncio.Event | None, interval: float) -> None:
@@ -543,6 +559,7 @@ class GPULeaseAgent(Application):
                 mps.server_uids if mps is not None else None,
                 _driver_limits(nvml_sampler, gpus),
                 parker,
+                mps_limits=mps.apply_limits if mps is not None else None,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)

@@ -3,7 +3,8 @@
 A kernel started with ``enforcement=mps`` gets ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (its
 lease's cap) and ``CUDA_MPS_PIPE_DIRECTORY`` of its GPU's daemon; the MPS server then
 refuses that kernel's allocations past the cap, for every framework and for code that
-calls CUDA directly. That holds only while the GPU's daemon runs, so the agent starts one
+calls CUDA directly, and past the limit the agent sets in the daemon (below) even when the
+kernel drops the variable. That holds only while the GPU's daemon runs, so the agent starts one
 ``nvidia-cuda-mps-control -f`` (foreground) per GPU, each with::
 
     CUDA_VISIBLE_DEVICES=<gpu uuid>
@@ -26,6 +27,47 @@ only on a GPU whose server serves its uid or none (``node_rules.mps_blocked``).
 
 The provisioner computes the same pipe directory from its ``mps_dir`` (default
 :data:`DEFAULT_MPS_DIR`, the agent's default too).
+
+**Daemon-side memory limits** (issue 36). The kernel's ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+is the student's to unset (a cell can do it before importing torch), so the agent also sets
+the limit where the student cannot reach it, in the control daemon, which it runs as root.
+What the control daemon offers (``man nvidia-cuda-mps-control``, "Commands available to
+Volta MPS control", R450+; NVIDIA's MPS guide, "Appendix: Tools and Interface Reference"):
+
+- ``set_default_device_pinned_mem_limit <dev> <value>``: "the default device pinned memory
+  limit for **each MPS client**"; "if there is already a server spawned, this command will
+  only affect the next server"; "the set value is lost if a quit command is executed";
+  ``<value>`` is an integer with ``M`` or ``G``; by default memory limiting is disabled.
+- ``set_device_pinned_mem_limit <PID> <dev> <value>``: the limit "for each client of MPS
+  server instance of the given PID for the device dev. All clients created with that server
+  afterwards will observe the new limit. **Existing clients are not affected.**"
+- ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` in a client's environment limits that client; where
+  the server has a limit too, the lower one binds: a client may tighten, never lift, the
+  server's (the MPS guide's environment appendix, 4.2.7, and operators' notes, e.g. "client
+  side can further tighten, cannot break through the server's lower limit"; the stand-in
+  ``tests/fake_mps`` encodes exactly that).
+
+So the limit is **per client** (each CUDA process), not a server total. The agent sets, for
+each GPU's running server (serving uid U), the *largest* memory (cap + context, the
+heartbeat answer's ``memory_mb``) of the MPS leases U holds on that GPU: each of U's kernels
+is then held to at most its largest lease there. A sum would let one client take all of U's
+leases' memory; the smallest would cut U's larger kernels short. Where a lease's ``user`` is
+no account on this node (one uid for every student, e.g. Kubernetes pods as uid 1000), the
+agent cannot tell whose it is, and bounds by the largest MPS lease on the GPU. The default
+for the GPU's next server is also the largest MPS lease there, so a server started between
+two heartbeats is bounded too (dev ``0``: each daemon sees one GPU, ``CUDA_VISIBLE_DEVICES``);
+on a GPU where the broker names no MPS lease, both are :data:`EMPTY_GPU_LIMIT_MB` (once
+the broker is known to name its kernels' memory): a client there belongs to no lease the
+agent knows of. The price: a new kernel whose first CUDA call comes before the agent's
+next heartbeat answer names its lease (a few seconds after its launch) is held to that
+for its life; restarting the kernel gives it the lease's limit.
+Both are re-applied when leases come and go, and after a daemon restart (``quit`` loses
+them). What remains (docs/admins.md, "Which cap holds against whom"): a client keeps the
+limit of its start ("existing clients are not affected"); a student with two leases on one
+GPU may use the larger twice; and a kernel that unsets ``CUDA_MPS_PIPE_DIRECTORY`` before
+CUDA starts is no MPS client at all ("if the connection attempt fails, the program
+continues to run as it normally would without MPS", the man page), so no MPS limit
+reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact.
 """
 
 from __future__ import annotations
@@ -33,8 +75,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pwd
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ..wire import DEFAULT_MPS_DIR, MPS_STATES, pipe_directory
 
@@ -48,6 +93,9 @@ RESTART_FIRST, RESTART_MAX = 1.0, 30.0
 STOP_TIMEOUT = 10.0
 #: seconds one query of a daemon (``get_server_list``, ``get_client_list``) may take
 QUERY_TIMEOUT = 3.0
+#: MiB each client may pin on a GPU where the broker names no MPS lease (a client there
+#: belongs to no lease the agent knows of yet): the smallest limit the daemon takes
+EMPTY_GPU_LIMIT_MB = 1
 
 
 def uid_of(pid: int, proc: str = "/proc") -> int | None:
@@ -72,6 +120,68 @@ def log_directory(mps_dir: str, gpu_uuid: str) -> str:
     return os.path.join(mps_dir, gpu_uuid, "log")
 
 
+@dataclass(frozen=True)
+class MPSLease:
+    """A lease whose kernel may be a client of a GPU's MPS server, from a heartbeat answer."""
+
+    gpu_uuid: str
+    #: MiB the lease holds on the GPU (cap + context)
+    memory_mb: int
+    #: the lease's user (an account name), None where the answer does not say
+    user: str | None = None
+
+
+def mps_leases(answer: Mapping[str, Any]) -> list[MPSLease]:
+    """The leases a heartbeat answer names with their GPU and memory: each ``kernels``
+    entry (``{..., user, gpu_uuid, memory_mb, enforcement}``) but ``cooperative`` ones;
+    from a broker whose ``kernels`` carry no ``memory_mb`` (older), the ``limits`` entries
+    (``{cgroup, gpu_uuid, memory_mb}``: whose, they do not say)."""
+    kernels = [k for k in answer.get("kernels") or [] if isinstance(k, dict)]
+    entries: list[dict[str, Any]] = kernels
+    if not any("memory_mb" in k for k in kernels):
+        entries = [x for x in answer.get("limits") or [] if isinstance(x, dict)]
+    out = []
+    for entry in entries:
+        gpu, memory, user = entry.get("gpu_uuid"), entry.get("memory_mb"), entry.get("user")
+        if entry.get("enforcement") == "cooperative" or not isinstance(gpu, str):
+            continue
+        if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
+            out.append(MPSLease(gpu, memory, user if isinstance(user, str) else None))
+    return out
+
+
+def account_uid(user: str) -> int | None:
+    """The uid of the account ``user`` on this node (None: no such account)."""
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return None
+
+
+def pinned_limit_mb(
+    leases: Sequence[MPSLease],
+    gpu_uuid: str,
+    uid: int | None,
+    uid_of_user: Callable[[str], int | None] = account_uid,
+    empty: int | None = None,
+) -> int | None:
+    """MiB each client of ``gpu_uuid``'s MPS server may pin, for a server serving ``uid``
+    (None: for the GPU's next server): the largest of the GPU's MPS leases that ``uid``'s
+    user holds, counting those whose user is no account here (they may be anyone's); with
+    none, the largest of the GPU's; ``empty`` when the GPU has no MPS lease (None: nothing
+    to bound by, the limit in force stays)."""
+    here = [x for x in leases if x.gpu_uuid == gpu_uuid]
+    if not here:
+        return empty
+    if uid is not None:
+        names = {x.user for x in here if x.user is not None}
+        uids = {name: uid_of_user(name) for name in names}
+        mine = [x for x in here if x.user is None or uids[x.user] in (None, uid)]
+        if mine:
+            return max(x.memory_mb for x in mine)
+    return max(x.memory_mb for x in here)
+
+
 class MPSDaemon:
     """One GPU's control daemon: started, restarted when it exits, stopped on request."""
 
@@ -87,6 +197,12 @@ class MPSDaemon:
         self.proc: asyncio.subprocess.Process | None = None
         #: how many times the daemon was started
         self.starts = 0
+        #: server pid -> the uid it serves, as the last :meth:`server_uid` found them
+        self.servers: dict[int, int | None] = {}
+        #: the default limit set, with the start it was set on (``quit`` loses it)
+        self._default_set: tuple[int, int] | None = None
+        #: server pid -> the limit set on it
+        self._server_set: dict[int, int] = {}
 
     @property
     def state(self) -> str:
@@ -154,11 +270,49 @@ class MPSDaemon:
 
     async def server_uid(self, proc: str = "/proc") -> int | None:
         """The uid this GPU's MPS server serves clients of now; None: no server, or one
-        without clients (it gives way to another uid's first client at once)."""
+        without clients (it gives way to another uid's first client at once). Each
+        server's uid is kept in :attr:`servers` (for :meth:`set_limits`)."""
+        serving = None
+        self.servers = {}
         for server in _pids(await self.query("get_server_list")):
-            if _pids(await self.query(f"get_client_list {server}")):
-                return uid_of(server, proc)
-        return None
+            self.servers[server] = uid_of(server, proc)
+            if serving is None and _pids(await self.query(f"get_client_list {server}")):
+                serving = self.servers[server]
+        return serving
+
+    async def set_limits(
+        self,
+        leases: Sequence[MPSLease],
+        uid_of_user: Callable[[str], int | None] = account_uid,
+        empty: int | None = None,
+    ) -> None:
+        """Set the daemon-side pinned memory limits ``leases`` allow (:func:`pinned_limit_mb`,
+        ``empty`` on a GPU without MPS leases): the default for the GPU's next server and
+        each running server's (for the uid it serves). Only what changed is sent; after a
+        restart of the daemon, all again."""
+        if self.state != "running":
+            return
+        default = pinned_limit_mb(leases, self.gpu_uuid, None, uid_of_user, empty)
+        if default is not None and self._default_set != (self.starts, default):
+            command = f"set_default_device_pinned_mem_limit 0 {default}M"
+            if await self.query(command) is not None:
+                self._default_set = (self.starts, default)
+                log.info("MPS daemon of GPU %s: %s", self.gpu_uuid, command)
+        self._server_set = {p: mb for p, mb in self._server_set.items() if p in self.servers}
+        for server, uid in self.servers.items():
+            limit = pinned_limit_mb(leases, self.gpu_uuid, uid, uid_of_user, empty)
+            if limit is None or uid is None or self._server_set.get(server) == limit:
+                continue
+            command = f"set_device_pinned_mem_limit {server} 0 {limit}M"
+            if await self.query(command) is not None:
+                self._server_set[server] = limit
+                log.info(
+                    "MPS server %d of GPU %s (uid %d): each new client may pin %d MiB",
+                    server,
+                    self.gpu_uuid,
+                    uid,
+                    limit,
+                )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the daemon running until ``stop``; then stop it."""
@@ -213,6 +367,10 @@ class MPSSupervisor:
         self, gpu_uuids: Sequence[str], mps_dir: str = DEFAULT_MPS_DIR, control: str = MPS_CONTROL
     ) -> None:
         self.daemons = [MPSDaemon(u, mps_dir, control) for u in gpu_uuids]
+        #: whether the broker names its kernels' memory (``kernels[].memory_mb``, issue 36):
+        #: only then does a GPU it names no MPS lease on get :data:`EMPTY_GPU_LIMIT_MB`
+        #: (an older broker's silence says nothing)
+        self.names_memory = False
 
     def states(self) -> dict[str, str]:
         """GPU uuid -> ``running`` | ``down``, for the heartbeat."""
@@ -224,17 +382,32 @@ class MPSSupervisor:
         uids = await asyncio.gather(*(d.server_uid() for d in self.daemons))
         return {d.gpu_uuid: uid for d, uid in zip(self.daemons, uids, strict=True)}
 
+    async def apply_limits(self, answer: Mapping[str, Any]) -> None:
+        """After each heartbeat: each GPU's daemon-side pinned memory limits, from the
+        leases the broker's answer names (:meth:`MPSDaemon.set_limits`)."""
+        kernels = answer.get("kernels") or []
+        if any(isinstance(k, dict) and "memory_mb" in k for k in kernels):
+            self.names_memory = True
+        leases = mps_leases(answer)
+        empty = EMPTY_GPU_LIMIT_MB if self.names_memory else None
+        await asyncio.gather(*(d.set_limits(leases, empty=empty) for d in self.daemons))
+
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(d.run(stop) for d in self.daemons))
 
 
 __all__ = [
     "DEFAULT_MPS_DIR",
+    "EMPTY_GPU_LIMIT_MB",
     "MPS_CONTROL",
     "MPS_STATES",
     "MPSDaemon",
+    "MPSLease",
     "MPSSupervisor",
+    "account_uid",
     "log_directory",
+    "mps_leases",
+    "pinned_limit_mb",
     "pipe_directory",
     "uid_of",
 ]

@@ -11,6 +11,9 @@ pipe directory where the stand-in MPS control daemon runs (``tests/fake_mps``), 
 allocation connects to it as the real CUDA context creation does, and **waits** there
 while the GPU's MPS server serves another Unix user's clients (the hang MPS is known for).
 A pipe directory without a daemon is ignored, as the real driver runs without MPS then.
+Once admitted, allocations past the pinned device memory limit the daemon gave this
+client (its ``<pid>.ok``: the lower of its server's limit and this process's own
+``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``) fail as the MPS server makes them fail.
 """
 
 import json
@@ -29,6 +32,7 @@ _limit = (
 )
 _held = 0
 _connected = False
+_mps_limit = 0  # bytes; 0: none
 
 
 def _mps_connect():
@@ -39,10 +43,16 @@ def _mps_connect():
     if _connected or not pipe or not os.path.isdir(clients):
         return
     knock = os.path.join(clients, f"{os.getpid()}.wait")
-    open(knock, "w").close()
+    with open(knock + ".tmp", "w") as f:  # what the client asks for, as CUDA sends it
+        f.write(os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+    os.replace(knock + ".tmp", knock)
     admitted = os.path.join(clients, f"{os.getpid()}.ok")
     while not os.path.exists(admitted):
         time.sleep(0.05)
+    global _mps_limit
+    with open(admitted) as f:
+        text = f.read().strip()
+    _mps_limit = int(text) * MiB if text else 0
     _connected = True
 
 
@@ -70,12 +80,18 @@ def _report():
 class ndarray:
     def __init__(self, nbytes):
         global _held
+        self.nbytes = 0  # until allocated: a refused one frees nothing
         if _limit and _held + nbytes > _limit:
             raise OutOfMemoryError(
                 f"Out of memory allocating {nbytes:,} bytes (allocated so far: {_held:,} bytes, "
                 f"limit set to: {_limit:,} bytes)."
             )
         _mps_connect()
+        if _mps_limit and _held + nbytes > _mps_limit:
+            raise OutOfMemoryError(
+                f"Out of memory allocating {nbytes:,} bytes: the MPS server's pinned device "
+                f"memory limit for this client is {_mps_limit:,} bytes."
+            )
         _held += nbytes
         self.nbytes = nbytes
         _report()
