@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -49,6 +50,7 @@ from ..errors import (
     LeaseNotFound,
     NoCapacity,
 )
+from ..wire import kernel_proof
 from .broker_clients import BrokerClients
 from .kernelspecs import format_fraction
 from .lease import GrantedLease, short_id
@@ -143,6 +145,31 @@ class LeaseKeeper:
         self.queue_wait = QueueWait(self, clients, log=log)
         #: a parked lease's way back: the kernel's resume request, the resume calls
         self.park_watch = ParkWatch(self, clients, log=log)
+        #: the kernel secret of the lease held: ``(lease id, secret)``, in memory only (a
+        #: restart of the kernel reuses it); see :meth:`kernel_secret`
+        self._secret: tuple[str, str] | None = None
+        #: ``(lease id, proof)``: what the renewals send (a restored server has only this)
+        self._proof: tuple[str, str] | None = None
+
+    # -- the kernel's proof (issue 36) ---------------------------------------------------
+    def kernel_secret(self, lease_id: str) -> str:
+        """The secret the kernel of ``lease_id`` carries in its environment
+        (``GPU_LEASE_KERNEL_SECRET``), made once per lease and reused by restarts. Called
+        by the provisioner's ``pre_launch``; never logged nor written anywhere."""
+        if self._secret is None or self._secret[0] != lease_id:
+            self._secret = (lease_id, secrets.token_urlsafe(32))
+            self._proof = (lease_id, kernel_proof(self._secret[1]))
+        return self._secret[1]
+
+    def proof(self, lease_id: str) -> str | None:
+        """The renewals' ``proof`` of ``lease_id``'s kernel (None: no secret made for it)."""
+        return self._proof[1] if self._proof is not None and self._proof[0] == lease_id else None
+
+    def restore_proof(self, lease_id: str, proof: str | None) -> None:
+        """A restored server's saved proof (the kernel keeps its secret; this server never
+        had it): called by ``load_provisioner_info``."""
+        if proof:
+            self._proof = (lease_id, proof)
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -273,6 +300,7 @@ class LeaseKeeper:
                     last_activity=report.last_activity,
                     pid_ns=report.pid_ns,
                     cgroup=report.cgroup,
+                    proof=self.proof(lease.id),
                 )
             )
         except GPULeaseError as exc:
