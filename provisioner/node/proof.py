@@ -109,8 +109,8 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
     """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot): with the pid, a process's
     identity (None if it is gone)."""
     try:
-        with open(f"{proc}/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -190,8 +190,11 @@ class Prover:
     proc: str = "/proc"
     #: (host pid, start time, proof, user) -> None (proven) or why not
     verdicts: dict[tuple[int, int, str, str], str | None] = field(default_factory=dict)
-    #: (pid, pid_ns) -> (host pid, start time) last resolved
+    #: (pid, pid_ns) -> (host pid, start time) last resolved (a process never changes its
+    #: pid namespace nor its number there: the start time alone tells it is still there)
     resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    #: (host pid, start time) -> real uid, of proven processes
+    uids: dict[tuple[int, int], int] = field(default_factory=dict)
     #: (lease id, reason) already logged
     said: set[tuple[str, str]] = field(default_factory=set)
 
@@ -203,9 +206,13 @@ class Prover:
         by_host: dict[int, str] = {}
         scan: dict[tuple[int, int], int] | None = None
         for claim in sorted(claims, key=lambda c: c.lease_id):
-            if claim.pid_ns is not None and self._host(claim) is None and scan is None:
-                scan = self._scan({(c.pid, c.pid_ns) for c in claims if c.pid_ns is not None})
-            result = self._prove(claim, scan or {})
+            host, start = self._host(claim)
+            if host is None and claim.pid_ns is not None:
+                if scan is None:
+                    scan = self._scan({(c.pid, c.pid_ns) for c in claims if c.pid_ns is not None})
+                host = scan.get((claim.pid, claim.pid_ns))
+                start = start_time(host, self.proc) if host is not None else None
+            result = self._prove(claim, host, start)
             if isinstance(result, str):
                 refused[claim.lease_id] = result
             elif result.host_pid in by_host:
@@ -222,25 +229,22 @@ class Prover:
                 log.warning("Not acting on the kernel lease %s… claims: %s", lease_id[:6], why)
         named = {c.lease_id for c in claims}
         self.said = {x for x in self.said if x[0] in named}
-        live = {(p.host_pid) for p in proven.values()}
-        self.verdicts = {k: v for k, v in self.verdicts.items() if k[0] in live or v is not None}
-        if len(self.verdicts) > 16 * max(len(claims), 64):
+        if len(self.verdicts) > 16 * max(len(claims), 64):  # bounded: refusals pile up
             self.verdicts.clear()
+            self.uids.clear()
+            self.resolved.clear()
         return proven, refused
 
     # -- one claim -----------------------------------------------------------------------
-    def _host(self, claim: Claim) -> int | None:
-        """The claim's host pid from the last resolution, if that process is still it."""
+    def _host(self, claim: Claim) -> tuple[int | None, int | None]:
+        """The claim's host pid and its start time: a host pid as claimed; a namespaced one
+        from the last resolution, if that process is still it (else None, None)."""
         if claim.pid_ns is None:
-            return claim.pid
+            return claim.pid, start_time(claim.pid, self.proc)
         known = self.resolved.get((claim.pid, claim.pid_ns))
         if known is None or start_time(known[0], self.proc) != known[1]:
-            return None
-        if pid_ns_of(known[0], self.proc) != claim.pid_ns:
-            return None
-        if ns_pid_of(known[0], self.proc) != claim.pid:
-            return None
-        return known[0]
+            return None, None
+        return known
 
     def _scan(self, wanted: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
         """One pass over ``/proc``: the host pid of each wanted ``(pid, pid_ns)``."""
@@ -261,16 +265,12 @@ class Prover:
                 out[(inner, ns)] = int(name)
         return out
 
-    def _prove(self, claim: Claim, scan: dict[tuple[int, int], int]) -> Proven | str:
+    def _prove(self, claim: Claim, host: int | None, start: int | None) -> Proven | str:
         if not claim.proof:
             return (
                 "its renewals carry no proof (a provisioner older than issue 36, or a "
                 "claim made by hand): upgrade the provisioner"
             )
-        host = self._host(claim)
-        if host is None and claim.pid_ns is not None:
-            host = scan.get((claim.pid, claim.pid_ns))
-        start = start_time(host, self.proc) if host is not None else None
         if host is None or start is None or host <= 1:
             return f"no process {claim.pid} in pid namespace {claim.pid_ns}"
         if claim.pid_ns is not None:
@@ -281,10 +281,13 @@ class Prover:
         why = self.verdicts[key]
         if why is not None:
             return why
-        uid = real_uid(host, self.proc)
-        cgroup = cgroup_of(host, self.proc)
-        if uid is None or start_time(host, self.proc) != start:
-            return f"process {host} ended while it was checked"
+        uid = self.uids.get((host, start))
+        if uid is None:
+            uid = real_uid(host, self.proc)
+            if uid is None:
+                return f"process {host} ended while it was checked"
+            self.uids[(host, start)] = uid
+        cgroup = cgroup_of(host, self.proc)  # read every beat: a process may move itself
         ok = cgroup_accepted(cgroup, claim.kernel_id, self.parents)
         return Proven(claim, host, uid, cgroup, ok)
 
