@@ -321,6 +321,11 @@ def test_one_uid_in_two_pid_namespaces_the_secret_decides(
         b.stop()
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _child_ns(pid: int) -> int | None:
     """The pid namespace of ``unshare``'s child (the pod's pid 1), once it runs."""
     try:
@@ -334,3 +339,54 @@ def _child_ns(pid: int) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+async def test_the_provisioner_gives_its_kernel_a_secret_and_renews_with_its_digest_only(
+    nb: NodeBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel started by GPULeaseProvisioner carries ``GPU_LEASE_KERNEL_SECRET``; the
+    renewals report its sha256 (the claim the broker hands the node's agent), the same after
+    a restart of the kernel; the secret is in no log, state file, connection file, the
+    provisioner's saved info or an answer, and the proof in no log."""
+    from provisioner.wire import kernel_proof
+
+    from .test_provisioner import Specs, kernel, run
+
+    gpu = "GPU-proof-0"
+    with nb.http("agent:gpu-a") as a:
+        body = {"gpus": [{"uuid": gpu, "name": "T4", "memory_mb": 16384, "index": 0}]}
+        assert a.put("/nodes/gpu-a", json={**body, "agent_version": "test"}).status_code == 200
+    root = tmp_path / "jupyter"
+    monkeypatch.setenv("JUPYTER_PATH", str(root))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("GPU_LEASE_URL", nb.url)
+    monkeypatch.setenv("GPU_LEASE_TOKEN", nb.tokens["alice"])
+    monkeypatch.setenv("GPU_LEASE_GPU_UUIDS", gpu)
+    for name in ("JUPYTERHUB_API_TOKEN", "GPU_LEASE_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    Specs(root).add("gpu-0.1", 0.1)
+    code = "import os; print(os.environ.get('GPU_LEASE_KERNEL_SECRET', ''))"
+
+    def claims() -> list[dict[str, Any]]:
+        with nb.http("agent:gpu-a") as a:
+            answer = a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()
+        return list(answer["kernels"])
+
+    async with kernel("gpu-0.1", tmp_path) as km:
+        secret = (await run(km, code)).strip().splitlines()[-1]
+        assert len(secret) >= 40, "the kernel got no secret"
+        proof = kernel_proof(secret)
+        wait_for(lambda: [k.get("proof") for k in claims()] == [proof], 20, "the proof")
+        await km.restart_kernel(now=True)
+        assert (await run(km, code)).strip().splitlines()[-1] == secret  # reused
+        info = await km.provisioner.get_provisioner_info()  # type: ignore[union-attr]
+        assert info["gpu_lease"]["proof"] == proof
+        where = "import os; print(os.environ['GPU_LEASE_STATE_FILE'])"
+        state_file = (await run(km, where)).strip().splitlines()[-1]
+        saved = [km.connection_file, state_file]
+        texts = [_read(p) for p in saved] + [repr(info)]
+        with nb.http("alice") as u:
+            texts.append(u.get("/leases").text)
+        assert not any(secret in t for t in texts)
+    for log in nb.logs():
+        assert secret not in log.read_text() and proof not in log.read_text()

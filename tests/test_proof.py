@@ -162,3 +162,38 @@ def test_a_process_that_left_a_limited_cgroup_escapes_and_one_inside_counts(
     assert proof.escapes(members, proven, set(), str(tmp_path)) == {}  # no limit: no escape
     lookup = proof.by_cgroup(proven, str(tmp_path))
     assert lookup(103) == 100 and lookup(102) is None
+
+
+def test_the_broker_keeps_only_what_a_proving_agent_proved() -> None:
+    """``KernelPlaces`` (broker, pure): the claim handed to the agent carries the proof and
+    the lease's memory; what the agent proved (uid, cgroup) replaces the claim; a refusal
+    is new once; ``proven_uids`` names only proven kernels (the MPS owners' source)."""
+    from provisioner.broker.kernel_places import KernelPlaces
+    from provisioner.broker.validation import NodeProofs, ProvenKernel
+    from provisioner.model import Lease
+
+    def lease(i: str, mps_uid: int | None = None) -> Lease:
+        return Lease(
+            i, "alice", f"k{i}", "GPU-1", 100_000, 1126, "active", 0, 0, 60, pid=7, mps_uid=mps_uid
+        )
+
+    leases = [lease("a"), lease("b", 1000)]
+    places = KernelPlaces()
+    places.renewed("a", 4026531001, "/user.slice", PROOF)
+    places.renewed("b", 4026531002, None, None)
+    named = places.kernels(leases, 512)
+    assert [(k["lease_id"], k["proof"], k["memory_mb"], k["enforcement"]) for k in named] == [
+        ("a", PROOF, 1638, "cooperative"),
+        ("b", None, 1638, "mps"),
+    ]
+    said = NodeProofs({"a": ProvenKernel("a", 30001, 1000, "/gpu-lease/kernel-ka")}, {"b": "no"})
+    assert places.agent_said(leases, said) == [("b", "no")]
+    assert places.agent_said(leases, said) == []  # the same refusal: not new
+    assert places.proven_uids() == {"a": 1000}
+    places.driver_limited["n"] = {"/user.slice", "/gpu-lease/kernel-ka"}
+    assert places.driver_limited_on("n", "a")  # on the proven cgroup, not the claimed one
+    places.driver_limited["n"] = {"/user.slice"}
+    assert not places.driver_limited_on("n", "a") and not places.driver_limited_on("n", "b")
+    assert places.by_host_pid(leases, None, said) == {30001: leases[0]}
+    places.forget_ended({"b"})
+    assert places.proven_uids() == {} and "a" not in places.places
