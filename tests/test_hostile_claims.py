@@ -188,6 +188,15 @@ def test_another_accounts_process_or_an_ancestor_is_never_charged_nor_killed(
             assert lease(adm, lease1)["used_mb"] == 0
             assert lease(u2, lease2)["used_mb"] == 2000
             assert f"process {os.getpid()} does not carry" in lease(adm, lease1)["kernel_refused"]
+            top = subprocess.run(
+                [sys.executable, "-m", "provisioner", "top"],
+                env={**os.environ, "GPU_LEASE_URL": nb.url, "GPU_LEASE_TOKEN": nb.tokens["admin"]},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            row = next((x for x in top.stdout.splitlines() if s1 in x), top.stdout + top.stderr)
+            assert "0/307 MiB" in row and "agent-kill, kernel unproven" in row, top.stdout
 
         log = agent.log_path.read_text()
         said = [x for x in log.splitlines() if f"kernel lease {lease1['id'][:6]}" in x]
