@@ -197,3 +197,28 @@ def test_the_broker_keeps_only_what_a_proving_agent_proved() -> None:
     assert places.by_host_pid(leases, None, said) == {30001: leases[0]}
     places.forget_ended({"b"})
     assert places.proven_uids() == {} and "a" not in places.places
+
+
+def test_park_orders_run_only_for_proven_kernels_and_fail_at_once_for_refused_ones() -> None:
+    """A park order names the kernel by its claim; the agent runs it on the proven host pid,
+    and settles one for a refused claim as failed at once (the broker reclaims the lease
+    instead of waiting for its park_timeout); nothing is checkpointed for it."""
+    from provisioner.node.agent import proven_orders
+    from provisioner.node.parking import Parker
+
+    good = Claim("lease-1", 7, 4026531001, PROOF, "", "k1", "GPU-1", 900)
+    proven = {"lease-1": proof.Proven(good, 30001, 1000, None, False)}
+    order = {"action": "park", "gpu_uuid": "GPU-1", "memory_mb": 900}
+    orders = [
+        {**order, "lease_id": "lease-1", "pid": 7, "pid_ns": 4026531001},
+        {**order, "lease_id": "lease-2", "pid": 30001, "pid_ns": None},  # claims lease-1's
+    ]
+    run, fail = proven_orders(orders, proven, {"lease-2": "process 30001 does not carry …"})
+    assert run == [{**orders[0], "pid": 30001, "pid_ns": None}]
+    assert fail == [(orders[1], "process 30001 does not carry …")]
+    parker = Parker(None, "no driver here", list, lambda uuid: None)
+    parker.refuse(*fail[0])
+    (outcome,) = parker.outcomes()
+    assert (outcome["lease_id"], outcome["outcome"]) == ("lease-2", "failed")
+    assert outcome["message"].startswith("the node agent did not prove this lease's kernel")
+    assert parker.ready.is_set()

@@ -133,15 +133,24 @@ def wanted_limits(proven: dict[str, Proven]) -> list[dict[str, Any]]:
     ]
 
 
-def proven_orders(orders: list[Any], proven: dict[str, Proven]) -> list[dict[str, Any]]:
-    """The park/resume orders of proven kernels, naming each by its host pid; the others
-    are not acted on (their refusal is logged and reported once)."""
-    out = []
+def proven_orders(
+    orders: list[Any], proven: dict[str, Proven], refused: dict[str, str]
+) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """The park/resume orders to run: those of proven kernels, naming each by its host pid
+    (and those that name no kernel, which move nothing); and those of refused claims, with
+    why, which fail at once (:meth:`~provisioner.node.parking.Parker.refuse`)."""
+    run: list[Any] = []
+    fail: list[tuple[Any, str]] = []
     for raw in orders:
-        p = proven.get(str(raw.get("lease_id"))) if isinstance(raw, dict) else None
+        lease_id = str(raw.get("lease_id")) if isinstance(raw, dict) else ""
+        p = proven.get(lease_id)
         if p is not None:
-            out.append({**raw, "pid": p.host_pid, "pid_ns": None})
-    return out
+            run.append({**raw, "pid": p.host_pid, "pid_ns": None})
+        elif lease_id in refused:
+            fail.append((raw, refused[lease_id]))
+        elif isinstance(raw, dict) and raw.get("pid") is None:
+            run.append(raw)
+    return run, fail
 
 
 def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
@@ -355,7 +364,10 @@ async def run_agent(
             orders = list(beat.get("orders") or [])
             if parker is not None:
                 parker.delivered(sent)
-                parker.take(proven_orders(orders, proven) if not legacy else orders)
+                run, fail = proven_orders(orders, proven, refusals) if claims else (orders, [])
+                parker.take(run)
+                for raw, why in fail:
+                    parker.refuse(raw, why)
             if limits is not None:  # an older broker's claimed cgroups get none
                 limited = limits.apply(wanted_limits(proven), log)
             if enforce == "kill":
