@@ -45,6 +45,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import (
     BrokerUnavailable,
     GPULeaseError,
+    InvalidRequest,
     LeaseExpired,
     LeaseGone,
     LeaseNotFound,
@@ -150,6 +151,8 @@ class LeaseKeeper:
         self._secret: tuple[str, str] | None = None
         #: ``(lease id, proof)``: what the renewals send (a restored server has only this)
         self._proof: tuple[str, str] | None = None
+        #: the broker refused ``proof`` (older than issue 36): renewals leave it out
+        self._broker_without_proofs = False
 
     # -- the kernel's proof (issue 36) ---------------------------------------------------
     def kernel_secret(self, lease_id: str) -> str:
@@ -164,6 +167,9 @@ class LeaseKeeper:
     def proof(self, lease_id: str) -> str | None:
         """The renewals' ``proof`` of ``lease_id``'s kernel (None: no secret made for it)."""
         return self._proof[1] if self._proof is not None and self._proof[0] == lease_id else None
+
+    def _renewal_proof(self, lease_id: str) -> str | None:
+        return None if self._broker_without_proofs else self.proof(lease_id)
 
     def restore_proof(self, lease_id: str, proof: str | None) -> None:
         """A restored server's saved proof (the kernel keeps its secret; this server never
@@ -300,9 +306,22 @@ class LeaseKeeper:
                     last_activity=report.last_activity,
                     pid_ns=report.pid_ns,
                     cgroup=report.cgroup,
-                    proof=self.proof(lease.id),
+                    proof=self._renewal_proof(lease.id),
                 )
             )
+        except InvalidRequest as exc:
+            if "proof" in (exc.details.get("fields") or []) and not self._broker_without_proofs:
+                self.log.warning(
+                    "The GPU lease broker is older than kernel proofs (it refused 'proof'): "
+                    "kernel %s renews without it; its node agent, if newer, will not count "
+                    "it until the broker is upgraded.",
+                    self.kernel_id,
+                )
+                self._broker_without_proofs = True
+                return await self.renew_once()
+            if not self.holds(lease):
+                return False
+            return await self._renewal_failed(lease, exc)
         except GPULeaseError as exc:
             if not self.holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
                 return False

@@ -389,7 +389,7 @@ async def run_agent(
                     "The broker is older than proven kernels (it refused %s): the kernels it "
                     "names on node %s are believed as claimed, and no driver limit is set, "
                     "until the broker is upgraded.",
-                    ", ".join(sorted(refused & PROOF_FIELDS)),
+                    ", ".join(repr(x) for x in sorted(refused & PROOF_FIELDS)),
                     node,
                 )
                 proof_wire = False
