@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -51,8 +50,8 @@ from ..errors import (
     LeaseNotFound,
     NoCapacity,
 )
-from ..wire import kernel_proof
 from .broker_clients import BrokerClients
+from .kernel_secret import KernelSecret
 from .kernelspecs import format_fraction
 from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
@@ -146,36 +145,8 @@ class LeaseKeeper:
         self.queue_wait = QueueWait(self, clients, log=log)
         #: a parked lease's way back: the kernel's resume request, the resume calls
         self.park_watch = ParkWatch(self, clients, log=log)
-        #: the kernel secret of the lease held: ``(lease id, secret)``, in memory only (a
-        #: restart of the kernel reuses it); see :meth:`kernel_secret`
-        self._secret: tuple[str, str] | None = None
-        #: ``(lease id, proof)``: what the renewals send (a restored server has only this)
-        self._proof: tuple[str, str] | None = None
-        #: the broker refused ``proof`` (older than issue 36): renewals leave it out
-        self._broker_without_proofs = False
-
-    # -- the kernel's proof (issue 36) ---------------------------------------------------
-    def kernel_secret(self, lease_id: str) -> str:
-        """The secret the kernel of ``lease_id`` carries in its environment
-        (``GPU_LEASE_KERNEL_SECRET``), made once per lease and reused by restarts. Called
-        by the provisioner's ``pre_launch``; never logged nor written anywhere."""
-        if self._secret is None or self._secret[0] != lease_id:
-            self._secret = (lease_id, secrets.token_urlsafe(32))
-            self._proof = (lease_id, kernel_proof(self._secret[1]))
-        return self._secret[1]
-
-    def proof(self, lease_id: str) -> str | None:
-        """The renewals' ``proof`` of ``lease_id``'s kernel (None: no secret made for it)."""
-        return self._proof[1] if self._proof is not None and self._proof[0] == lease_id else None
-
-    def _renewal_proof(self, lease_id: str) -> str | None:
-        return None if self._broker_without_proofs else self.proof(lease_id)
-
-    def restore_proof(self, lease_id: str, proof: str | None) -> None:
-        """A restored server's saved proof (the kernel keeps its secret; this server never
-        had it): called by ``load_provisioner_info``."""
-        if proof:
-            self._proof = (lease_id, proof)
+        #: the kernel's secret and its proof (issue 36; :mod:`.kernel_secret`)
+        self.secret = KernelSecret()
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -306,18 +277,21 @@ class LeaseKeeper:
                     last_activity=report.last_activity,
                     pid_ns=report.pid_ns,
                     cgroup=report.cgroup,
-                    proof=self._renewal_proof(lease.id),
+                    proof=self.secret.renewal_proof(lease.id),
                 )
             )
         except InvalidRequest as exc:
-            if "proof" in (exc.details.get("fields") or []) and not self._broker_without_proofs:
+            if (
+                "proof" in (exc.details.get("fields") or [])
+                and not self.secret.broker_without_proofs
+            ):
                 self.log.warning(
                     "The GPU lease broker is older than kernel proofs (it refused 'proof'): "
                     "kernel %s renews without it; its node agent, if newer, will not count "
                     "it until the broker is upgraded.",
                     self.kernel_id,
                 )
-                self._broker_without_proofs = True
+                self.secret.broker_without_proofs = True
                 return await self.renew_once()
             if not self.holds(lease):
                 return False

@@ -237,7 +237,7 @@ class GPULeaseProvisioner(LocalProvisioner):
             for name in REMOVE_FROM_KERNEL:
                 env.pop(name, None)
             # the proof the node agent checks (issue 36): the same secret for each restart
-            env[KERNEL_SECRET_ENV] = self.lease_keeper.kernel_secret(lease.id)
+            env[KERNEL_SECRET_ENV] = self.lease_keeper.secret.for_lease(lease.id)
             wrapped = kernel_argv(kwargs["cmd"])
             if not wrapped.wrapped:
                 self.log.warning("Kernel %s: %s", self.kernel_id, wrapped.reason)
@@ -328,7 +328,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 "state_file": state_file.path if state_file is not None else None,
                 "resume_when_busy": self.lease_keeper.park_watch.resume_when_busy,
                 # the digest only: the kernel keeps its secret, a restored server renews
-                "proof": self.lease_keeper.proof(lease.id),
+                "proof": self.lease_keeper.secret.proof(lease.id),
             }
         return info
 
@@ -356,7 +356,7 @@ class GPULeaseProvisioner(LocalProvisioner):
         self.lease_keeper.park_watch.resume_when_busy = saved.get("resume_when_busy") is True
         self.lease_keeper.resume(lease, self._ask())
         proof = saved.get("proof")
-        self.lease_keeper.restore_proof(lease.id, proof if isinstance(proof, str) else None)
+        self.lease_keeper.secret.restore(lease.id, proof if isinstance(proof, str) else None)
         self._death.watch()
         self.lease_keeper.start_renewing(renewal_loop(self.parent))
 

@@ -96,7 +96,7 @@ class Proven:
         """The heartbeat's ``kernels`` entry of this kernel."""
         return {
             "pid": self.claim.pid,
-            "pid_ns": self.claim.pid_ns if self.claim.pid_ns is not None else None,
+            "pid_ns": self.claim.pid_ns,
             "host_pid": self.host_pid,
             "lease_id": self.claim.lease_id,
             "uid": self.uid,
