@@ -152,11 +152,13 @@ class LeaseCalls:
         last_activity: float | None = None,
         pid_ns: int | None = None,
         cgroup: str | None = None,
+        proof: str | None = None,
     ) -> dict[str, Any]:
         """Heartbeat: ``POST /api/v1/leases/{id}/renew``; returns the renewed lease.
 
         ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
-        kernel's cgroup v2 path (from the v2 root) for a driver memory limit.
+        kernel's cgroup v2 path (from the v2 root) for a driver memory limit; ``proof``: the
+        hex sha256 of the kernel's secret (issue 36), which the node agent checks.
         Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired` (410) when
         the lease has ended; ``details['reason']`` says why.
         """
@@ -167,6 +169,8 @@ class LeaseCalls:
             body["pid_ns"] = pid_ns
         if cgroup is not None:
             body["cgroup"] = cgroup
+        if proof is not None:
+            body["proof"] = proof
         if execution_state is not None:
             body["execution_state"] = execution_state
         if last_activity is not None:

@@ -35,17 +35,21 @@ class NodeCalls:
         at: float | None = None,
         mps: dict[str, str] | None = None,
         mps_uid: dict[str, int | None] | None = None,
-        kernels: list[dict[str, int]] | None = None,
+        kernels: list[dict[str, Any]] | None = None,
         driver_limits: list[str] | None = None,
         checkpoint: bool | None = None,
         host_memory_available_mb: int | None = None,
         parking: list[dict[str, Any]] | None = None,
+        refused: list[dict[str, str]] | None = None,
     ) -> dict[str, Any]:
         """``POST /api/v1/nodes/{node}/heartbeat``; raises ``LeaseNotFound`` if unregistered.
 
         ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
         ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
-        ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found;
+        ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found
+        (an agent that proves claims: ``lease_id``, ``uid``, ``cgroup`` and ``escaped`` too,
+        one per proven kernel); ``refused``: ``{lease_id, reason}`` of the claims it refused
+        (sent, even empty, by an agent that proves claims);
         ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
         Parking (issue 28): ``checkpoint``, whether this node's driver can checkpoint
         kernels; ``host_memory_available_mb``, MemAvailable in MiB; ``parking``, the
@@ -64,6 +68,8 @@ class NodeCalls:
             body["kernels"] = kernels
         if driver_limits is not None:
             body["driver_limits"] = driver_limits
+        if refused is not None:
+            body["refused"] = refused
         if checkpoint is not None:
             body["checkpoint"] = checkpoint
         if host_memory_available_mb is not None:

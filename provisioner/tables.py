@@ -125,13 +125,17 @@ def memory(lease: Mapping[str, Any]) -> str:
 def enforced(lease: Mapping[str, Any]) -> str:
     """The layers beyond the kernel's own framework caps that hold its memory cap, as the
     broker knows them: ``cooperative`` (none), ``agent-revoke`` (the node agent's mode),
-    ``+mps`` / ``+mps down`` (the GPU's MPS daemon, for kernels with enforcement=mps)."""
+    ``+mps`` / ``+mps down`` (the GPU's MPS daemon, for kernels with enforcement=mps);
+    ``, kernel unproven`` where the node agent refused the kernel the renewals claim (its
+    usage is not counted: ``kernel_refused`` says why)."""
     out = str(lease.get("enforcement") or COOPERATIVE)
     mps = lease.get("mps")
     if mps == "running":
         out += "+mps"
     elif mps == "down":
         out += "+mps down"
+    if lease.get("kernel_refused"):
+        out += ", kernel unproven"
     return out
 
 

@@ -16,6 +16,7 @@ nothing of ours but :mod:`provisioner.errors`; pure, nothing happens at import.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from collections.abc import Iterable, Mapping
@@ -139,6 +140,14 @@ MAX_PID_NS = 2**64 - 1
 MAX_CGROUP_CHARS = 1024
 #: a kernel cgroup v2 path: names of letters, digits and ``._@:+=,-`` between slashes
 CGROUP_PATTERN = r"^(/[A-Za-z0-9._@:+=,-]+)+$"
+#: the environment variable that carries a lease's kernel secret (DESIGN "Accounts and
+#: boundaries"): the provisioner sets it in the kernel's environment, children inherit it,
+#: and the root agent reads it in ``/proc/<pid>/environ``; only its digest goes on the wire
+KERNEL_SECRET_ENV = "GPU_LEASE_KERNEL_SECRET"
+#: a renewal's ``proof``: the hex sha256 of the kernel's secret (64 lowercase hex digits)
+PROOF_PATTERN = r"^[0-9a-f]{64}$"
+#: the longest reason the agent gives for a claim it refused
+MAX_REFUSAL_CHARS = 300
 #: the longest ``execution_state`` a renewal may report
 MAX_EXECUTION_STATE_CHARS = 32
 #: the longest reason an admin may give a revocation
@@ -251,6 +260,11 @@ def enum_schema(values: Iterable[str], *, nullable: bool = False, **more: Any) -
 DEFAULT_MPS_DIR = "/run/gpu-lease/mps"
 
 
+def kernel_proof(secret: str) -> str:
+    """A renewal's ``proof`` of the kernel secret ``secret``: its hex sha256."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
 def pipe_directory(mps_dir: str, gpu_uuid: str) -> str:
     """The ``CUDA_MPS_PIPE_DIRECTORY`` of ``gpu_uuid``'s daemon."""
     return os.path.join(mps_dir, gpu_uuid, "pipe")
@@ -268,6 +282,7 @@ __all__ = [
     "ERROR_BY_STATUS",
     "ERROR_TEXT",
     "KERNEL_LEASE_STATES",
+    "KERNEL_SECRET_ENV",
     "LEASE_ENFORCEMENTS",
     "LEASE_STATES",
     "LIVE_LEASE_STATES",
@@ -283,6 +298,7 @@ __all__ = [
     "MAX_PID",
     "MAX_PID_NS",
     "MAX_QUOTA_FRACTION",
+    "MAX_REFUSAL_CHARS",
     "MAX_QUOTA_LEASES",
     "MAX_REASON_CHARS",
     "MAX_TIME",
@@ -299,6 +315,7 @@ __all__ = [
     "PARK_OUTCOMES",
     "PARK_STATES",
     "PPM",
+    "PROOF_PATTERN",
     "PRIORITY_RANGE",
     "EndedLeaseState",
     "LeaseState",
@@ -308,6 +325,7 @@ __all__ = [
     "enum_schema",
     "error_code",
     "fraction_to_ppm",
+    "kernel_proof",
     "lease_enforcement",
     "may_use_course",
     "node_from_env",

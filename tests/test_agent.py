@@ -25,6 +25,7 @@ from provisioner.devtools.testing import wait_for, wait_for_async
 from provisioner.node.mps import MPSDaemon, MPSSupervisor
 from provisioner.wire import pipe_directory
 
+from .proven import claim, kernel_env
 from .test_nodes import NodeBroker, node_state, pool
 
 pytestmark = pytest.mark.slow
@@ -228,12 +229,20 @@ KERNEL = (
 
 
 class Kernel:
-    """A real process standing for a kernel, with a child that holds GPU memory."""
+    """A real process standing for a kernel, with a child that holds GPU memory; started
+    with a lease secret as a provisioner starts one (``claim``: its renewal body)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", KERNEL], stdout=subprocess.PIPE)
+        env, self.proof = kernel_env()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", KERNEL], stdout=subprocess.PIPE, env=env
+        )
         assert self.proc.stdout is not None
         self.child = int(self.proc.stdout.readline())
+
+    @property
+    def claim(self) -> dict[str, Any]:
+        return claim(self.proc.pid, self.proof)
 
     def child_alive(self) -> bool:
         try:
@@ -296,7 +305,7 @@ def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
                 assert r.status_code == 201, r.text
                 leases[name] = r.json()
                 # the provisioner reports the kernel's pid in its renewals
-                r = u.post(f"/leases/{r.json()['id']}/renew", json={"pid": kernel.proc.pid})
+                r = u.post(f"/leases/{r.json()['id']}/renew", json=kernel.claim)
                 assert r.status_code == 200
             cap = leases["hog"]["memory_limit_mb"]  # 1126 MiB: 0.1 of 16 GiB less 512
             agent.set_processes(
@@ -317,7 +326,7 @@ def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
             wait_for(lambda: state("hog")["state"] == "revoked", timeout=30)
             reason = state("hog")["reason"]
             assert "used 3.9 GiB of GPU memory on a 1.6 GiB lease" in reason, reason
-            r = u.post(f"/leases/{leases['hog']['id']}/renew", json={"pid": hog.proc.pid})
+            r = u.post(f"/leases/{leases['hog']['id']}/renew", json=hog.claim)
             assert r.status_code == 410 and "3.9 GiB" in r.json()["message"]
             assert state("modest")["state"] == "active"
         metrics = httpx.get(f"{enforcing.url}/metrics", timeout=30).text
@@ -377,7 +386,7 @@ def test_report_mode_flags_once_and_unleased_processes_die_when_asked(
             r = u.post("/leases", json={"kernel_id": "hog", "fraction": 0.1, "gpu_uuids": [gpu]})
             assert r.status_code == 201, r.text
             lease = r.json()
-            r = u.post(f"/leases/{lease['id']}/renew", json={"pid": hog.proc.pid})
+            r = u.post(f"/leases/{lease['id']}/renew", json=hog.claim)
             assert r.status_code == 200
             seen = nodes_of(enforcing)["gpu-a"]["last_seen"]
             wait_for(lambda: nodes_of(enforcing)["gpu-a"]["last_seen"] > seen)  # watch has it

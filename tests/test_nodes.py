@@ -383,19 +383,43 @@ def test_kernels_of_other_pid_namespaces_are_matched_by_identity_never_by_number
             r = u.post("/leases", json={"kernel_id": kernel, "fraction": 0.25, "node": "gpu-a"})
             assert r.status_code == 201
             ids.append(r.json()["id"])
-            beat = {"pid": 7, "pid_ns": ns, "cgroup": f"/gpu-lease/kernel-{kernel}"}
+            beat = {
+                "pid": 7,
+                "pid_ns": ns,
+                "cgroup": f"/gpu-lease/kernel-{kernel}",
+                "proof": kernel[-1] * 64,
+            }
             assert u.post(f"/leases/{ids[-1]}/renew", json=beat).status_code == 200
-        for bad in ({"pid_ns": 0}, {"pid_ns": "x"}, {"cgroup": "../etc"}, {"cgroup": "/a/../b"}):
+        for bad in (
+            {"pid_ns": 0},
+            {"pid_ns": "x"},
+            {"cgroup": "../etc"},
+            {"cgroup": "/a/../b"},
+            {"proof": "A" * 64},  # issue 36: 64 lowercase hex digits
+            {"proof": "1" * 63},
+            {"proof": 7},
+        ):
             r = u.post(f"/leases/{ids[0]}/renew", json={"pid": 7, **bad})
             assert r.status_code == 400, bad
         answer = a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()
+        # each claim with what the agent needs to prove it and act on it (issue 36)
         assert answer["kernels"] == [
-            {"pid": 7, "pid_ns": 4026531001},
-            {"pid": 7, "pid_ns": 4026531002},
+            {
+                "pid": 7,
+                "pid_ns": ns,
+                "lease_id": lease_id,
+                "user": "alice",
+                "kernel_id": kernel,
+                "proof": kernel[-1] * 64,
+                "gpu_uuid": "GPU-gpu-a-0",
+                "memory_mb": 4096,  # cap + context: 0.25 of 16 GiB
+                "enforcement": "cooperative",
+            }
+            for (kernel, ns), lease_id in zip(
+                (("k1", 4026531001), ("k2", 4026531002)), ids, strict=True
+            )
         ]
-        cgroups = [x["cgroup"] for x in answer["limits"]]
-        assert cgroups == ["/gpu-lease/kernel-k1", "/gpu-lease/kernel-k2"]
-        assert answer["limits"][0]["memory_mb"] == 4096  # cap + context: 0.25 of 16 GiB
+        assert answer["limits"] == []  # a claimed cgroup is never handed to an agent
         gpu = "GPU-gpu-a-0"
         report = {
             "usage": [
@@ -423,6 +447,43 @@ def test_kernels_of_other_pid_namespaces_are_matched_by_identity_never_by_number
             {"kernels": {"pid": 7}},
             {"driver_limits": ["relative/path"]},
             {"driver_limits": "/a"},
+        ):
+            r = a.post("/nodes/gpu-a/heartbeat", json={"usage": [], **bad})
+            assert r.status_code == 400, bad
+        # an agent that proves claims (it sends ``refused``, issue 36): only the kernels it
+        # proved count, whatever the renewals claim; a refusal shows on the lease
+        why = "process 30001 does not carry this lease's kernel secret"
+        proving = {
+            "usage": [
+                {"pid": 30001, "gpu_uuid": gpu, "used_mb": 100},
+                {"pid": 30002, "gpu_uuid": gpu, "used_mb": 200},
+            ],
+            "kernels": [
+                {
+                    "pid": 7,
+                    "pid_ns": 4026531002,
+                    "host_pid": 30002,
+                    "lease_id": ids[1],
+                    "uid": 1000,
+                    "cgroup": "/gpu-lease/kernel-k2",
+                    "escaped": [],
+                }
+            ],
+            "refused": [{"lease_id": ids[0], "reason": why}],
+            "driver_limits": ["/gpu-lease/kernel-k2"],
+        }
+        assert a.post("/nodes/gpu-a/heartbeat", json=proving).status_code == 200
+        k1, k2 = (u.get(f"/leases/{i}").json() for i in ids)
+        assert (k1["used_mb"], k2["used_mb"]) == (0, 200)
+        assert (k1["kernel_refused"], k2["kernel_refused"]) == (why, None)
+        assert k2["enforcement"] == "driver+agent-report"
+        for bad in (
+            {"refused": [{"lease_id": ids[0]}]},
+            {"refused": "x"},
+            {"refused": [{"lease_id": ids[0], "reason": "x" * 301}]},
+            {"refused": [], "kernels": [{**proving["kernels"][0], "uid": -1}]},
+            {"refused": [], "kernels": [{**proving["kernels"][0], "cgroup": "x"}]},
+            {"refused": [], "kernels": [proving["kernels"][0]] * 2},
         ):
             r = a.post("/nodes/gpu-a/heartbeat", json={"usage": [], **bad})
             assert r.status_code == 400, bad

@@ -29,6 +29,7 @@ from provisioner.node.parking import Order, Parker, descendants, host_pid
 from provisioner.node.pidns import pid_ns_of
 from tests.standin_libcuda.build import build
 
+from .proven import claim, kernel_env
 from .test_agent import Agent, nodes_of
 from .test_nodes import NodeBroker
 
@@ -122,11 +123,13 @@ def node(tmp_path: Path, libdir: Path, monkeypatch: pytest.MonkeyPatch) -> Node:
 
 
 class Kernel:
-    """``sh`` (the kernel) with one ``sleep`` child: both hold GPU memory."""
+    """``sh`` (the kernel) with one ``sleep`` child: both hold GPU memory. Started with a
+    lease secret, as a provisioner starts a kernel (``proof``: what its renewals send)."""
 
     def __init__(self) -> None:
+        env, self.proof = kernel_env()
         self.proc = subprocess.Popen(
-            ["sh", "-c", "sleep 120 & echo $!; wait"], stdout=subprocess.PIPE, text=True
+            ["sh", "-c", "sleep 120 & echo $!; wait"], stdout=subprocess.PIPE, text=True, env=env
         )
         assert self.proc.stdout is not None
         self.pid = self.proc.pid
@@ -435,7 +438,8 @@ def test_an_agent_parks_and_resumes_a_kernel_the_broker_orders(
         r = alice.post("/leases", json={"kernel_id": "k1", "fraction": 1.0})
         assert r.status_code == 201, r.text
         lease = r.json()["id"]
-        r = alice.post(f"/leases/{lease}/renew", json={"pid": k.pid, "execution_state": "idle"})
+        idle = claim(k.pid, k.proof, execution_state="idle")
+        r = alice.post(f"/leases/{lease}/renew", json=idle)
         assert r.status_code == 200, r.text
 
         def state() -> str:

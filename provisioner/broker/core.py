@@ -539,12 +539,10 @@ class ServiceCore:
 
     def refresh_mps_owners(self) -> bool:
         """The state's trusted sources of MPS owners := the agents' reports and the kernels
-        they proved (``KernelPlaces.proven_uids``, where the broker has it: lease id ->
-        uid); True if either changed (a waiting MPS kernel may fit now). Called after
+        they proved (``KernelPlaces.proven_uids``: lease id -> uid); True if either changed (a waiting MPS kernel may fit now). Called after
         each heartbeat, on each reaper pass and when memory is reloaded."""
         served = self.mps_uids()
-        proven_uids = getattr(self.kernel_places, "proven_uids", None)
-        proven = dict(proven_uids()) if callable(proven_uids) else {}
+        proven = self.kernel_places.proven_uids()
         changed = served != self.state.mps_uid or proven != self.state.mps_proven
         self.state.mps_uid, self.state.mps_proven = served, proven
         return changed

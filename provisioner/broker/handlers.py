@@ -345,6 +345,7 @@ class APIHandler(web.RequestHandler):
             enforcement=usage.enforcement,
             mps=usage.mps,
             mps_server_uid=usage.mps_server_uid,
+            kernel_refused=usage.kernel_refused,
         )
         if usage.resume is not None:  # parked, its resume request waiting
             body["resume"] = usage.resume
@@ -728,6 +729,7 @@ class NodeHeartbeatHandler(APIHandler):
         mps_uid = validation.parse_mps_uids(body)
         kernels, driver_limits = validation.parse_node_kernels(body)
         parking = validation.parse_node_parking(body)
+        proofs = validation.parse_node_proofs(body)
         beat = await self.service.nodes.node_heartbeat(
             self.ident,
             node,
@@ -738,6 +740,7 @@ class NodeHeartbeatHandler(APIHandler):
             kernels=kernels,
             driver_limits=driver_limits,
             parking=parking,
+            proofs=proofs,
         )
         self.write_json(heartbeat_json(beat))
 

@@ -168,11 +168,14 @@ class LeaseService:
         last_activity: float | None = None,
         pid_ns: int | None = None,
         cgroup: str | None = None,
+        proof: str | None = None,
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
         Memory only: the reaper's next pass persists the heartbeat (``reaper.py``). A lease
-        active in the database but not in memory is adopted (memory reloaded).
+        active in the database but not in memory is adopted (memory reloaded). ``pid``,
+        ``pid_ns``, ``cgroup`` and ``proof`` (the sha256 of the kernel's secret) are the
+        holder's claim, kept in memory for the node agent to prove (``kernel_places.py``).
         """
         await self.core.ready()
         lease = self.core.state.find_lease(lease_id)  # a parked lease is renewed too
@@ -184,7 +187,7 @@ class LeaseService:
         )
         self.core.state.update_lease(fresh)
         self.core.renewed.add(lease_id)
-        self.core.kernel_places.renewed(lease_id, pid_ns, cgroup)
+        self.core.kernel_places.renewed(lease_id, pid_ns, cgroup, proof)
         return fresh
 
     async def release(self, ident: Identity, lease_id: str) -> None:

@@ -19,7 +19,7 @@ from ..wire import NODE_STATES
 from . import node_rules, scheduling
 from .core import NodeParking, ServiceCore, require_admin
 from .park_orders import ParkOrders
-from .validation import NodeParkReport
+from .validation import NodeParkReport, NodeProofs
 
 log = logging.getLogger("gpu_lease.broker")
 
@@ -42,8 +42,9 @@ class Heartbeat:
     at: float
     watch: list[int]
     kill: list[int]
-    #: the node's lease kernels ``{pid, pid_ns}`` and kernel cgroups' ``limits`` (see
-    #: :mod:`.kernel_places`)
+    #: the node's lease kernels as claimed (``{pid, pid_ns, lease_id, user, kernel_id,
+    #: proof, gpu_uuid, memory_mb, enforcement}``, see :mod:`.kernel_places`); ``limits``:
+    #: always empty since issue 36 (an older agent sets no driver limit on a claim)
     kernels: list[dict[str, Any]] = field(default_factory=list)
     limits: list[dict[str, Any]] = field(default_factory=list)
     #: what to park or resume: ``{lease_id, action, pid, pid_ns, gpu_uuid, memory_mb}``
@@ -146,6 +147,7 @@ class NodeService:
         kernels: dict[tuple[int, int], int] | None = None,
         driver_limits: list[str] | None = None,
         parking: NodeParkReport | None = None,
+        proofs: NodeProofs | None = None,
     ) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
         and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
@@ -161,6 +163,11 @@ class NodeService:
         revokes the lease; an outcome of another node's lease is refused, 403; one about
         a lease not in that state, late or repeated, is ignored), then the answer orders
         what is still to park or resume on this node.
+
+        Proofs (``proofs``, issue 36; None from an agent older than them): only the kernels
+        the agent proved count for their leases; a refused claim is logged and counted
+        once per (lease, reason) and shown on the lease (``kernel_refused``); a proven
+        kernel's GPU process outside its driver-limited cgroup puts its lease over its cap.
         """
         await self.core.ready()
         self._check_node_caller(ident, name)
@@ -205,7 +212,9 @@ class NodeService:
         places = self.core.kernel_places
         places.forget_ended(set(self.core.state.leases) | set(self.core.state.parked))
         places.driver_limited[name] = set(driver_limits or ())
-        ends, kill = self._account_usage(node, usage, now, kernels)
+        if proofs is not None:
+            self._refusals(node, proofs)
+        ends, kill = self._account_usage(node, usage, now, kernels, proofs)
         mps_changed = self.core.refresh_mps_owners()  # its report, the kernels proven now
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
@@ -230,8 +239,8 @@ class NodeService:
             now,
             watch,
             kill,
-            places.kernels(here + parked),
-            places.limits(here, self.core.policy.context_overhead_mb),
+            places.kernels(here + parked, self.core.policy.context_overhead_mb),
+            [],
             self.parking.orders(here),
         )
 
@@ -241,6 +250,7 @@ class NodeService:
         usage: list[tuple[int, str, int]],
         now: float,
         kernels: dict[tuple[int, int], int] | None = None,
+        proofs: NodeProofs | None = None,
     ) -> tuple[list[tuple[Lease, str, str | None]], list[int]]:
         """Map samples to leases by kernel pid; which leases over their cap past the grace end.
 
@@ -251,7 +261,7 @@ class NodeService:
         """
         mine = {g.uuid for g in node.gpus}
         leases = [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
-        by_pid = self.core.kernel_places.by_host_pid(leases, kernels)
+        by_pid = self.core.kernel_places.by_host_pid(leases, kernels, proofs)
         host_of = {x.id: pid for pid, x in by_pid.items()}
         used: dict[str, int] = {}
         node.unleased = []
@@ -266,7 +276,10 @@ class NodeService:
         for lease in leases:
             mb = used.get(lease.id, 0)
             self.core.used_mb[lease.id] = mb
-            if node.enforce == "off" or not node_rules.over_lease(lease, mb, self.core.policy):
+            proven = proofs.proven.get(lease.id) if proofs is not None else None
+            escaped = proven.escaped if proven is not None else ()
+            over = bool(escaped) or node_rules.over_lease(lease, mb, self.core.policy)
+            if node.enforce == "off" or not over:
                 self.core.over_since.pop(lease.id, None)
                 self.core.over_reported.discard(lease.id)
                 continue
@@ -274,6 +287,11 @@ class NodeService:
             if now - since < self.core.policy.overuse_grace:
                 continue
             reason = node_rules.overuse_reason(mb, lease, self.core.policy)
+            if escaped:
+                reason = (
+                    f"a kernel process (pid {escaped[0]}) left the kernel's cgroup, which "
+                    "carries its driver memory limit: a lease's processes must stay in it"
+                )
             if node.enforce in ("revoke", "kill"):
                 ends.append((lease, "revoked", reason))
                 if node.enforce == "kill" and lease.id in host_of:
@@ -285,6 +303,26 @@ class NodeService:
                     "Lease %s… of %s on node %s: %s", lease.id[:6], lease.user, node.name, reason
                 )
         return ends, kill
+
+    def _refusals(self, node: Node, proofs: NodeProofs) -> None:
+        """Keep an agent's word on the claims of its node's leases; log and count each new
+        refusal once (never the proof)."""
+        mine = {g.uuid for g in node.gpus}
+        leases = [
+            x
+            for x in list(self.core.state.leases.values()) + list(self.core.state.parked.values())
+            if x.gpu_uuid in mine
+        ]
+        for lease_id, why in self.core.kernel_places.agent_said(leases, proofs):
+            lease = self.core.state.find_lease(lease_id)
+            self.core.metrics.enforced("claim_refused", 1)
+            log.warning(
+                "Node %s does not act on the kernel lease %s… of %s claims: %s",
+                node.name,
+                lease_id[:6],
+                lease.user if lease is not None else "?",
+                why,
+            )
 
     def _log_overuse(
         self, node: Node, ends: list[tuple[Lease, str, str | None]], kill: list[int]

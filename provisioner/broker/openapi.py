@@ -293,6 +293,15 @@ _SCHEMAS: dict[str, Any] = {
                     "of now, as its node agent (--mps) last reported it (null: none).",
                 }
             ),
+            "kernel_refused": _nullable(
+                {
+                    "type": "string",
+                    "description": "Why the lease's node agent does not act on the kernel "
+                    "its renewals name (not proven to be the lease's: its usage is not "
+                    "counted, nothing is killed, limited or parked for it); null: proven, "
+                    "or no agent has said.",
+                }
+            ),
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
             "parked_at": _nullable(
@@ -380,8 +389,17 @@ _SCHEMAS: dict[str, Any] = {
             },
             "cgroup": {
                 **_CGROUP,
-                "description": "The kernel's own cgroup v2, from the hierarchy's root: "
-                "the node sets the driver's memory limit on it where the driver offers one.",
+                "description": "The kernel's own cgroup v2, from the hierarchy's root, as "
+                "the provisioner sees it (informational: the node agent reads the cgroup of "
+                "the proven kernel itself).",
+            },
+            # proof (issue 36)
+            "proof": {
+                "type": "string",
+                "pattern": wire.PROOF_PATTERN,
+                "description": "The hex sha256 of the kernel's secret (the kernel's "
+                f"{wire.KERNEL_SECRET_ENV}): the node agent acts on the kernel only once it "
+                "finds that secret in the process's environment. Kept in memory only.",
             },
         },
     },
@@ -688,15 +706,51 @@ _SCHEMAS: dict[str, Any] = {
                 "type": "array",
                 "maxItems": wire.MAX_USAGE_SAMPLES,
                 "description": "Which host pid each lease kernel of another pid namespace "
-                "is (found through /proc/<pid>/status NSpid); `usage` names host pids.",
+                "is (found through /proc/<pid>/status NSpid); `usage` names host pids. An "
+                "agent that proves claims (it sends `refused`) lists each proven kernel, "
+                "with its lease, real uid, cgroup and its GPU processes that left it.",
                 "items": {
                     "type": "object",
                     "additionalProperties": False,
                     "required": ["pid", "pid_ns", "host_pid"],
                     "properties": {
                         "pid": _PID,
-                        "pid_ns": _PID_NS,
+                        "pid_ns": _nullable(_PID_NS),
                         "host_pid": _PID,
+                        "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
+                        "uid": {**_UID, "description": "The proven process's real uid."},
+                        "cgroup": _nullable(
+                            {
+                                **_CGROUP,
+                                "description": "The proven process's cgroup (from "
+                                "/proc/<pid>/cgroup), where the agent accepts it as a "
+                                "kernel cgroup; null otherwise.",
+                            }
+                        ),
+                        "escaped": {
+                            "type": "array",
+                            "maxItems": wire.MAX_USAGE_SAMPLES,
+                            "items": _PID,
+                            "description": "The kernel's GPU processes outside its cgroup "
+                            "while a driver limit holds on it: the lease counts as over "
+                            "its cap.",
+                        },
+                    },
+                },
+            },
+            "refused": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "description": "The kernels the answer named that the agent did not prove "
+                "to be their lease's (it does not act on them), with the reason. Sent, even "
+                "empty, by every agent that proves claims.",
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["lease_id", "reason"],
+                    "properties": {
+                        "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
+                        "reason": {"type": "string", "maxLength": wire.MAX_REFUSAL_CHARS},
                     },
                 },
             },
@@ -747,14 +801,28 @@ _SCHEMAS: dict[str, Any] = {
             },
             "kernels": {
                 "type": "array",
-                "description": "The node's lease kernels as their provisioners see them: "
-                "`pid_ns` null means a host pid.",
+                "description": "The node's lease kernels as their provisioners CLAIM them "
+                "(`pid_ns` null means a host pid): the agent acts on one only once it has "
+                "proven it (the kernel secret whose sha256 is `proof` in the process's "
+                "environment; the user's account's uid where there is one).",
                 "items": {
                     "type": "object",
                     "required": ["pid", "pid_ns"],
                     "properties": {
                         "pid": {"type": "integer", "minimum": 1},
                         "pid_ns": _nullable(_PID_NS),
+                        "lease_id": {"type": "string"},
+                        "user": {"type": "string"},
+                        "kernel_id": {"type": "string"},
+                        "proof": _nullable({"type": "string", "pattern": wire.PROOF_PATTERN}),
+                        "gpu_uuid": {"type": "string"},
+                        "memory_mb": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "The lease's memory (cap + context): the driver "
+                            "limit on the proven kernel's cgroup.",
+                        },
+                        "enforcement": enum_schema(wire.ENFORCEMENTS),
                     },
                 },
             },
@@ -782,8 +850,9 @@ _SCHEMAS: dict[str, Any] = {
             },
             "limits": {
                 "type": "array",
-                "description": "Kernel cgroups and the memory their lease holds (cap + "
-                "context): the driver hard limit to set where the driver offers one.",
+                "description": "Deprecated, always empty since issue 36 (an agent sets "
+                "driver limits only on the cgroups of the kernels it proves): an older agent "
+                "sets none.",
                 "items": {
                     "type": "object",
                     "required": ["cgroup", "gpu_uuid", "memory_mb"],

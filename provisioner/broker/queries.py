@@ -77,6 +77,9 @@ class LeaseUsage:
     mps_server_uid: int | None = None
     #: a parked lease whose resume request waits: ``{position, eta_seconds}`` (else None)
     resume: dict[str, float | int | None] | None = None
+    #: why the node's agent does not act on the kernel the lease's renewals claim (None:
+    #: proven, or no agent said): issue 36
+    kernel_refused: str | None = None
 
 
 class QueryService:
@@ -174,6 +177,7 @@ class QueryService:
             node.mps.get(lease.gpu_uuid),
             node.mps_uid.get(lease.gpu_uuid),
             resume,
+            self.core.kernel_places.refused.get(lease.id),
         )
 
     def resume_place(self, lease: Lease) -> dict[str, float | int | None] | None:

@@ -38,6 +38,7 @@ from ..wire import (
     MAX_QUOTA_FRACTION,
     MAX_QUOTA_LEASES,
     MAX_REASON_CHARS,
+    MAX_REFUSAL_CHARS,
     MAX_TIME,
     MAX_UID,
     MAX_USAGE_SAMPLES,
@@ -49,6 +50,7 @@ from ..wire import (
     PARK_ACTIONS,
     PARK_OUTCOMES,
     PRIORITY_RANGE,
+    PROOF_PATTERN,
     fraction_to_ppm,
 )
 from .policy import Ask
@@ -59,7 +61,8 @@ EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", 
 DEFAULT_USAGE_WINDOW_S = 7 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
-HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup")
+HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup", "proof")
+_PROOF = re.compile(PROOF_PATTERN)
 _CGROUP_PATH = re.compile(CGROUP_PATTERN)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
@@ -330,6 +333,14 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
         out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
     if body.get("cgroup") is not None:
         out["cgroup"] = parse_cgroup(body["cgroup"])
+    if body.get("proof") is not None:  # issue 36: the digest of the kernel's secret
+        proof = _text(body["proof"], "proof", max_chars=64)
+        if not _PROOF.match(proof):
+            raise InvalidRequest(
+                "'proof' must be the hex sha256 of the kernel's secret: 64 lowercase hex "
+                "digits (the provisioner sends it; leave it out rather than guess)."
+            )
+        out["proof"] = proof
     return out
 
 
@@ -526,13 +537,15 @@ NODE_HEARTBEAT_FIELDS = (
     "checkpoint",
     "host_memory_available_mb",
     "parking",
+    "refused",
 )
 PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb", "seconds")
 #: the largest host memory (MiB) a heartbeat may report: 1 EiB
 MAX_HOST_MEMORY_MB = 2**40
 #: the longest a park or resume may have taken (s), as a heartbeat reports it
 MAX_PARK_SECONDS = 86400.0
-KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid")
+KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid", "lease_id", "uid", "cgroup", "escaped")
+REFUSED_FIELDS = ("lease_id", "reason")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 
 
@@ -665,6 +678,8 @@ def parse_node_kernels(
         for raw in _list(body, "kernels", MAX_USAGE_SAMPLES):
             entry = _object(raw, "'kernels'")
             check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
+            if entry.get("lease_id") is not None:
+                continue  # a proven kernel: parse_node_proofs
             key = (
                 _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
                 _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
@@ -676,6 +691,64 @@ def parse_node_kernels(
     if body.get("driver_limits") is not None:
         limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
     return kernels, limits
+
+
+@dataclass(frozen=True)
+class ProvenKernel:
+    """A kernel a node agent proved to be its lease's (heartbeat ``kernels`` entry with
+    ``lease_id``): its host pid, real uid, accepted cgroup, GPU processes outside it."""
+
+    lease_id: str
+    host_pid: int
+    uid: int | None = None
+    cgroup: str | None = None
+    escaped: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeProofs:
+    """An agent's proven kernels and refused claims (issue 36); a heartbeat without
+    ``refused`` comes from an agent older than proofs (None from the parser)."""
+
+    proven: dict[str, ProvenKernel]
+    refused: dict[str, str]
+
+
+def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
+    """A heartbeat's proofs: ``kernels`` entries with ``lease_id`` and ``refused``
+    ``[{lease_id, reason}]``; None when ``refused`` is absent (an older agent)."""
+    if body.get("refused") is None:
+        return None
+    proven: dict[str, ProvenKernel] = {}
+    for raw in body.get("kernels") or []:
+        entry = _object(raw, "'kernels'")
+        if entry.get("lease_id") is None:
+            continue
+        lease_id = _text(entry["lease_id"], "lease_id")
+        if lease_id in proven:
+            raise InvalidRequest("Two 'kernels' entries name the same lease_id.")
+        if entry.get("pid_ns") is not None:
+            _int(entry["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+        _int(entry.get("pid"), "pid", low=1, high=MAX_PID)
+        escaped = entry.get("escaped") or []
+        if not isinstance(escaped, list) or len(escaped) > MAX_USAGE_SAMPLES:
+            raise InvalidRequest("'escaped' must be a JSON array of pids.")
+        proven[lease_id] = ProvenKernel(
+            lease_id,
+            _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID),
+            _int(entry["uid"], "uid", low=0, high=MAX_UID)
+            if entry.get("uid") is not None
+            else None,
+            parse_cgroup(entry["cgroup"]) if entry.get("cgroup") is not None else None,
+            tuple(_int(p, "escaped", low=1, high=MAX_PID) for p in escaped),
+        )
+    refused: dict[str, str] = {}
+    for raw in _list(body, "refused", MAX_USAGE_SAMPLES):
+        entry = _object(raw, "'refused'")
+        check_fields(entry, REFUSED_FIELDS, "refused entry")
+        lease_id = _text(entry.get("lease_id"), "lease_id")
+        refused[lease_id] = _text(entry.get("reason"), "reason", max_chars=MAX_REFUSAL_CHARS)
+    return NodeProofs(proven, refused)
 
 
 # -- parking (issue 28) -------------------------------------------------------------

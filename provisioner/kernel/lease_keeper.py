@@ -44,12 +44,14 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import (
     BrokerUnavailable,
     GPULeaseError,
+    InvalidRequest,
     LeaseExpired,
     LeaseGone,
     LeaseNotFound,
     NoCapacity,
 )
 from .broker_clients import BrokerClients
+from .kernel_secret import KernelSecret
 from .kernelspecs import format_fraction
 from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
@@ -143,6 +145,8 @@ class LeaseKeeper:
         self.queue_wait = QueueWait(self, clients, log=log)
         #: a parked lease's way back: the kernel's resume request, the resume calls
         self.park_watch = ParkWatch(self, clients, log=log)
+        #: the kernel's secret and its proof (issue 36; :mod:`.kernel_secret`)
+        self.secret = KernelSecret()
 
     # -- acquire -------------------------------------------------------------------------
     async def acquire(self, ask: LeaseAsk) -> GrantedLease:
@@ -273,8 +277,25 @@ class LeaseKeeper:
                     last_activity=report.last_activity,
                     pid_ns=report.pid_ns,
                     cgroup=report.cgroup,
+                    proof=self.secret.renewal_proof(lease.id),
                 )
             )
+        except InvalidRequest as exc:
+            if (
+                "proof" in (exc.details.get("fields") or [])
+                and not self.secret.broker_without_proofs
+            ):
+                self.log.warning(
+                    "The GPU lease broker is older than kernel proofs (it refused 'proof'): "
+                    "kernel %s renews without it; its node agent, if newer, will not count "
+                    "it until the broker is upgraded.",
+                    self.kernel_id,
+                )
+                self.secret.broker_without_proofs = True
+                return await self.renew_once()
+            if not self.holds(lease):
+                return False
+            return await self._renewal_failed(lease, exc)
         except GPULeaseError as exc:
             if not self.holds(lease):  # ended meanwhile: cancelled on a loop that was blocked
                 return False

@@ -57,7 +57,7 @@ from ..client import TOKEN_ENV, broker_env
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import validate_fraction
 from ..node.pidns import own_pid_ns
-from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS
+from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, KERNEL_SECRET_ENV
 from .broker_clients import BrokerClients
 from .cgroup_keeper import CgroupKeeper
 from .death_watch import DeathWatch
@@ -236,6 +236,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             )
             for name in REMOVE_FROM_KERNEL:
                 env.pop(name, None)
+            # the proof the node agent checks (issue 36): the same secret for each restart
+            env[KERNEL_SECRET_ENV] = self.lease_keeper.secret.for_lease(lease.id)
             wrapped = kernel_argv(kwargs["cmd"])
             if not wrapped.wrapped:
                 self.log.warning("Kernel %s: %s", self.kernel_id, wrapped.reason)
@@ -325,6 +327,8 @@ class GPULeaseProvisioner(LocalProvisioner):
                 "lease": dict(lease.raw),
                 "state_file": state_file.path if state_file is not None else None,
                 "resume_when_busy": self.lease_keeper.park_watch.resume_when_busy,
+                # the digest only: the kernel keeps its secret, a restored server renews
+                "proof": self.lease_keeper.secret.proof(lease.id),
             }
         return info
 
@@ -351,6 +355,8 @@ class GPULeaseProvisioner(LocalProvisioner):
         # as pre_launch set it (a kernel without %gpu's cell hook); absent in older saves
         self.lease_keeper.park_watch.resume_when_busy = saved.get("resume_when_busy") is True
         self.lease_keeper.resume(lease, self._ask())
+        proof = saved.get("proof")
+        self.lease_keeper.secret.restore(lease.id, proof if isinstance(proof, str) else None)
         self._death.watch()
         self.lease_keeper.start_renewing(renewal_loop(self.parent))
 

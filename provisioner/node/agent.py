@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from traitlets import Bool, CaselessStrEnum, Float, Int, Unicode, default
+from traitlets import Bool, CaselessStrEnum, Float, Int, List, Unicode, default
 from traitlets.config import Application
 
 from .. import inventory
@@ -42,6 +42,7 @@ from . import driver_limits
 from .mps import MPS_CONTROL, MPSSupervisor
 from .parking import DEFAULT_HOST_RESERVE_MB, Parker, host_memory_available_mb
 from .pidns import KernelFinder, KernelId
+from .proof import CHECK_ACCOUNT, Claim, Proven, Prover, by_cgroup, escapes
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -53,6 +54,8 @@ REGISTER_RETRY = 2.0
 PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
 #: seconds before a broker that refused them is offered the parking fields again
 PARK_FIELDS_RETRY = 600.0
+#: the heartbeat fields of proven claims (issue 36); a broker older than them refuses them
+PROOF_FIELDS = frozenset({"refused", "lease_id", "uid", "cgroup", "escaped"})
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -82,7 +85,9 @@ def node_gpus(spec: str, node: str, nvml: Any = inventory.NVML_MODULE) -> list[G
     ]
 
 
-def attribute(samples: Sample, find: KernelFinder) -> tuple[Sample, dict[int, list[int]]]:
+def attribute(
+    samples: Sample, find: Callable[[int], int | None]
+) -> tuple[Sample, dict[int, list[int]]]:
     """Report each GPU process under its kernel's host pid (children count for their kernel,
     kernels in another pid namespace too: see :mod:`provisioner.node.pidns`).
 
@@ -99,6 +104,53 @@ def attribute(samples: Sample, find: KernelFinder) -> tuple[Sample, dict[int, li
             out.append((root, uuid, used))
             members.setdefault(root, []).append(pid)
     return out, members
+
+
+def claims_named(beat: dict[str, Any]) -> tuple[list[Claim], set[KernelId]]:
+    """The kernels a heartbeat's answer names: the claims to prove (``kernels`` entries
+    with ``lease_id`` and ``proof``), and the kernels of a broker older than proofs (see
+    :func:`kernels_named`), believed as they are."""
+    claims = [c for c in (Claim.parse(k) for k in beat.get("kernels") or []) if c is not None]
+    if claims:
+        return claims, set()
+    return [], kernels_named(beat)
+
+
+def proven_finder(proven: dict[str, Proven], legacy: set[KernelId]) -> KernelFinder:
+    """The finder of one sample: a GPU process belongs to a proven kernel it descends from,
+    or whose cgroup it is in (a double-forked child); ``legacy``: an older broker's kernels."""
+    kernels = {(p.host_pid, None) for p in proven.values()} | legacy
+    return KernelFinder(kernels, fallback=by_cgroup(proven) if proven else None)
+
+
+def wanted_limits(proven: dict[str, Proven]) -> list[dict[str, Any]]:
+    """The driver limits the proven kernels get: on their own (accepted) cgroup, the lease's
+    memory (cap + context) on the lease's GPU."""
+    return [
+        {"cgroup": p.cgroup, "gpu_uuid": p.claim.gpu_uuid, "memory_mb": p.claim.memory_mb}
+        for p in proven.values()
+        if p.cgroup_ok and p.cgroup and p.claim.gpu_uuid and p.claim.memory_mb > 0
+    ]
+
+
+def proven_orders(
+    orders: list[Any], proven: dict[str, Proven], refused: dict[str, str]
+) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """The park/resume orders to run: those of proven kernels, naming each by its host pid
+    (and those that name no kernel, which move nothing); and those of refused claims, with
+    why, which fail at once (:meth:`~provisioner.node.parking.Parker.refuse`)."""
+    run: list[Any] = []
+    fail: list[tuple[Any, str]] = []
+    for raw in orders:
+        lease_id = str(raw.get("lease_id")) if isinstance(raw, dict) else ""
+        p = proven.get(lease_id)
+        if p is not None:
+            run.append({**raw, "pid": p.host_pid, "pid_ns": None})
+        elif lease_id in refused:
+            fail.append((raw, refused[lease_id]))
+        elif isinstance(raw, dict) and raw.get("pid") is None:
+            run.append(raw)
+    return run, fail
 
 
 def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
@@ -214,6 +266,7 @@ async def run_agent(
     mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
     limits: driver_limits.DriverLimits | None = None,
     parker: Parker | None = None,
+    prover: Prover | None = None,
     mps_limits: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
@@ -241,19 +294,31 @@ async def run_agent(
     with the next heartbeat (one at once when an order is settled); a broker older than
     parking refuses those fields once, and is then sent none of them for
     ``PARK_FIELDS_RETRY`` seconds (it may be upgraded meanwhile).
+
+    Proof (issue 36): every kernel the answer names is a *claim*; ``prover``
+    (:class:`~provisioner.node.proof.Prover`) checks it, and only proven kernels count:
+    usage, kills, the unleased exemption, driver limits (on the cgroup read from the
+    proven process) and park/resume orders. The heartbeat reports the proven kernels
+    (``kernels``: host pid, uid, cgroup, GPU processes that left a limited cgroup) and the
+    refused claims (``refused``). A broker older than proofs (it refuses those fields) gets
+    the older report, its kernels are believed as named, and no driver limit is set.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
     parking_wire = parker is not None
     refused_at: float | None = None  # when a broker older than parking refused its fields
     said_older = False
-    kernels: set[KernelId] = set()
+    prover = prover or Prover()
+    proof_wire = True
+    legacy: set[KernelId] = set()
+    proven: dict[str, Proven] = {}
+    refusals: dict[str, str] = {}
     limited: list[str] | None = [] if limits is not None else None
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
         raw: Sample = []
-        find = KernelFinder(kernels)
+        find = proven_finder(proven, legacy)
         try:
             raw = sample()
             samples, members = attribute(raw, find)
@@ -261,6 +326,13 @@ async def run_agent(
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
             usage = []
+        proof: dict[str, Any] = {"kernels": find.report()}
+        if proof_wire:
+            left = escapes(members, proven, set(limited or ()))
+            proof = {
+                "kernels": [p.report(left.get(lease)) for lease, p in proven.items()],
+                "refused": [{"lease_id": k, "reason": v} for k, v in sorted(refusals.items())],
+            }
         uids: dict[str, int | None] | None = None
         if mps_uids is not None:
             try:
@@ -287,23 +359,29 @@ async def run_agent(
                 at=time.time(),
                 mps=mps_states() if mps_states else None,
                 mps_uid=uids,
-                kernels=find.report(),
                 driver_limits=limited,
+                **proof,
                 **park,
             )
-            kernels = kernels_named(beat)
+            claims, legacy = claims_named(beat)
+            proven, refusals = prover.prove(claims)
+            orders = list(beat.get("orders") or [])
             if parker is not None:
                 parker.delivered(sent)
-                parker.take(list(beat.get("orders") or []))
-            if limits is not None:
-                limited = limits.apply(list(beat.get("limits", [])), log)
+                run, fail = proven_orders(orders, proven, refusals) if claims else (orders, [])
+                parker.take(run)
+                for raw, why in fail:
+                    parker.refuse(raw, why)
+            if limits is not None:  # an older broker's claimed cgroups get none
+                limited = limits.apply(wanted_limits(proven), log)
             if mps_limits is not None:
                 await _set_mps_limits(mps_limits, beat)
             if enforce == "kill":
                 for root in beat.get("kill", []):
                     kill_processes(members.get(int(root), []))
             if reaper is not None:  # judged against the kernels the broker names now
-                kill_processes(reaper(raw, KernelFinder(kernels)), "that belongs to no GPU lease")
+                unleased = reaper(raw, proven_finder(proven, legacy))
+                kill_processes(unleased, "that belongs to no GPU lease")
         except LeaseNotFound:
             log.warning("The broker does not know node %s (any more); registering again", node)
             if not await _register(client, node, gpus, stop, enforce):
@@ -312,6 +390,18 @@ async def run_agent(
             log.warning("Heartbeat of node %s failed: %s", node, exc.message)
         except InvalidRequest as exc:
             refused = set(exc.details.get("fields") or [])
+            if proof_wire and refused & PROOF_FIELDS and refused <= PROOF_FIELDS | PARK_FIELDS:
+                log.warning(
+                    "The broker is older than proven kernels (it refused %s): the kernels it "
+                    "names on node %s are believed as claimed, and no driver limit is set, "
+                    "until the broker is upgraded.",
+                    ", ".join(repr(x) for x in sorted(refused & PROOF_FIELDS)),
+                    node,
+                )
+                proof_wire = False
+                if not refused & PARK_FIELDS:
+                    continue
+                refused &= PARK_FIELDS
             if not (parking_wire and refused and refused <= PARK_FIELDS):
                 raise
             log.log(
@@ -372,6 +462,8 @@ class GPULeaseAgent(Application):
         "mps-dir": "GPULeaseAgent.mps_dir",
         "mps-control": "GPULeaseAgent.mps_control",
         "park-host-reserve-mb": "GPULeaseAgent.park_host_reserve_mb",
+        "check-account": "GPULeaseAgent.check_account",
+        "kernel-cgroup-parents": "GPULeaseAgent.kernel_cgroup_parents",
         "log-level": "Application.log_level",
     }
 
@@ -476,6 +568,23 @@ class GPULeaseAgent(Application):
         f"park_host_reserve_mb should match. Default: {DEFAULT_HOST_RESERVE_MB}.",
     ).tag(config=True)
 
+    check_account = CaselessStrEnum(
+        CHECK_ACCOUNT,
+        default_value="auto",
+        help="Whether a kernel a lease claims must run as the lease user's Unix account, "
+        "besides carrying the lease's kernel secret: 'auto' (default: where the user has "
+        "an account on this node), 'yes' (always: a user without an account is refused), "
+        "'no' (never: the secret alone, e.g. every server is uid 1000 in its own pod).",
+    ).tag(config=True)
+
+    kernel_cgroup_parents = List(
+        Unicode(),
+        help="cgroup v2 paths (from the hierarchy's root) under which a proven kernel's own "
+        "cgroup may sit to get a driver memory limit and count its processes, e.g. "
+        "/user.slice/gpu-kernels. Default: none, which accepts only the provisioner's own "
+        "layout: a leaf named kernel-<kernel id> in a directory named gpu-lease.",
+    ).tag(config=True)
+
     nvml_module = Unicode(
         inventory.NVML_MODULE,
         help="The NVML binding's module name (nvidia-ml-py installs 'pynvml').",
@@ -559,6 +668,7 @@ class GPULeaseAgent(Application):
                 mps.server_uids if mps is not None else None,
                 _driver_limits(nvml_sampler, gpus),
                 parker,
+                Prover(self.check_account, list(self.kernel_cgroup_parents)),
                 mps_limits=mps.apply_limits if mps is not None else None,
             )
         except GPULeaseError as exc:
@@ -587,7 +697,7 @@ def _driver_limits(
     if not ok:
         return None
     handles = {g.uuid: nvml.nvmlDeviceGetHandleByIndex(g.index) for g in gpus}
-    return driver_limits.DriverLimits(nvml, handles)
+    return driver_limits.DriverLimits(nvml, handles, {g.uuid: g.memory_mb for g in gpus})
 
 
 def _parker(sampler: NVMLSampler | None, gpus: list[GPU], enabled: bool, reserve_mb: int) -> Parker:

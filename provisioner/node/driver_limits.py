@@ -12,6 +12,12 @@ and reports the cgroups it holds (``driver_limits``) so the lease's ``enforcemen
 ``driver``. ``nameSpace`` is the cgroup's path from the v2 root as ``/proc/<pid>/cgroup``
 shows it; the limits are passed in bytes. Both are how the binding's structure reads, not
 yet checked against an R615 driver (none was available; tests use ``tests/fake_nvml``).
+
+Since issue 36 the agent sets limits only on the cgroups of kernels it has *proven*
+(:mod:`.proof`: read from ``/proc/<pid>/cgroup``, under the accepted parents), never on a
+cgroup a renewal names. NVML documents no call that removes a limit, so a limit the agent
+no longer wants (its lease ended, or its kernel is no longer proven) is *lifted* by setting
+it to the GPU's whole memory.
 """
 
 from __future__ import annotations
@@ -73,15 +79,20 @@ def set_limit(nvml: Any, handle: Any, cgroup: str, memory_mb: int) -> None:
 class DriverLimits:
     """The agent's limits in force: ``(cgroup, gpu uuid) -> MiB``; sets each once."""
 
-    def __init__(self, nvml: Any, handles: dict[str, Any]) -> None:
+    def __init__(
+        self, nvml: Any, handles: dict[str, Any], whole_mb: dict[str, int] | None = None
+    ) -> None:
         self.nvml = nvml
         self.handles = handles
+        #: GPU uuid -> its memory (MiB): what a lifted limit is set to
+        self.whole_mb = dict(whole_mb or {})
         self.held: dict[tuple[str, str], int] = {}
         self.failed: set[tuple[str, str, int]] = set()
 
     def apply(self, wanted: list[dict[str, Any]], log: Any) -> list[str]:
-        """Set the limits the broker names (``limits``) not yet set; forget the others.
-        Returns the cgroups whose limit is in force."""
+        """Set the limits wanted (``{cgroup, gpu_uuid, memory_mb}``, the proven kernels')
+        not yet set; lift those no longer wanted. Returns the cgroups whose limit is in
+        force."""
         keep: dict[tuple[str, str], int] = {}
         for entry in wanted:
             key = (str(entry["cgroup"]), str(entry["gpu_uuid"]))
@@ -100,5 +111,20 @@ class DriverLimits:
                 continue
             log.info("Driver memory limit %d MiB on cgroup %s (GPU %s)", mb, key[0], key[1])
             keep[key] = mb
+        for key in [k for k in self.held if k not in keep]:
+            self._lift(key, log)
         self.held = keep
         return sorted({c for c, _ in keep})
+
+    def _lift(self, key: tuple[str, str], log: Any) -> None:
+        """Lift the limit on ``key`` (cgroup, GPU): the GPU's whole memory (NVML documents
+        no removal)."""
+        handle, whole = self.handles.get(key[1]), self.whole_mb.get(key[1])
+        if handle is None or not whole:
+            return
+        try:
+            set_limit(self.nvml, handle, key[0], whole)
+        except self.nvml.NVMLError as exc:
+            log.warning("Cannot lift the driver limit on cgroup %s: %s", key[0], exc)
+            return
+        log.info("Driver memory limit on cgroup %s lifted (GPU %s)", key[0], key[1])

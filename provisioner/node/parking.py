@@ -230,6 +230,19 @@ class Parker:
             self._busy[order.lease_id] = future
             future.add_done_callback(functools.partial(self._finished, order))
 
+    def refuse(self, raw: Any, why: str) -> None:
+        """Settle an order of a kernel the agent did not prove (issue 36) as failed at once,
+        with ``why``: nothing is checkpointed or restored, and the broker reclaims the lease
+        as it would without parking (rather than after its ``park_timeout``)."""
+        order = Order.parse(raw)
+        if order is None or order.lease_id in self._busy:
+            return
+        if (order.lease_id, order.action) in self._pending:
+            return
+        message = f"the node agent did not prove this lease's kernel: {why}"
+        self._pending[(order.lease_id, order.action)] = self._outcome(order, "failed", message)
+        self.ready.set()
+
     def _finished(self, order: Order, future: asyncio.Future[dict[str, Any]]) -> None:
         self._busy.pop(order.lease_id, None)
         if future.cancelled():

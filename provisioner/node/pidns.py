@@ -18,6 +18,7 @@ before.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: a kernel as its provisioner reported it: ``(pid, pid_ns)``; ``pid_ns`` None: a host pid
@@ -73,6 +74,9 @@ class KernelFinder:
 
     kernels: set[KernelId]
     proc: str = "/proc"
+    #: asked for a pid that descends from no kernel: the host pid of the kernel it belongs
+    #: to otherwise (the agent's: a proven kernel's cgroup, see :func:`.proof.by_cgroup`)
+    fallback: Callable[[int], int | None] | None = None
     #: host pid -> the kernel identity it matched (for the heartbeat's ``kernels``)
     found: dict[int, KernelId] = field(default_factory=dict)
     _idents: dict[int, KernelId | None] = field(default_factory=dict)
@@ -88,7 +92,16 @@ class KernelFinder:
         return self._idents[pid]
 
     def __call__(self, pid: int) -> int | None:
-        """The host pid of the kernel ``pid`` is or descends from, else None."""
+        """The host pid of the kernel ``pid`` is or descends from (else, with ``fallback``,
+        whose cgroup it is in), else None."""
+        root = self._walk(pid)
+        if root is None and self.fallback is not None:
+            root = self.fallback(pid)
+            if root is not None:
+                self.found.setdefault(root, (root, None))
+        return root
+
+    def _walk(self, pid: int) -> int | None:
         if not self.kernels:
             return None
         seen = 0

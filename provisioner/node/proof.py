@@ -1,0 +1,361 @@
+"""Which claimed kernels are PROVEN to be their lease's (issue 36, DESIGN "Accounts and
+boundaries").
+
+A renewal's ``pid``, ``pid_ns`` and ``cgroup`` are what the lease's holder *says*; the root
+agent acts on a kernel only once it has checked it itself:
+
+1. the claim ``(pid, pid_ns)`` is resolved to a host pid (a host pid as is; a namespaced
+   one through ``/proc/<pid>/ns/pid`` and the last field of ``NSpid``);
+2. that process's ``/proc/<pid>/environ`` (the environment it was started with, readable
+   by root only) holds :data:`~provisioner.wire.KERNEL_SECRET_ENV` ``=s`` with
+   ``sha256(s)`` equal to the lease's ``proof`` (the broker hands the agent the digest its
+   provisioner renews with; the secret itself never leaves the kernel's server). This holds
+   where every student is the same uid in pid namespaces of their own (Kubernetes pods);
+3. where the lease's user is a Unix account on this node (``--check-account auto``, the
+   default; ``yes`` requires one; ``no`` skips it), the process's real uid is that account's.
+
+A verdict is cached per ``(host pid, start time, proof, user)``: the start time (field 22
+of ``/proc/<pid>/stat``) tells a reused pid from the process that was proven. The
+kernel's cgroup is read from ``/proc/<proven pid>/cgroup``, never from the claim, and is
+*accepted* for a driver memory limit and for counting its processes only where it is a
+kernel cgroup (:func:`cgroup_accepted`). The functions read a ``proc`` root so tests can
+give them a made-up tree.
+
+Who calls this: the node agent (:mod:`.agent`), once per heartbeat (:meth:`Prover.prove`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import pwd
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from ..wire import KERNEL_SECRET_ENV, kernel_proof
+from .cgroups import cgroup_of
+from .pidns import ns_pid_of, pid_ns_of
+
+log = logging.getLogger("gpu_lease.agent")
+
+#: ``--check-account``: compare the process's uid with the lease user's account where one
+#: exists (``auto``), always (``yes``: no account refuses) or never (``no``)
+CHECK_ACCOUNT = ("auto", "yes", "no")
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_SECRET = KERNEL_SECRET_ENV.encode() + b"="
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A kernel the broker names (heartbeat answer ``kernels``), as its renewals claim it."""
+
+    lease_id: str
+    pid: int
+    pid_ns: int | None
+    proof: str | None
+    user: str = ""
+    kernel_id: str = ""
+    gpu_uuid: str = ""
+    memory_mb: int = 0
+    enforcement: str = "cooperative"
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> Claim | None:
+        """An answer's ``kernels`` entry; None for one of an older broker (no ``lease_id``)."""
+        if not raw.get("lease_id"):
+            return None
+        ns = raw.get("pid_ns")
+        return cls(
+            lease_id=str(raw["lease_id"]),
+            pid=int(raw["pid"]),
+            pid_ns=int(ns) if ns is not None else None,
+            proof=str(raw["proof"]) if raw.get("proof") else None,
+            user=str(raw.get("user") or ""),
+            kernel_id=str(raw.get("kernel_id") or ""),
+            gpu_uuid=str(raw.get("gpu_uuid") or ""),
+            memory_mb=int(raw.get("memory_mb") or 0),
+            enforcement=str(raw.get("enforcement") or "cooperative"),
+        )
+
+
+@dataclass(frozen=True)
+class Proven:
+    """A claim the agent checked: its host pid, real uid and cgroup (``cgroup_ok``: the
+    cgroup is a kernel cgroup, see :func:`cgroup_accepted`)."""
+
+    claim: Claim
+    host_pid: int
+    uid: int
+    cgroup: str | None
+    cgroup_ok: bool
+
+    def report(self, escaped: list[int] | None = None) -> dict[str, Any]:
+        """The heartbeat's ``kernels`` entry of this kernel."""
+        return {
+            "pid": self.claim.pid,
+            "pid_ns": self.claim.pid_ns,
+            "host_pid": self.host_pid,
+            "lease_id": self.claim.lease_id,
+            "uid": self.uid,
+            "cgroup": self.cgroup if self.cgroup_ok else None,
+            "escaped": sorted(escaped or []),
+        }
+
+
+def start_time(pid: int, proc: str = "/proc") -> int | None:
+    """Field 22 of ``/proc/<pid>/stat`` (clock ticks after boot): with the pid, a process's
+    identity (None if it is gone)."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def real_uid(pid: int, proc: str = "/proc") -> int | None:
+    """The real uid of ``pid`` (``Uid:`` in ``/proc/<pid>/status``; None if it is gone)."""
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def secret_digest(pid: int, proc: str = "/proc") -> str | None:
+    """The sha256 of the kernel secret in ``pid``'s start environment (None: none there,
+    or the process is gone). The secret itself is never returned nor kept."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(_SECRET):
+            return kernel_proof(entry[len(_SECRET) :].decode(errors="replace"))
+    return None
+
+
+def leaf_name(kernel_id: str) -> str:
+    """The name of a kernel's cgroup as the provisioner makes it (:mod:`.cgroups`)."""
+    return _SAFE.sub("-", f"kernel-{kernel_id}")
+
+
+def cgroup_accepted(cgroup: str | None, kernel_id: str, parents: list[str]) -> bool:
+    """Whether ``cgroup`` may carry this kernel's driver limit and count its processes.
+
+    ``parents`` (the agent's ``kernel_cgroup_parents``): the cgroup must sit strictly under
+    one of them. Without any: it must be the provisioner's default layout, a leaf named
+    ``kernel-<kernel id>`` in a directory named ``gpu-lease``. Never ``/``.
+    """
+    if not cgroup or cgroup == "/" or ".." in cgroup.split("/"):
+        return False
+    if parents:
+        return any(
+            p.rstrip("/") and cgroup.startswith(p.rstrip("/") + "/") and cgroup != p.rstrip("/")
+            for p in parents
+        )
+    path = PurePosixPath(cgroup)
+    return bool(kernel_id) and path.name == leaf_name(kernel_id) and path.parent.name == "gpu-lease"
+
+
+def within(cgroup: str | None, outer: str) -> bool:
+    """``cgroup`` is ``outer`` or below it."""
+    return cgroup is not None and (cgroup == outer or cgroup.startswith(outer.rstrip("/") + "/"))
+
+
+def account_uid(user: str) -> int | None:
+    """The uid of the Unix account ``user`` on this node (None: no such account)."""
+    try:
+        return pwd.getpwnam(user).pw_uid if user else None
+    except KeyError:
+        return None
+
+
+@dataclass
+class Prover:
+    """The agent's checker: proves claims (see the module docstring), caching verdicts.
+
+    ``check_account``: one of :data:`CHECK_ACCOUNT`; ``parents``: the accepted kernel
+    cgroup parents (empty: the provisioner's default layout only).
+    """
+
+    check_account: str = "auto"
+    parents: list[str] = field(default_factory=list)
+    proc: str = "/proc"
+    #: (host pid, start time, proof, user) -> None (proven) or why not
+    verdicts: dict[tuple[int, int, str, str], str | None] = field(default_factory=dict)
+    #: (pid, pid_ns) -> (host pid, start time) last resolved (a process never changes its
+    #: pid namespace nor its number there: the start time alone tells it is still there)
+    resolved: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    #: (host pid, start time) -> real uid, of proven processes
+    uids: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: (lease id, reason) already logged
+    said: set[tuple[str, str]] = field(default_factory=set)
+
+    def prove(self, claims: list[Claim]) -> tuple[dict[str, Proven], dict[str, str]]:
+        """Lease id -> its proven kernel; lease id -> why its claim was refused. A refusal
+        is logged once per (lease, reason), without the proof."""
+        proven: dict[str, Proven] = {}
+        refused: dict[str, str] = {}
+        by_host: dict[int, str] = {}
+        scan: dict[tuple[int, int], int] | None = None
+        for claim in sorted(claims, key=lambda c: c.lease_id):
+            host, start = self._host(claim)
+            if host is None and claim.pid_ns is not None:
+                if scan is None:
+                    scan = self._scan({(c.pid, c.pid_ns) for c in claims if c.pid_ns is not None})
+                host = scan.get((claim.pid, claim.pid_ns))
+                start = start_time(host, self.proc) if host is not None else None
+            result = self._prove(claim, host, start)
+            if isinstance(result, str):
+                refused[claim.lease_id] = result
+            elif result.host_pid in by_host:
+                refused[claim.lease_id] = (
+                    f"its kernel (host pid {result.host_pid}) is already lease "
+                    f"{by_host[result.host_pid][:6]}…'s"
+                )
+            else:
+                proven[claim.lease_id] = result
+                by_host[result.host_pid] = claim.lease_id
+        for lease_id, why in refused.items():
+            if (lease_id, why) not in self.said:
+                self.said.add((lease_id, why))
+                log.warning("Not acting on the kernel lease %s… claims: %s", lease_id[:6], why)
+        named = {c.lease_id for c in claims}
+        self.said = {x for x in self.said if x[0] in named}
+        if len(self.verdicts) > 16 * max(len(claims), 64):  # bounded: refusals pile up
+            self.verdicts.clear()
+            self.uids.clear()
+            self.resolved.clear()
+        return proven, refused
+
+    # -- one claim -----------------------------------------------------------------------
+    def _host(self, claim: Claim) -> tuple[int | None, int | None]:
+        """The claim's host pid and its start time: a host pid as claimed; a namespaced one
+        from the last resolution, if that process is still it (else None, None)."""
+        if claim.pid_ns is None:
+            return claim.pid, start_time(claim.pid, self.proc)
+        known = self.resolved.get((claim.pid, claim.pid_ns))
+        if known is None or start_time(known[0], self.proc) != known[1]:
+            return None, None
+        return known
+
+    def _scan(self, wanted: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """One pass over ``/proc``: the host pid of each wanted ``(pid, pid_ns)``."""
+        namespaces = {ns for _, ns in wanted}
+        out: dict[tuple[int, int], int] = {}
+        try:
+            names = os.listdir(self.proc)
+        except OSError:
+            return out
+        for name in names:
+            if not name.isdigit():
+                continue
+            ns = pid_ns_of(name, self.proc)
+            if ns not in namespaces:
+                continue
+            inner = ns_pid_of(int(name), self.proc)
+            if inner is not None and ns is not None and (inner, ns) in wanted:
+                out[(inner, ns)] = int(name)
+        return out
+
+    def _prove(self, claim: Claim, host: int | None, start: int | None) -> Proven | str:
+        if not claim.proof:
+            return (
+                "its renewals carry no proof (a provisioner older than issue 36, or a "
+                "claim made by hand): upgrade the provisioner"
+            )
+        if host is None or start is None or host <= 1:
+            return f"no process {claim.pid} in pid namespace {claim.pid_ns}"
+        if claim.pid_ns is not None:
+            self.resolved[(claim.pid, claim.pid_ns)] = (host, start)
+        key = (host, start, claim.proof, claim.user)
+        if key not in self.verdicts:
+            self.verdicts[key] = self._verdict(host, claim)
+        why = self.verdicts[key]
+        if why is not None:
+            return why
+        uid = self.uids.get((host, start))
+        if uid is None:
+            uid = real_uid(host, self.proc)
+            if uid is None:
+                return f"process {host} ended while it was checked"
+            self.uids[(host, start)] = uid
+        cgroup = cgroup_of(host, self.proc)  # read every beat: a process may move itself
+        ok = cgroup_accepted(cgroup, claim.kernel_id, self.parents)
+        return Proven(claim, host, uid, cgroup, ok)
+
+    def _verdict(self, host: int, claim: Claim) -> str | None:
+        """None when ``host`` is the claim's kernel, else why not."""
+        digest = secret_digest(host, self.proc)
+        if digest is None or not hmac.compare_digest(digest, str(claim.proof)):
+            return f"process {host} does not carry this lease's kernel secret"
+        if self.check_account == "no":
+            return None
+        expected = account_uid(claim.user)
+        if expected is None:
+            if self.check_account == "yes":
+                return f"user {claim.user!r} has no Unix account on this node (--check-account yes)"
+            return None
+        uid = real_uid(host, self.proc)
+        if uid != expected:
+            return f"process {host} runs as uid {uid}, not as {claim.user!r} (uid {expected})"
+        return None
+
+
+def escapes(
+    members: dict[int, list[int]], proven: dict[str, Proven], limited: set[str], proc: str = "/proc"
+) -> dict[str, list[int]]:
+    """Lease id -> its kernel's GPU processes (``members``: per kernel host pid) outside the
+    kernel's cgroup while a driver limit holds on it (``limited``): they escape the limit."""
+    out: dict[str, list[int]] = {}
+    for lease_id, p in proven.items():
+        if not p.cgroup_ok or p.cgroup not in limited:
+            continue
+        gone = [
+            pid for pid in members.get(p.host_pid, []) if not within(cgroup_of(pid, proc), p.cgroup)
+        ]
+        if gone:
+            out[lease_id] = sorted(gone)
+    return out
+
+
+def by_cgroup(proven: dict[str, Proven], proc: str = "/proc") -> Any:
+    """A lookup ``pid -> host pid`` of the proven kernel whose (accepted) cgroup ``pid``
+    is in: a kernel's double-forked child still counts for it."""
+    cgroups = sorted(
+        ((p.cgroup, p.host_pid) for p in proven.values() if p.cgroup_ok and p.cgroup),
+        key=lambda x: -len(x[0]),
+    )
+
+    def lookup(pid: int) -> int | None:
+        if not cgroups:
+            return None
+        mine = cgroup_of(pid, proc)
+        for cg, host in cgroups:
+            if within(mine, cg):
+                return host
+        return None
+
+    return lookup
+
+
+__all__ = [
+    "CHECK_ACCOUNT",
+    "Claim",
+    "Proven",
+    "Prover",
+    "by_cgroup",
+    "cgroup_accepted",
+    "escapes",
+    "leaf_name",
+    "real_uid",
+    "secret_digest",
+    "start_time",
+]
