@@ -270,6 +270,19 @@ def pipe_directory(mps_dir: str, gpu_uuid: str) -> str:
     return os.path.join(mps_dir, gpu_uuid, "pipe")
 
 
+def mps_covered_file(mps_dir: str, gpu_uuid: str) -> str:
+    """Where the node agent lists the leases whose memory the MPS limits in force on
+    ``gpu_uuid`` cover (one :func:`lease_digest` a line; written by root, read by the
+    provisioners before they start an MPS kernel)."""
+    return os.path.join(mps_dir, gpu_uuid, "covered")
+
+
+def lease_digest(lease_id: str) -> str:
+    """A lease id as a file others can read names it: its sha256, hex (no lease id is
+    confirmed to anyone but its holder and the admins)."""
+    return hashlib.sha256(lease_id.encode()).hexdigest()
+
+
 __all__ = [
     "CGROUP_PATTERN",
     "COOPERATIVE",
@@ -332,5 +345,7 @@ __all__ = [
     "ppm_to_fraction",
     "this_node",
     "DEFAULT_MPS_DIR",
+    "lease_digest",
+    "mps_covered_file",
     "pipe_directory",
 ]

@@ -6,11 +6,14 @@ agent that set them are in ``tests/test_agent.py``
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from provisioner.node.mps import MPSLease, mps_leases, pinned_limit_mb
+from provisioner.kernel.refusals import wait_for_mps_limit
+from provisioner.node.mps import MPSDaemon, MPSLease, mps_leases, pinned_limit_mb
+from provisioner.wire import lease_digest, mps_covered_file
 
 G0, G1 = "GPU-0", "GPU-1"
 ACCOUNTS = {"ann": 1000, "bob": 1001}  # the node's accounts; "pod" is none (Kubernetes)
@@ -45,9 +48,28 @@ def kernel(user: str, gpu: str, memory: int, enforcement: str | None = None) -> 
                 "kernels": [kernel("ann", G0, 4096), kernel("bob", G1, 2048, "mps")],
                 "limits": [{"cgroup": "/gl/k", "gpu_uuid": G0, "memory_mb": 9999}],
             },
-            [MPSLease(G0, 4096, "ann"), MPSLease(G1, 2048, "bob")],
+            [MPSLease(G0, 4096, "ann", "L-ann"), MPSLease(G1, 2048, "bob", "L-bob")],
         ),
-        # a cooperative kernel is no MPS client; nonsense entries are skipped
+        # a broker that names every lease from its grant (``leases``): those, pid or not;
+        # a lease that reads cooperative counts too (a restarted broker forgets the MPS
+        # hint, and a bound too tight would cut an honest kernel short for its life)
+        (
+            {
+                "kernels": [kernel("ann", G0, 4096)],
+                "leases": [
+                    {"lease_id": "L-cat", "user": "cat", "gpu_uuid": G1, "memory_mb": 1024},
+                    {
+                        "lease_id": "L-dan",
+                        "user": "dan",
+                        "gpu_uuid": G0,
+                        "memory_mb": 512,
+                        "enforcement": "cooperative",
+                    },
+                ],
+            },
+            [MPSLease(G1, 1024, "cat", "L-cat"), MPSLease(G0, 512, "dan", "L-dan")],
+        ),
+        # nonsense entries are skipped
         (
             {
                 "kernels": [
@@ -58,7 +80,7 @@ def kernel(user: str, gpu: str, memory: int, enforcement: str | None = None) -> 
                     "junk",
                 ]
             },
-            [],
+            [MPSLease(G0, 4096, "ann", "L-ann")],
         ),
     ],
 )
@@ -94,3 +116,22 @@ def test_each_client_may_pin_its_users_largest_lease_on_the_gpu(
     assert pinned_limit_mb(leases, G0, uid, uid_of_user) == limit
     # where the broker is known to name every kernel's memory, a GPU with none is no one's
     assert pinned_limit_mb(leases, G0, uid, uid_of_user, empty=1) == (limit or 1)
+
+
+def covered_text(mps_dir: str) -> str:
+    return Path(mps_covered_file(mps_dir, G0)).read_text()
+
+
+async def test_a_provisioner_waits_until_the_agent_covers_its_lease(tmp_path: Any) -> None:
+    """An MPS client keeps the limit of its first CUDA call for life: the provisioner
+    starts an MPS kernel once the agent's ``covered`` file names its lease (a digest, never
+    the id), gives up after its wait, and waits for nothing where the agent writes none."""
+    mps_dir = str(tmp_path)
+    assert await wait_for_mps_limit(mps_dir, G0, "L-ann", timeout=5) is None  # older agent
+    daemon = MPSDaemon(G0, mps_dir, control="/nonexistent")
+    daemon.tell_covered([MPSLease(G0, 2048, "bob", "L-bob"), MPSLease(G0, 512)])
+    text = covered_text(mps_dir)
+    assert text == lease_digest("L-bob") + "\n" and "L-bob" not in text
+    assert await wait_for_mps_limit(mps_dir, G0, "L-ann", timeout=0.3) is False
+    daemon.tell_covered([MPSLease(G0, 2048, "bob", "L-bob"), MPSLease(G0, 4096, "ann", "L-ann")])
+    assert await wait_for_mps_limit(mps_dir, G0, "L-ann", timeout=5) is True

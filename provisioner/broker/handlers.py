@@ -188,7 +188,13 @@ def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
 
 def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
     out = {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
-    return {**out, "kernels": h.kernels, "limits": h.limits, "orders": h.orders}
+    return {
+        **out,
+        "kernels": h.kernels,
+        "limits": h.limits,
+        "orders": h.orders,
+        "leases": h.leases,
+    }
 
 
 def history_json(h: History) -> dict[str, Any]:

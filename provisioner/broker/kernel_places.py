@@ -119,6 +119,25 @@ class KernelPlaces:
                 )
         return sorted(out, key=lambda k: (k["pid"], k["pid_ns"] or 0, k["lease_id"]))
 
+    @staticmethod
+    def leases(leases: list[Lease], context_overhead_mb: int = 0) -> list[dict[str, Any]]:
+        """Heartbeat answer ``leases``: every active lease of the node from its grant on,
+        whether its kernel has reported a pid or not (the agent's MPS daemons bound each
+        new client by them, so a lease must be named before its kernel starts)."""
+        return sorted(
+            (
+                {
+                    "lease_id": lease.id,
+                    "user": lease.user,
+                    "gpu_uuid": lease.gpu_uuid,
+                    "memory_mb": lease.memory_limit_mb + context_overhead_mb,
+                    "enforcement": "mps" if lease.mps_uid is not None else "cooperative",
+                }
+                for lease in leases
+            ),
+            key=lambda x: x["lease_id"],
+        )
+
     def by_host_pid(
         self,
         leases: list[Lease],

@@ -51,6 +51,9 @@ class Heartbeat:
     #: for each lease of the node ``parking`` or ``resuming``, repeated until an outcome
     #: settles it (see :meth:`NodeService.orders`)
     orders: list[dict[str, Any]] = field(default_factory=list)
+    #: every active lease of the node from its grant on (pid reported or not): ``{lease_id,
+    #: user, gpu_uuid, memory_mb, enforcement}`` (what the MPS daemons' limits follow)
+    leases: list[dict[str, Any]] = field(default_factory=list)
 
 
 class NodeService:
@@ -242,6 +245,7 @@ class NodeService:
             places.kernels(here + parked, self.core.policy.context_overhead_mb),
             [],
             self.parking.orders(here),
+            places.leases(here, self.core.policy.context_overhead_mb),
         )
 
     def _account_usage(

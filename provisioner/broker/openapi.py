@@ -826,6 +826,23 @@ _SCHEMAS: dict[str, Any] = {
                     },
                 },
             },
+            "leases": {
+                "type": "array",
+                "description": "Every active lease of the node from its grant on, whether "
+                "or not its kernel has reported a pid: what the agent's MPS daemons bound "
+                "each new client by (the largest lease of the client's user on the GPU).",
+                "items": {
+                    "type": "object",
+                    "required": ["lease_id", "user", "gpu_uuid", "memory_mb", "enforcement"],
+                    "properties": {
+                        "lease_id": {"type": "string"},
+                        "user": {"type": "string"},
+                        "gpu_uuid": {"type": "string"},
+                        "memory_mb": {"type": "integer", "minimum": 0},
+                        "enforcement": enum_schema(wire.ENFORCEMENTS),
+                    },
+                },
+            },
             "orders": {
                 "type": "array",
                 "description": "Kernels to park (checkpoint their GPU memory into host RAM) "

@@ -66,7 +66,7 @@ from .lease import GrantedLease
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
 from .placement import discover, resolve_indexes
-from .refusals import check_mps_daemon, for_jupyter_server, no_fraction
+from .refusals import check_mps_daemon, for_jupyter_server, no_fraction, wait_for_mps_limit
 from .state_file import StateFile, state_file_path
 from .status import LeaseBoard, board_for
 
@@ -113,6 +113,15 @@ class GPULeaseProvisioner(LocalProvisioner):
         DEFAULT_MPS_DIR,
         help="With enforcement='mps': the node agent's --mps-dir, where each GPU's MPS "
         f"daemon has its pipe directory (<dir>/<gpu uuid>/pipe). Default: {DEFAULT_MPS_DIR}.",
+    ).tag(config=True)
+
+    mps_limit_wait = Float(
+        15.0,
+        min=0.0,
+        help="With enforcement='mps': seconds to wait, before the kernel starts, for the node "
+        "agent to say that its GPU's MPS limits cover the new lease (an MPS client keeps "
+        "the limit of its first CUDA call; the agent applies them at each heartbeat). Then "
+        "the kernel starts anyway, with a warning. Default: 15.",
     ).tag(config=True)
 
     node = Unicode(
@@ -225,6 +234,7 @@ class GPULeaseProvisioner(LocalProvisioner):
                 )
             if self.enforcement == "mps":
                 check_mps_daemon(self.mps_dir, lease.gpu.uuid or "")
+                await self._wait_for_mps_limit(lease.id, lease.gpu.uuid or "")
             env.update(
                 lease_environment(
                     lease,
@@ -284,6 +294,20 @@ class GPULeaseProvisioner(LocalProvisioner):
         self._death.launched()
         self.cgroup.enter(self.kernel_id, self.pid, self.cgroup_parent)
         return info
+
+    async def _wait_for_mps_limit(self, lease_id: str, gpu_uuid: str) -> None:
+        """Start an MPS kernel only once the agent's MPS limits cover its lease (or after
+        ``mps_limit_wait`` s, with a warning)."""
+        covered = await wait_for_mps_limit(self.mps_dir, gpu_uuid, lease_id, self.mps_limit_wait)
+        if covered is False:
+            self.log.warning(
+                "Kernel %s starts before the node agent covered its lease with GPU %s's MPS "
+                "limits (waited %g s): its first CUDA call may meet a tighter limit than "
+                "its lease's; restart the kernel if it runs out of GPU memory early.",
+                self.kernel_id,
+                gpu_uuid,
+                self.mps_limit_wait,
+            )
 
     async def post_launch(self, **kwargs: Any) -> None:
         """Watch for death and start renewing.

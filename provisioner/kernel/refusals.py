@@ -10,13 +10,15 @@ about tornado.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import textwrap
+import time
 from typing import Any, cast
 
 from ..errors import GPULeaseError, InvalidRequest
-from ..wire import pipe_directory
+from ..wire import lease_digest, mps_covered_file, pipe_directory
 
 _SERVER_ERRORS: dict[type, type] = {}
 
@@ -108,4 +110,41 @@ def check_mps_daemon(mps_dir: str, gpu_uuid: str) -> None:
     )
 
 
-__all__ = ["check_mps_daemon", "for_dialog", "for_jupyter_server", "no_fraction"]
+def _read(path: str) -> str:
+    """A small local file's text (read from the event loop: it is a few lines in tmpfs)."""
+    with open(path) as f:
+        return f.read()
+
+
+async def wait_for_mps_limit(
+    mps_dir: str, gpu_uuid: str, lease_id: str, timeout: float, poll: float = 0.1
+) -> bool | None:
+    """Wait until the node agent says the MPS limits in force on ``gpu_uuid`` cover
+    ``lease_id`` (its :func:`~provisioner.wire.mps_covered_file` lists the lease's digest):
+    an MPS client keeps the limit of its first CUDA call for its life, so a kernel started
+    before the agent has learnt of its lease would be held to the GPU's tighter one.
+    True when covered, False after ``timeout`` s, None when the agent writes no such file
+    (older than issue 36: nothing to wait for)."""
+    path = mps_covered_file(mps_dir, gpu_uuid)
+    digest = lease_digest(lease_id)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if digest in _read(path).split():
+                return True
+        except FileNotFoundError:
+            return None
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll)
+
+
+__all__ = [
+    "check_mps_daemon",
+    "wait_for_mps_limit",
+    "for_dialog",
+    "for_jupyter_server",
+    "no_fraction",
+]

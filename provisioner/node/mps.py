@@ -58,9 +58,12 @@ for the GPU's next server is also the largest MPS lease there, so a server start
 two heartbeats is bounded too (dev ``0``: each daemon sees one GPU, ``CUDA_VISIBLE_DEVICES``);
 on a GPU where the broker names no MPS lease, both are :data:`EMPTY_GPU_LIMIT_MB` (once
 the broker is known to name its kernels' memory): a client there belongs to no lease the
-agent knows of. The price: a new kernel whose first CUDA call comes before the agent's
-next heartbeat answer names its lease (a few seconds after its launch) is held to that
-for its life; restarting the kernel gives it the lease's limit.
+agent knows of. The broker's answer names every lease of the node from its grant on
+(``leases``), and once the limits in force cover a lease the agent lists its digest in
+``<mps_dir>/<uuid>/covered`` (:meth:`MPSDaemon.tell_covered`); the provisioner starts an
+MPS kernel only then (``c.GPULeaseProvisioner.mps_limit_wait``, 15 s, then with a
+warning), so an honest kernel's first CUDA call meets its own lease's limit, never the
+1 MiB of a GPU the agent had not yet seen it on (a client keeps the limit of its start).
 Both are re-applied when leases come and go, and after a daemon restart (``quit`` loses
 them). What remains (docs/admins.md, "Which cap holds against whom"): a client keeps the
 limit of its start ("existing clients are not affected"); a student with two leases on one
@@ -81,7 +84,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import DEFAULT_MPS_DIR, MPS_STATES, pipe_directory
+from ..wire import DEFAULT_MPS_DIR, MPS_STATES, lease_digest, mps_covered_file, pipe_directory
 
 log = logging.getLogger("gpu_lease.agent.mps")
 
@@ -129,24 +132,39 @@ class MPSLease:
     memory_mb: int
     #: the lease's user (an account name), None where the answer does not say
     user: str | None = None
+    #: the lease's id, None where the answer does not say (an older broker's ``limits``)
+    lease_id: str | None = None
 
 
 def mps_leases(answer: Mapping[str, Any]) -> list[MPSLease]:
-    """The leases a heartbeat answer names with their GPU and memory: each ``kernels``
-    entry (``{..., user, gpu_uuid, memory_mb, enforcement}``) but ``cooperative`` ones;
-    from a broker whose ``kernels`` carry no ``memory_mb`` (older), the ``limits`` entries
-    (``{cgroup, gpu_uuid, memory_mb}``: whose, they do not say)."""
-    kernels = [k for k in answer.get("kernels") or [] if isinstance(k, dict)]
-    entries: list[dict[str, Any]] = kernels
-    if not any("memory_mb" in k for k in kernels):
-        entries = [x for x in answer.get("limits") or [] if isinstance(x, dict)]
+    """The leases a heartbeat answer names with their GPU and memory: its ``leases``
+    (``{lease_id, user, gpu_uuid, memory_mb, enforcement}``: every active lease of the node,
+    from its grant on, whether or not its kernel has reported a pid); from a broker older
+    than that, each ``kernels`` entry (leases whose kernel reported a pid); from one whose
+    ``kernels`` carry no ``memory_mb`` either, the ``limits`` entries (whose, they do not
+    say). Every lease counts, whatever its ``enforcement``: the broker keeps an acquire's
+    MPS hint in memory only, so after its restart an MPS lease may read ``cooperative``,
+    and a bound too tight would cut an honest kernel short for its life."""
+    entries: list[dict[str, Any]] = [x for x in answer.get("leases") or [] if isinstance(x, dict)]
+    if "leases" not in answer:
+        entries = [k for k in answer.get("kernels") or [] if isinstance(k, dict)]
+        if not any("memory_mb" in k for k in entries):
+            entries = [x for x in answer.get("limits") or [] if isinstance(x, dict)]
     out = []
     for entry in entries:
         gpu, memory, user = entry.get("gpu_uuid"), entry.get("memory_mb"), entry.get("user")
-        if entry.get("enforcement") == "cooperative" or not isinstance(gpu, str):
+        lease_id = entry.get("lease_id")
+        if not isinstance(gpu, str):
             continue
         if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
-            out.append(MPSLease(gpu, memory, user if isinstance(user, str) else None))
+            out.append(
+                MPSLease(
+                    gpu,
+                    memory,
+                    user if isinstance(user, str) else None,
+                    lease_id if isinstance(lease_id, str) else None,
+                )
+            )
     return out
 
 
@@ -187,7 +205,10 @@ class MPSDaemon:
 
     def __init__(self, gpu_uuid: str, mps_dir: str, control: str = MPS_CONTROL) -> None:
         self.gpu_uuid = gpu_uuid
+        self.mps_dir = mps_dir
         self.control = control
+        #: what :meth:`tell_covered` last wrote
+        self._covered: str | None = None
         self.env = {
             **os.environ,
             "CUDA_VISIBLE_DEVICES": gpu_uuid,
@@ -285,34 +306,64 @@ class MPSDaemon:
         leases: Sequence[MPSLease],
         uid_of_user: Callable[[str], int | None] = account_uid,
         empty: int | None = None,
-    ) -> None:
+    ) -> bool:
         """Set the daemon-side pinned memory limits ``leases`` allow (:func:`pinned_limit_mb`,
         ``empty`` on a GPU without MPS leases): the default for the GPU's next server and
         each running server's (for the uid it serves). Only what changed is sent; after a
-        restart of the daemon, all again."""
+        restart of the daemon, all again. True when every limit ``leases`` call for is in
+        force (what :meth:`MPSSupervisor.apply_limits` then tells the provisioners)."""
         if self.state != "running":
-            return
+            return False
+        applied = True
         default = pinned_limit_mb(leases, self.gpu_uuid, None, uid_of_user, empty)
         if default is not None and self._default_set != (self.starts, default):
             command = f"set_default_device_pinned_mem_limit 0 {default}M"
             if await self.query(command) is not None:
                 self._default_set = (self.starts, default)
                 log.info("MPS daemon of GPU %s: %s", self.gpu_uuid, command)
+            else:
+                applied = False
         self._server_set = {p: mb for p, mb in self._server_set.items() if p in self.servers}
         for server, uid in self.servers.items():
             limit = pinned_limit_mb(leases, self.gpu_uuid, uid, uid_of_user, empty)
             if limit is None or uid is None or self._server_set.get(server) == limit:
                 continue
             command = f"set_device_pinned_mem_limit {server} 0 {limit}M"
-            if await self.query(command) is not None:
-                self._server_set[server] = limit
-                log.info(
-                    "MPS server %d of GPU %s (uid %d): each new client may pin %d MiB",
-                    server,
-                    self.gpu_uuid,
-                    uid,
-                    limit,
-                )
+            if await self.query(command) is None:
+                applied = False
+                continue
+            self._server_set[server] = limit
+            log.info(
+                "MPS server %d of GPU %s (uid %d): each new client may pin %d MiB",
+                server,
+                self.gpu_uuid,
+                uid,
+                limit,
+            )
+        return applied
+
+    def tell_covered(self, leases: Sequence[MPSLease]) -> None:
+        """Write which leases of this GPU the limits in force cover (``covered`` beside
+        the pipe directory, :func:`~provisioner.wire.mps_covered_file`: one
+        :func:`~provisioner.wire.lease_digest` a line, never a lease id): a provisioner
+        starts an MPS kernel only once its lease is listed, so that its first CUDA call
+        meets its lease's limit, not the tighter one of a GPU without it."""
+        digests = sorted({lease_digest(x.lease_id) for x in leases if x.lease_id})
+        text = "".join(f"{d}\n" for d in digests)
+        path = mps_covered_file(self.mps_dir, self.gpu_uuid)
+        if text == self._covered:
+            return
+        tmp = f"{path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("Cannot write %s: %s", path, exc)
+            return
+        self._covered = text
 
     async def run(self, stop: asyncio.Event) -> None:
         """Keep the daemon running until ``stop``; then stop it."""
@@ -386,11 +437,14 @@ class MPSSupervisor:
         """After each heartbeat: each GPU's daemon-side pinned memory limits, from the
         leases the broker's answer names (:meth:`MPSDaemon.set_limits`)."""
         kernels = answer.get("kernels") or []
-        if any(isinstance(k, dict) and "memory_mb" in k for k in kernels):
+        if "leases" in answer or any(isinstance(k, dict) and "memory_mb" in k for k in kernels):
             self.names_memory = True
         leases = mps_leases(answer)
         empty = EMPTY_GPU_LIMIT_MB if self.names_memory else None
-        await asyncio.gather(*(d.set_limits(leases, empty=empty) for d in self.daemons))
+        applied = await asyncio.gather(*(d.set_limits(leases, empty=empty) for d in self.daemons))
+        for daemon, ok in zip(self.daemons, applied, strict=True):
+            if ok:
+                daemon.tell_covered([x for x in leases if x.gpu_uuid == daemon.gpu_uuid])
 
     async def run(self, stop: asyncio.Event) -> None:
         await asyncio.gather(*(d.run(stop) for d in self.daemons))
