@@ -79,7 +79,12 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
         assert_error(await anon.get("/gpus"), 401, "not_authenticated")
         assert_error(await anon.get("/nope"), 404, "not_found")
     async with httpx.AsyncClient(event_hooks=broker.conformance.hooks()) as raw:
-        metrics = await raw.get(f"{broker.url}/metrics")
+        # /metrics names users and lease ids: an admin's token (or a metrics token) only
+        assert_error(await raw.get(f"{broker.url}/metrics"), 401, "not_authenticated")
+        refused = await raw.get(f"{broker.url}/metrics", headers=broker.headers("alice"))
+        assert_error(refused, 403, "forbidden")
+        assert "read:metrics" in refused.json()["message"]
+        metrics = await raw.get(f"{broker.url}/metrics", headers=broker.headers("admin"))
         assert metrics.status_code == 200 and "gpu_lease_" in metrics.text
         index = await raw.get(f"{broker.url}/")
         assert index.json()["api"] == "/api/v1/"
@@ -745,7 +750,7 @@ async def test_kill9_mid_load_then_every_client_has_one_lease_or_one_place(broke
     assert code == 0 and seconds < 2.0, (code, seconds, broker.log())
 
 
-@pytest.mark.broker_args("--base-url", "/services/gpu-lease/", "--metrics-require-auth")
+@pytest.mark.broker_args("--base-url", "/services/gpu-lease/", "--no-metrics-auth")
 async def test_served_under_the_hub_service_prefix(broker: Broker) -> None:
     root = f"http://127.0.0.1:{broker.port}"
     async with httpx.AsyncClient(base_url=root, event_hooks=broker.conformance.hooks()) as c:
@@ -757,8 +762,8 @@ async def test_served_under_the_hub_service_prefix(broker: Broker) -> None:
             assert index.json()["api"] == "/services/gpu-lease/api/v1/"
         doc = (await c.get("/services/gpu-lease/api/v1/openapi.json")).json()
         assert doc["servers"][0]["url"] == "/services/gpu-lease/"
-        assert_error(await c.get("/services/gpu-lease/metrics"), 401)
-        metrics = await c.get("/services/gpu-lease/metrics", headers=broker.headers("bob"))
+        # --no-metrics-auth: a scrape-only network's broker answers /metrics to anyone
+        metrics = await c.get("/services/gpu-lease/metrics")
         assert metrics.status_code == 200 and "gpu_lease_" in metrics.text
     async with broker.client("alice") as alice:
         r = await acquire(alice, "k", 0.05)

@@ -523,15 +523,24 @@ class OpenAPIHandler(APIHandler):
 
 
 class MetricsHandler(APIHandler):
-    """``GET {p}metrics``: Prometheus text; a token is needed if ``metrics_require_auth``."""
+    """``GET {p}metrics``: Prometheus text, which names users and lease ids: an admin's
+    token or one with the metrics permission (``Identity.metrics``) unless
+    ``metrics_require_auth`` is off (``--no-metrics-auth``: a scrape-only network)."""
 
     def prepare(self) -> None:
-        if self.settings.get("gpu_lease_metrics_require_auth"):
-            self.auth_required = True
+        if not self.settings.get("gpu_lease_metrics_require_auth", True):
+            self.auth_required = False
         super().prepare()
 
     @api
     async def get(self) -> None:
+        if self.auth_required and not (self.ident.admin or self.ident.metrics):
+            raise errors.Forbidden(
+                "GET /metrics names users and lease ids: it needs a GPU lease admin's token "
+                "or one with the metrics permission (JupyterHub: the scope read:metrics; the "
+                'tokens file: "metrics": true). Ask your administrator for a scraper token, '
+                "or run the broker with --no-metrics-auth on a network only Prometheus reaches."
+            )
         metrics = self.settings.get("gpu_lease_metrics")
         if metrics is None or not hasattr(metrics, "render"):
             raise errors.LeaseNotFound("This broker does not export metrics.")
