@@ -40,7 +40,7 @@ from .. import errors
 from .._version import __version__
 from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
 from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, reserved_mb
-from ..wire import error_code, ppm_to_fraction
+from ..wire import NO_FRAMES, error_code, ppm_to_fraction
 from . import validation
 from .admission import EffectiveQuota
 from .auth import Authenticator, token_from_header
@@ -255,6 +255,8 @@ class APIHandler(web.RequestHandler):
         self.set_header("Content-Type", JSON_TYPE)
         self.set_header("Cache-Control", "no-store")
         self.set_header("X-Content-Type-Options", "nosniff")
+        for name, value in NO_FRAMES.items():  # the dashboard's page narrows its CSP further
+            self.set_header(name, value)
 
     def compute_etag(self) -> str | None:
         return None
@@ -454,7 +456,7 @@ class IndexHandler(APIHandler):
 #: the dashboard page may load only its own script and style and call only its own API
 DASHBOARD_CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'"
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 
 
