@@ -475,7 +475,8 @@ async def test_usage_counts_fraction_hours(broker: Broker) -> None:
         mine = (await alice.get("/usage")).json()
         assert set(mine) == {"alice"} and mine["alice"] > 0
         assert mine["alice"] == pytest.approx(0.5 / 3600, rel=0.5)
-        for since in ("24h", "2020-01-01T00:00:00Z", str(int(time.time()) - 60)):
+        yesterday = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 86400))
+        for since in ("24h", yesterday, str(int(time.time()) - 60)):
             r = await alice.get("/usage", params={"since": since})
             assert r.status_code == 200 and r.json()["alice"] > 0, since
         assert_error(await alice.get("/usage", params={"since": str(time.time() + 3600)}), 400)
@@ -511,6 +512,33 @@ async def test_usage_by_group_counts_generic_kernels_for_the_course(broker: Brok
         assert by_group[""] == pytest.approx(by_user["bob"])
     async with broker.client("alice") as alice:  # a student sees her courses' use only
         assert set((await alice.get("/usage", params={"by": "group"})).json()) == {"ml101"}
+
+
+async def test_a_student_asks_usage_of_31_days_at_most(broker: Broker) -> None:
+    """``usage?by=group&since=0`` from any student scanned every lease ever recorded on the
+    store's one writer thread (issue 36, item 7): a student reaches back 31 days, or the
+    longest budget window; an admin as far as they like."""
+    async with broker.client("alice") as alice:
+        for since in ("0", "32d", "2020-01-01"):
+            r = await alice.get("/usage", params={"by": "group", "since": since})
+            assert_error(r, 403, "forbidden")
+            assert "reaches back 31 days at most" in r.json()["message"], r.json()
+            assert "since=31d" in r.json()["message"]
+        for since in ("31d", "7d"):
+            r = await alice.get("/usage", params={"by": "group", "since": since})
+            assert r.status_code == 200, r.text
+        assert_error(await alice.get("/usage", params={"since": "0"}), 403, "forbidden")
+    async with broker.client("admin") as admin:
+        assert (await admin.get("/usage", params={"by": "group", "since": "0"})).status_code == 200
+        r = await admin.put(
+            "/quotas/groups/ml101", json={"budget_fraction_hours": 10, "budget_window": "60d"}
+        )
+        assert r.status_code == 200, r.text
+    async with broker.client("alice") as alice:  # a 60-day budget: its window is readable
+        assert (await alice.get("/usage", params={"since": "60d"})).status_code == 200
+        r = await alice.get("/usage", params={"since": "61d"})
+        assert_error(r, 403, "forbidden")
+        assert "60 days at most" in r.json()["message"]
 
 
 async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:

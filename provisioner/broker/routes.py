@@ -540,7 +540,10 @@ TABLE: tuple[Route, ...] = (
                         "name": "since",
                         "in": "query",
                         "schema": {"type": "string"},
-                        "description": "Start of the period, POSIX seconds (e.g. 1735689600).",
+                        "description": "Start of the period, POSIX seconds (e.g. 1735689600), "
+                        "ISO 8601 or a duration (7d); default 7d. A user who is not an admin "
+                        "may reach back 31 days, or the longest budget window if longer (403 "
+                        "beyond).",
                     },
                     {
                         "name": "by",
