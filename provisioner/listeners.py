@@ -174,7 +174,7 @@ def server_owner(sock: socket.socket) -> int | None:
         return None
     try:
         return _diag_owner(theirs, ours)
-    except OSError:
+    except (OSError, struct.error):  # no sock_diag here (seccomp, gVisor): the tables
         return _table_owner(theirs, ours)
 
 
@@ -199,8 +199,9 @@ _NETLINK_SOCK_DIAG = 4
 
 
 def _diag_owner(src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:
-    """The uid of the TCP socket bound to ``src`` and connected to ``dst`` (exact lookup);
-    ``None`` where there is none; OSError where sock_diag cannot be asked."""
+    """The uid of the TCP socket bound to ``src`` and connected to ``dst`` (exact lookup; the
+    kernel answers the listener on ``src`` where that connection is gone); ``None`` where
+    there is none; OSError where sock_diag cannot be asked."""
     addr = ipaddress.ip_address(src[0].split("%", 1)[0])
     peer = ipaddress.ip_address(dst[0].split("%", 1)[0])
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
