@@ -6,8 +6,8 @@ upgrade, a crash) would receive every server's ``Authorization: token ...`` (iss
 item 4). :class:`BrokerClient <provisioner.client.BrokerClient>` therefore checks each
 new connection, after it is made and before a byte is sent on it: where the server's end
 of the connection is in this machine's network namespace (always so for a loopback
-address), its owner (an accepted socket keeps its listener's uid) must be one the client trusts (:class:`Owners`). A
-connection to anyone else is closed and :class:`errors.BrokerUnavailable` says whose
+address), its owner (an accepted socket keeps its listener's uid) must be one the client
+trusts (:class:`Owners`). A connection to anyone else is closed and :class:`errors.BrokerUnavailable` says whose
 it was and what to do. Where the server's end cannot be seen (another machine, another
 network namespace, no ``/proc``) nothing is checked: TLS (JupyterHub's ``internal_ssl``)
 or the network's policy protects those (docs/admins.md, "Network and ports").
@@ -196,12 +196,14 @@ def _table_owner(src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:
 _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLMSG_ERROR = 20, 1, 2
 _NOCOOKIE = 0xFFFFFFFF
 _NETLINK_SOCK_DIAG = 4
+#: ``idiag_state`` of a listening socket
+_TCP_LISTEN = 10
 
 
 def _diag_owner(src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:
-    """The uid of the TCP socket bound to ``src`` and connected to ``dst`` (exact lookup; the
-    kernel answers the listener on ``src`` where that connection is gone); ``None`` where
-    there is none; OSError where sock_diag cannot be asked."""
+    """The uid of the TCP socket bound to ``src`` and connected to ``dst`` (exact lookup);
+    ``None`` where there is none (the kernel then answers a listener on ``src``'s port, if
+    any, which is not that socket); OSError where sock_diag cannot be asked."""
     addr = ipaddress.ip_address(src[0].split("%", 1)[0])
     peer = ipaddress.ip_address(dst[0].split("%", 1)[0])
     family = socket.AF_INET6 if addr.version == 6 else socket.AF_INET
@@ -228,6 +230,8 @@ def _diag_owner(src: tuple[Any, ...], dst: tuple[Any, ...]) -> int | None:
         raise OSError(-code, os.strerror(-code))
     if kind != _SOCK_DIAG_BY_FAMILY or length < 88:
         raise OSError(errno.EPROTO, "unexpected sock_diag answer")
+    if answer[17] == _TCP_LISTEN:  # no such connection here (a remote server's address and
+        return None  # port that a local listener also takes must not stand for that server)
     (uid,) = struct.unpack_from("=I", answer, 16 + 4 + 48 + 12)
     return int(uid)
 

@@ -205,6 +205,9 @@ def test_the_server_end_of_a_connection_is_found(family: int, host: str) -> None
                 unused.bind((host, 0))
                 nobody = (host, unused.getsockname()[1])
             assert listeners._diag_owner(nobody, ours) is None
+            # a listener on the server's port answers for no connection of another machine
+            assert listeners._diag_owner((host, port), (ours[0], nobody[1], *ours[2:])) is None
+            assert listeners._table_owner((host, port), (ours[0], nobody[1], *ours[2:])) is None
             listeners.check_connection(conn, listeners.Owners(), "here")  # our own: trusted
             with pytest.raises(errors.BrokerUnavailable, match="not to the GPU lease broker"):
                 listeners.check_connection(conn, listeners.Owners(frozenset({4242})), "here")
