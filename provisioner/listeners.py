@@ -124,8 +124,9 @@ class Owners:
         return uid == 0 or uid < uid_min() or uid == os.geteuid()
 
     def describe(self) -> str:
+        """The trusted accounts in words, for messages."""
         if self.uids is not None:
-            return "the broker's account (" + ", ".join(account(u) for u in sorted(self.uids)) + ")"
+            return f"{BROKER_UID_ENV}: " + ", ".join(account(u) for u in sorted(self.uids))
         return f"root, a system account (uid below {uid_min()}) or your own"
 
 
