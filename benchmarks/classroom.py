@@ -12,7 +12,7 @@ stops and no lease may remain::
 
     .venv/bin/python benchmarks/classroom.py            # N=50 (several minutes on 2 cores)
     .venv/bin/python benchmarks/classroom.py -n 20 --json
-    .venv/bin/python benchmarks/classroom.py --hub-url http://127.0.0.1:8000 --token T
+    GPU_LEASE_TOKEN=T .venv/bin/python benchmarks/classroom.py --hub-url http://127.0.0.1:8000
     .venv/bin/python benchmarks/classroom.py --slurm -n 20   # servers as Slurm jobs
 
 ``--slurm``: the Slurm variant (hub_config ``GPU_LEASE_SPAWNER=slurm``) on a Slurm cluster
@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=50, help="students (50)")
     p.add_argument("--gpus", default="1x32768:V100", help="the pool (1x32768:V100)")
     p.add_argument("--hub-url", default="", help="use a running demo instead of starting one")
-    p.add_argument("--token", default="", help="its operator token (with --hub-url)")
+    p.add_argument(
+        "--token-file",
+        help="with --hub-url: a file (mode 0600) holding its operator token; default: "
+        "$GPU_LEASE_TOKEN (never on the command line: every account's ps shows it)",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -191,7 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     site = None
     if args.hub_url:
-        hub_url, token = args.hub_url, args.token
+        try:
+            token = load_example("classroom").operator_token(args.token_file, os.environ, {})
+        except ValueError as exc:
+            p.error(str(exc))
+        if not token:
+            p.error("--hub-url needs its operator token: set GPU_LEASE_TOKEN or give --token-file")
+        hub_url = args.hub_url
     else:
         tmp = tempfile.mkdtemp(prefix="gpu-lease-classroom-")
         if args.slurm:

@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     gpus = math.ceil((args.live + args.starts) * FRACTION * 1.05) + 1
-    extra = ("--ttl", str(3 * args.renew_every), *args.broker_args.split())
+    # its users hold no admin token: the batches are read from /metrics without one
+    extra = ("--ttl", str(3 * args.renew_every), "--no-metrics-auth", *args.broker_args.split())
     print(
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.2f}, Python {platform.python_version()}; {gpus} GPUs",

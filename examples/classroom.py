@@ -9,10 +9,13 @@ the broker's queue waits, the GPU/plain kernel start times, and the leases left
 after every server stopped (leaks; must be 0)::
 
     python examples/classroom.py -n 10      # reads .demo/demo.json for URL and token
-    python examples/classroom.py --hub-url http://127.0.0.1:8000 --token OPERATOR_TOKEN -n 50
+    GPU_LEASE_TOKEN=... python examples/classroom.py --hub-url http://127.0.0.1:8000 -n 50
+    python examples/classroom.py --hub-url http://127.0.0.1:8000 --token-file op.token -n 50
 
 The token is the demo's operator token (``gpu-lease-admin`` service: admin:users,
-admin:servers, tokens, custom:gpu-lease:admin). ``tests/test_hub.py`` imports
+admin:servers, tokens, custom:gpu-lease:admin), read from ``GPU_LEASE_TOKEN`` or from a
+file only its owner may read (``--token-file``, mode 0600), never from the command line,
+where every account's ``ps`` would see it (``--token`` is refused with that advice). ``tests/test_hub.py`` imports
 :func:`run_classroom`; ``benchmarks/classroom.py`` builds on it.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -461,6 +465,33 @@ async def run_classroom(
     return report
 
 
+#: the operator token's variable (the command line is never the place: ``ps`` shows it)
+TOKEN_ENV = "GPU_LEASE_TOKEN"
+
+
+def operator_token(
+    token_file: str | None, environ: dict[str, str] | os._Environ[str], demo: dict[str, str]
+) -> str:
+    """The operator token: ``--token-file`` (mode 0600 or stricter), else ``GPU_LEASE_TOKEN``,
+    else the demo's (``.demo/demo.json``); ``""`` if none. ValueError says what to fix."""
+    if token_file:
+        path = Path(token_file)
+        try:
+            mode = path.stat().st_mode & 0o777
+            token = path.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read --token-file {token_file}: {exc.strerror}") from exc
+        if mode & 0o077:
+            raise ValueError(
+                f"--token-file {token_file} is readable by others (mode {mode:04o}): the "
+                f"operator token must be its owner's alone; chmod 600 {token_file}"
+            )
+        if not token:
+            raise ValueError(f"--token-file {token_file} is empty: write the operator token in it")
+        return token
+    return environ.get(TOKEN_ENV) or demo.get("admin_token", "")
+
+
 def _demo_defaults() -> dict[str, str]:
     path = Path(__file__).resolve().parent.parent / ".demo" / "demo.json"
     try:
@@ -473,19 +504,36 @@ def main(argv: list[str] | None = None) -> int:
     demo = _demo_defaults()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hub-url", default=demo.get("url", "http://127.0.0.1:8000"))
-    p.add_argument("--token", default=demo.get("admin_token", ""), help="operator token")
+    p.add_argument(
+        "--token-file",
+        help=f"a file (mode 0600) holding the operator token; default: ${TOKEN_ENV}, else "
+        "the demo's",
+    )
+    p.add_argument("--token", help=argparse.SUPPRESS)  # refused: see operator_token
     p.add_argument("-n", type=int, default=10, help="students (student01 ... studentNN)")
     p.add_argument("--gpu-kernel", default="python3-gpu-0.02")
     p.add_argument("--plain-kernel", default="python3", help="'' for GPU kernels only")
     p.add_argument("--keep", action="store_true", help="leave the servers running")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    if not args.token:
-        p.error("give --token (the demo prints its operator token) or run `make demo` first")
+    if args.token is not None:
+        p.error(
+            "--token puts the operator token where every account's ps sees it: put it in "
+            f"{TOKEN_ENV} or in a file only you may read (chmod 600) given with --token-file"
+        )
+    try:
+        token = operator_token(args.token_file, os.environ, demo)
+    except ValueError as exc:
+        p.error(str(exc))
+    if not token:
+        p.error(
+            f"no operator token: set {TOKEN_ENV} or give --token-file (the demo prints its "
+            "operator token), or run `make demo` first"
+        )
     report = asyncio.run(
         run_classroom(
             args.hub_url,
-            args.token,
+            token,
             args.n,
             gpu_spec=args.gpu_kernel,
             plain_spec=args.plain_kernel or None,

@@ -31,8 +31,12 @@ Every call is safe to retry: acquire is idempotent per ``(user, kernel_id)``,
 renew and release are idempotent, and the quota calls are PUT/GET/DELETE.
 
 The token is sent as ``Authorization: token <token>`` and never appears in a
-message, a ``repr`` or a log line. The HTTP transport is injectable
-(``transport=``), so tests can play the broker with ``httpx.MockTransport``.
+message, a ``repr`` or a log line. It goes only to a listener the client trusts: each
+new connection whose server end is on this machine (a loopback URL) is checked before
+a byte is sent (:mod:`provisioner.listeners`; ``broker_uid`` or ``GPU_LEASE_BROKER_UID``
+names the broker's account). The HTTP transport is injectable (``transport=``), so
+tests can play the broker with ``httpx.MockTransport``; an injected transport is not
+checked.
 
 One ``BrokerClient`` may be used from several event loops, one after the other or at
 once from several threads: jupyter_client's blocking ``KernelManager`` runs each call
@@ -53,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import json
 import logging
 import math
@@ -61,6 +66,7 @@ import random
 import ssl
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
@@ -73,6 +79,7 @@ from ._version import __version__
 from .client_leases import LeaseCalls
 from .client_nodes import NodeCalls
 from .client_quotas import QuotaCalls
+from .listeners import Owners, checked_transport
 from .wire import ERROR_BY_STATUS
 
 log = logging.getLogger("gpu_lease.client")
@@ -173,6 +180,9 @@ class BrokerClient:
     to ``retries`` times, sleeping ``backoff * 2**n`` seconds (with jitter, at most
     ``max_backoff``) in between. ``keep_alive=False`` opens a connection per call
     (for callers whose calls are seconds apart and may run on different event loops).
+    ``broker_uid`` (a uid, an account name, or several) is the account whose listener
+    may receive the token; by default ``GPU_LEASE_BROKER_UID``, else root, a system
+    account or the caller's own (:class:`provisioner.listeners.Owners`).
     The calls are grouped in ``leases``, ``quotas`` and ``nodes`` (see the module docstring).
     """
 
@@ -188,8 +198,10 @@ class BrokerClient:
         max_backoff: float = 10.0,
         user_agent: str = DEFAULT_USER_AGENT,
         keep_alive: bool = True,
+        broker_uid: int | str | list[int | str] | None = None,
     ) -> None:
         self._base = normalize_url(url)
+        self._owners = Owners.from_env() if broker_uid is None else Owners.parse(broker_uid)
         self.url = _display(self._base)
         self._token = token or None
         self.timeout = float(timeout)
@@ -248,13 +260,22 @@ class BrokerClient:
                     del self._https[gone]
                 http = self._https[loop] = httpx.AsyncClient(
                     headers=self._headers,
-                    transport=self._transport,
+                    transport=self._transport or self._checked(),
                     limits=self._limits,
                     timeout=httpx.Timeout(self.timeout),
                     follow_redirects=False,
                     verify=_ssl_context(),
                 )
         return http
+
+    def _checked(self) -> httpx.AsyncHTTPTransport | None:
+        """A transport that checks who listens before the token is sent (``listeners.py``),
+        or ``None`` (httpx's own) for a URL off this machine that an environment proxy
+        (``HTTPS_PROXY``, ...) serves: httpx honours those only with its own transport."""
+        host = httpx.URL(self._base).host
+        if not _local(host) and any(urllib.request.getproxies_environment().values()):
+            return None
+        return checked_transport(self._owners, self.url, verify=_ssl_context(), limits=self._limits)
 
     async def _reconnect(self) -> None:
         """Drop this loop's connections before a retry: the next attempt connects anew.
@@ -558,6 +579,16 @@ def _parse_json(response: httpx.Response) -> Any:
         return response.json()
     except (ValueError, UnicodeDecodeError):
         return _NOT_JSON
+
+
+def _local(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost``."""
+    if host.lower().rstrip(".") in ("localhost", "localhost6") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _retry_after(response: httpx.Response) -> float | None:

@@ -178,6 +178,8 @@ class Identity:
     admin: bool = False
     #: set for a node agent's token: the node it speaks for (it may call only the node routes)
     node: str | None = None
+    #: may read ``/metrics`` without being an admin (a scraper's token)
+    metrics: bool = False
 
 
 @dataclass

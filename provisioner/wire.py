@@ -209,6 +209,12 @@ def error_code(status: int) -> str:
     return cls.code if cls is not None else "http_error"
 
 
+# -- browsers ------------------------------------------------------------------------------
+#: headers of every broker answer: no page of another origin may frame the dashboard (a page a
+#: student serves could otherwise drive an instructor's logged-in dashboard; issue 36)
+NO_FRAMES = {"Content-Security-Policy": "frame-ancestors 'none'", "X-Frame-Options": "DENY"}
+
+
 # -- courses and nodes -----------------------------------------------------------------
 
 

@@ -329,7 +329,9 @@ def test_a_kernel_over_its_lease_is_revoked_and_one_within_is_not(
             r = u.post(f"/leases/{leases['hog']['id']}/renew", json=hog.claim)
             assert r.status_code == 410 and "3.9 GiB" in r.json()["message"]
             assert state("modest")["state"] == "active"
-        metrics = httpx.get(f"{enforcing.url}/metrics", timeout=30).text
+        metrics = httpx.get(
+            f"{enforcing.url}/metrics", headers=enforcing.headers("admin"), timeout=30
+        ).text
         assert 'gpu_lease_nodes{state="up"} 1.0' in metrics
         used_line = next(
             x
@@ -400,7 +402,9 @@ def test_report_mode_flags_once_and_unleased_processes_die_when_asked(
             )
 
             def actions() -> float | None:
-                text = httpx.get(f"{enforcing.url}/metrics", timeout=30).text
+                text = httpx.get(
+                    f"{enforcing.url}/metrics", headers=enforcing.headers("admin"), timeout=30
+                ).text
                 return metric(text, "gpu_lease_enforcement_actions_total", 'action="reported"')
 
             wait_for(lambda: not stray.child_alive(), 20, "the unleased process to be killed")

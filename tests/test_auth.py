@@ -61,11 +61,14 @@ async def test_static_tokens(tmp_path: Path) -> None:
         {
             SECRET: {"user": "alice", "groups": ["ml101"]},
             "admin-token-xyz": {"user": "root", "admin": True},
+            "scraper-token-xyz": {"user": "prometheus", "metrics": True},
         },
     )
     tokens = StaticTokens(path)
     assert await tokens.identify(SECRET) == Identity("alice", frozenset({"ml101"}), False)
     assert (await tokens.identify("admin-token-xyz")).admin
+    scraper = await tokens.identify("scraper-token-xyz")
+    assert scraper.metrics and not scraper.admin
     for wrong in (SECRET + "x", SECRET[:-1], "", "admin-token-xy"):
         with pytest.raises(NotAuthenticated) as info:
             await tokens.identify(wrong)
@@ -99,6 +102,7 @@ async def test_static_tokens_reload_on_change(
         ({SECRET: {"user": ""}}, "non-empty string 'user'"),
         ({SECRET: {"user": "a", "groups": "ml101"}}, "list of group names"),
         ({SECRET: {"user": "a", "admin": "yes"}}, "true or false"),
+        ({SECRET: {"user": "a", "metrics": 1}}, "'metrics' of .* true or false"),
         ({SECRET: {"user": "a", "role": "x"}}, "unknown key"),
         ("{not json " + SECRET, "not valid JSON"),
     ],
@@ -124,6 +128,10 @@ def test_static_tokens_missing_file(tmp_path: Path) -> None:
             Identity("ta", frozenset(), True),
         ),
         ({"name": "bob", "groups": None, "scopes": None}, Identity("bob", frozenset(), False)),
+        (  # a Prometheus service's token: may read /metrics, nothing more
+            {"name": "prometheus", "kind": "service", "scopes": ["read:metrics"]},
+            Identity("prometheus", frozenset(), False, metrics=True),
+        ),
     ],
 )
 def test_identity_from_hub_model(model: dict[str, Any], ident: Identity) -> None:

@@ -69,7 +69,8 @@ LEASE_OWNER = (401, 401, 401, 200, 404, 404, 404, 404, 200)
 EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("GET", "/api/v1/health"): PUBLIC,
     ("GET", "/api/v1/openapi.json"): PUBLIC,
-    ("GET", "/metrics"): PUBLIC,
+    # it names users and lease ids (issue 36): an admin's token, or a metrics token
+    ("GET", "/metrics"): ADMIN_ONLY,
     ("GET", "/api/v1/gpus"): USERS_200,
     ("GET", "/api/v1/leases"): USERS_200,
     # a course (ml101) kernel: members and admins only

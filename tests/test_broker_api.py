@@ -79,7 +79,12 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
         assert_error(await anon.get("/gpus"), 401, "not_authenticated")
         assert_error(await anon.get("/nope"), 404, "not_found")
     async with httpx.AsyncClient(event_hooks=broker.conformance.hooks()) as raw:
-        metrics = await raw.get(f"{broker.url}/metrics")
+        # /metrics names users and lease ids: an admin's token (or a metrics token) only
+        assert_error(await raw.get(f"{broker.url}/metrics"), 401, "not_authenticated")
+        refused = await raw.get(f"{broker.url}/metrics", headers=broker.headers("alice"))
+        assert_error(refused, 403, "forbidden")
+        assert "read:metrics" in refused.json()["message"]
+        metrics = await raw.get(f"{broker.url}/metrics", headers=broker.headers("admin"))
         assert metrics.status_code == 200 and "gpu_lease_" in metrics.text
         index = await raw.get(f"{broker.url}/")
         assert index.json()["api"] == "/api/v1/"
@@ -470,7 +475,8 @@ async def test_usage_counts_fraction_hours(broker: Broker) -> None:
         mine = (await alice.get("/usage")).json()
         assert set(mine) == {"alice"} and mine["alice"] > 0
         assert mine["alice"] == pytest.approx(0.5 / 3600, rel=0.5)
-        for since in ("24h", "2020-01-01T00:00:00Z", str(int(time.time()) - 60)):
+        yesterday = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 86400))
+        for since in ("24h", yesterday, str(int(time.time()) - 60)):
             r = await alice.get("/usage", params={"since": since})
             assert r.status_code == 200 and r.json()["alice"] > 0, since
         assert_error(await alice.get("/usage", params={"since": str(time.time() + 3600)}), 400)
@@ -506,6 +512,33 @@ async def test_usage_by_group_counts_generic_kernels_for_the_course(broker: Brok
         assert by_group[""] == pytest.approx(by_user["bob"])
     async with broker.client("alice") as alice:  # a student sees her courses' use only
         assert set((await alice.get("/usage", params={"by": "group"})).json()) == {"ml101"}
+
+
+async def test_a_student_asks_usage_of_31_days_at_most(broker: Broker) -> None:
+    """``usage?by=group&since=0`` from any student scanned every lease ever recorded on the
+    store's one writer thread (issue 36, item 7): a student reaches back 31 days, or the
+    longest budget window; an admin as far as they like."""
+    async with broker.client("alice") as alice:
+        for since in ("0", "32d", "2020-01-01"):
+            r = await alice.get("/usage", params={"by": "group", "since": since})
+            assert_error(r, 403, "forbidden")
+            assert "reaches back 31 days at most" in r.json()["message"], r.json()
+            assert "since=31d" in r.json()["message"]
+        for since in ("31d", "7d"):
+            r = await alice.get("/usage", params={"by": "group", "since": since})
+            assert r.status_code == 200, r.text
+        assert_error(await alice.get("/usage", params={"since": "0"}), 403, "forbidden")
+    async with broker.client("admin") as admin:
+        assert (await admin.get("/usage", params={"by": "group", "since": "0"})).status_code == 200
+        r = await admin.put(
+            "/quotas/groups/ml101", json={"budget_fraction_hours": 10, "budget_window": "60d"}
+        )
+        assert r.status_code == 200, r.text
+    async with broker.client("alice") as alice:  # a 60-day budget: its window is readable
+        assert (await alice.get("/usage", params={"since": "60d"})).status_code == 200
+        r = await alice.get("/usage", params={"since": "61d"})
+        assert_error(r, 403, "forbidden")
+        assert "60 days at most" in r.json()["message"]
 
 
 async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
@@ -745,7 +778,7 @@ async def test_kill9_mid_load_then_every_client_has_one_lease_or_one_place(broke
     assert code == 0 and seconds < 2.0, (code, seconds, broker.log())
 
 
-@pytest.mark.broker_args("--base-url", "/services/gpu-lease/", "--metrics-require-auth")
+@pytest.mark.broker_args("--base-url", "/services/gpu-lease/", "--no-metrics-auth")
 async def test_served_under_the_hub_service_prefix(broker: Broker) -> None:
     root = f"http://127.0.0.1:{broker.port}"
     async with httpx.AsyncClient(base_url=root, event_hooks=broker.conformance.hooks()) as c:
@@ -757,8 +790,8 @@ async def test_served_under_the_hub_service_prefix(broker: Broker) -> None:
             assert index.json()["api"] == "/services/gpu-lease/api/v1/"
         doc = (await c.get("/services/gpu-lease/api/v1/openapi.json")).json()
         assert doc["servers"][0]["url"] == "/services/gpu-lease/"
-        assert_error(await c.get("/services/gpu-lease/metrics"), 401)
-        metrics = await c.get("/services/gpu-lease/metrics", headers=broker.headers("bob"))
+        # --no-metrics-auth: a scrape-only network's broker answers /metrics to anyone
+        metrics = await c.get("/services/gpu-lease/metrics")
         assert metrics.status_code == 200 and "gpu_lease_" in metrics.text
     async with broker.client("alice") as alice:
         r = await acquire(alice, "k", 0.05)

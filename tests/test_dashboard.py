@@ -37,7 +37,7 @@ from provisioner.broker.routes import make_app
 from provisioner.broker.service import BrokerService
 from provisioner.broker.store import Store
 from provisioner.devtools import classday
-from provisioner.devtools.testing import BrokerProcess, free_port, wait_for_http
+from provisioner.devtools.testing import BrokerProcess, free_port, wait_for, wait_for_http
 from provisioner.inventory import parse_gpu_spec
 
 from .conftest import ROOT, Broker
@@ -69,6 +69,12 @@ def test_page_or_index_by_accept(broker: Broker) -> None:
     assert page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "default-src 'none'" in csp
+    # no page of any origin may frame it (issue 36): nor may any other answer be framed
+    assert "frame-ancestors 'none'" in csp and page.headers["x-frame-options"] == "DENY"
+    for other in (f"{broker.url}/api/v1/", f"{broker.url}/nope", f"{broker.url}/api/v1/gpus"):
+        r = httpx.get(other, headers=HTML)
+        assert r.headers["content-security-policy"] == "frame-ancestors 'none'", other
+        assert r.headers["x-frame-options"] == "DENY", other
     assert '<html lang="en">' in page.text and 'data-auth="token"' in page.text
     script = re.search(r'<script src="([^"]+)"', page.text)
     assert script is not None and script.group(1).startswith("/static/dashboard.js?v=")
@@ -156,6 +162,7 @@ async def test_hub_anonymous_browser_is_sent_to_hub_login(hub_broker: HubBroker)
     async with httpx.AsyncClient() as c:
         r = await c.get(hub_broker.url, headers=HTML)
         assert r.status_code == 302
+        assert r.headers["x-frame-options"] == "DENY"
         location = httpx.URL(r.headers["location"])
         assert location.path == "/hub/api/oauth2/authorize"
         assert location.params["client_id"] == CLIENT_ID
@@ -171,6 +178,8 @@ async def test_hub_anonymous_browser_is_sent_to_hub_login(hub_broker: HubBroker)
         # the OAuth callback is served (and refuses a visit without a code)
         r = await c.get(f"{hub_broker.url}oauth_callback")
         assert r.status_code == 400
+        assert r.headers["content-security-policy"] == "frame-ancestors 'none'"
+        assert r.headers["x-frame-options"] == "DENY"
 
 
 async def test_hub_cookie_identifies_page_and_api_with_xsrf(hub_broker: HubBroker) -> None:
@@ -313,6 +322,34 @@ def test_browser_admin_and_student(chromium: Any, broker: Broker, tmp_path: Path
     page.wait_for_selector("#login-form", state="visible")
     assert page.evaluate("sessionStorage.length") == 0
     assert problems == []
+    context.close()
+
+
+@pytest.mark.slow
+@sqlite_only
+def test_browser_a_page_that_frames_the_dashboard_shows_nothing(
+    chromium: Any, broker: Broker, tmp_path: Path
+) -> None:
+    """A page a student serves from their own server frames the dashboard to drive an
+    instructor's session by clicks (issue 36, item 5). Without ``subdomain_host`` the
+    student's server and the broker share the hub's origin (``/user/s002/`` and
+    ``/services/gpu-lease/`` behind one proxy), so the page here is served at the broker's
+    origin, as the proxy would serve it: the browser still shows nothing in the frame."""
+    context = chromium.new_context()
+    page = context.new_page()
+    student_page = f"{broker.url}/user/s002/files/prize.html"
+    framing = f'<iframe id="d" src="{broker.url}/" width="800" height="600"></iframe>'
+    page.route(student_page, lambda route: route.fulfill(body=framing, content_type="text/html"))
+    refused: list[str] = []
+    page.on("console", lambda m: refused.append(m.text) if "frame-ancestors" in m.text else None)
+    page.goto(student_page)
+    wait_for(
+        lambda: page.evaluate("1") and refused,  # evaluate: Playwright delivers events
+        what="chromium to refuse the frame",
+        interval=0.2,
+    )
+    assert page.frame_locator("#d").locator("#token").count() == 0  # no dashboard inside
+    page.screenshot(path=str(tmp_path / "framed.png"))
     context.close()
 
 

@@ -215,3 +215,29 @@ def test_example_script_starts_in_a_clean_install(
     python = str(clean_install / "python")
     out = check([python, str(path), "--help"], clean_environ(), 60, tmp_path)
     assert "usage:" in out
+
+
+# -- examples/classroom.py: the operator token never on the command line (issue 36) --------
+def test_classroom_reads_its_token_from_the_environment_or_a_private_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from provisioner.devtools.testing import load_example
+
+    room = load_example("classroom")
+    secret = tmp_path / "op.token"
+    secret.write_text("op-token-from-file\n")
+    secret.chmod(0o600)
+    demo = {"admin_token": "demo-token"}
+    assert (
+        room.operator_token(str(secret), {"GPU_LEASE_TOKEN": "env"}, demo) == "op-token-from-file"
+    )
+    assert room.operator_token(None, {"GPU_LEASE_TOKEN": "env"}, demo) == "env"
+    assert room.operator_token(None, {}, demo) == "demo-token"
+    secret.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others .*chmod 600"):
+        room.operator_token(str(secret), {}, demo)
+    # --token is refused with the advice, before anything is called
+    with pytest.raises(SystemExit):
+        room.main(["--token", "op-token-on-argv"])
+    err = capsys.readouterr().err
+    assert "every account's ps sees it" in err and "GPU_LEASE_TOKEN" in err

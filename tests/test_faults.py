@@ -364,7 +364,7 @@ def lease_states(db_url: str, ids: set[str]) -> dict[str, str]:
 
 def batch_sizes(broker: Broker) -> tuple[float, float]:
     """(transactions, changes) the broker's group commit has made since it started."""
-    text = httpx.get(f"{broker.url}/metrics", timeout=10).text
+    text = httpx.get(f"{broker.url}/metrics", headers=broker.headers("admin"), timeout=10).text
     found = {}
     for line in text.splitlines():
         for name in ("gpu_lease_commit_batch_size_count", "gpu_lease_commit_batch_size_sum"):

@@ -57,6 +57,7 @@ TOP_LEVEL = {
     "client_quotas": "base",
     "client_nodes": "base",
     "inventory": "base",
+    "listeners": "base",
     "__main__": "cli",
     "cli": "cli",
     "tables": "cli",

@@ -244,7 +244,7 @@ def test_promtool_accepts_a_live_brokers_metrics(promtool: str, broker: Any) -> 
     )
     assert refused.status_code == 422, refused.text
     assert httpx.delete(f"{api}/leases/{other.json()['id']}", headers=headers).status_code == 204
-    r = httpx.get(f"{broker.url}/metrics")
+    r = httpx.get(f"{broker.url}/metrics", headers=broker.headers("admin"))
     assert r.status_code == 200
     body = r.text
     done = subprocess.run(

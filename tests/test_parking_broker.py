@@ -149,7 +149,7 @@ def scene(pb: NodeBroker) -> Iterator[Scene]:
 
 def metric(pb: NodeBroker, name: str) -> float:
     """The value of one sample of /metrics (0 if absent)."""
-    text = httpx.get(f"{pb.url}/metrics", timeout=10).text
+    text = httpx.get(f"{pb.url}/metrics", headers=pb.headers("admin"), timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])

@@ -1345,3 +1345,23 @@ def test_leadership_needs_postgres(tmp_path: Path) -> None:
         store.fencing.take("a", 1.0)
     with pytest.raises(StoreError, match="PostgreSQL"):
         store.fencing.set(Fence("a", 1))
+
+
+def test_usage_reads_through_the_indexes_not_every_lease(tmp_path: Path) -> None:
+    """``usage?by=group`` (any student's, issue 36) reads the leases active now or ended in
+    the window through ``ix_leases_state`` and ``ix_leases_ended``: no scan of the table."""
+    import sqlalchemy as sa
+
+    from provisioner.broker import store_schema
+
+    url = f"sqlite:///{tmp_path / 'plan.sqlite'}"
+    Store(url).upgrade()
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            query = store_schema._USAGE_BY_GROUP.params(since=0.0, until=1e9)
+            sql = str(query.compile(engine, compile_kwargs={"literal_binds": True}))
+            plan = " / ".join(r[-1] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql))
+    finally:
+        engine.dispose()
+    assert "ix_leases_ended" in plan and "SCAN leases" not in plan, plan

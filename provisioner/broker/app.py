@@ -104,7 +104,11 @@ class GPULeaseBroker(BrokerOptions, Application):
         ),
         "metrics-require-auth": (
             {"GPULeaseBroker": {"metrics_require_auth": True}},
-            "Answer GET /metrics only with a valid token.",
+            "Answer GET /metrics only to an admin's or a metrics token (the default).",
+        ),
+        "no-metrics-auth": (
+            {"GPULeaseBroker": {"metrics_require_auth": False}},
+            "Answer GET /metrics to anyone: for a network only Prometheus reaches.",
         ),
         "ha-lock": (
             {"GPULeaseBroker": {"ha_lock": True}},

@@ -8,12 +8,14 @@ the two built in here, :data:`AUTHENTICATORS`) with :meth:`Authenticator.for_bro
 
 - :class:`HubTokens` (``--auth hub``): JupyterHub's API identifies the token's
   owner (``jupyterhub.services.auth.HubAuth``); admins are hub admins or holders of
-  the ``custom:gpu-lease:admin`` scope; groups are the user's hub groups. As a hub
+  the ``custom:gpu-lease:admin`` scope; holders of ``read:metrics`` may read
+  ``/metrics``; groups are the user's hub groups. As a hub
   service with an OAuth client it also logs browsers in to the dashboard.
 - :class:`StaticTokens` (``--auth static``): a JSON file
   ``{"TOKEN": {"user": "alice", "groups": ["ml101"], "admin": false}}``; an entry
   may add ``"expires_at"`` (POSIX seconds or ISO 8601, no zone = UTC), after which
-  the token is refused with 401. A node agent's entry is ``{"agent": true, "node":
+  the token is refused with 401, and ``"metrics": true`` (a scraper's token: it may
+  read ``/metrics``, as an admin's may). A node agent's entry is ``{"agent": true, "node":
   "gpu-a"}``: that token may call only the node routes, and only for its node.
 
 jupyterhub is imported only by :class:`HubTokens` (and ``hub_login.py``), so a
@@ -43,6 +45,8 @@ log = logging.getLogger("gpu_lease.broker.auth")
 
 #: the scope that makes a JupyterHub user a GPU lease admin
 ADMIN_SCOPE = "custom:gpu-lease:admin"
+#: JupyterHub's own scope for reading metrics: its holder may read the broker's /metrics
+METRICS_SCOPE = "read:metrics"
 MAX_TOKEN_CHARS = 4096
 #: seconds a token's JupyterHub identity is cached (as JupyterHub's own HubAuth)
 HUB_CACHE_MAX_AGE = 300
@@ -180,6 +184,10 @@ def parse_expiry(value: Any, where: str) -> float | None:
     )
 
 
+#: the keys of a person's (or a scraper's) entry in the tokens file
+_KEYS = ("user", "groups", "admin", "metrics", "expires_at")
+
+
 def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, StaticToken]:
     """Validate a tokens mapping and key it by the tokens' SHA-256 digests.
 
@@ -203,11 +211,11 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Stat
                 f"{where} must map the token to an object such as "
                 '{"user": "alice", "groups": ["ml101"], "admin": false}.'
             )
-        unknown = sorted(set(entry) - {"user", "groups", "admin", "expires_at", "agent", "node"})
+        unknown = sorted(set(entry) - {*_KEYS, "agent", "node"})
         if unknown:
             raise TokensFileError(
                 f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; "
-                "allowed are user, groups, admin, expires_at, agent and node."
+                "allowed are user, groups, admin, metrics, expires_at, agent and node."
             )
         if entry.get("agent", False) is not False or "node" in entry:
             out_agent = _agent_entry(entry, where)
@@ -227,12 +235,16 @@ def parse_tokens(data: Any, source: str = "the tokens file") -> dict[bytes, Stat
         admin = entry.get("admin", False)
         if not isinstance(admin, bool):
             raise TokensFileError(f"'admin' of {where} (user {user!r}) must be true or false.")
+        metrics = entry.get("metrics", False)
+        if not isinstance(metrics, bool):
+            raise TokensFileError(f"'metrics' of {where} (user {user!r}) must be true or false.")
         expires_at = parse_expiry(entry.get("expires_at"), f"{where} (user {user!r})")
         digest = _digest(token)
         if digest in out:
             raise TokensFileError(f"The token of {where} (user {user!r}) is listed twice.")
         out[digest] = StaticToken(
-            Identity(user=user, groups=frozenset(groups), admin=admin), expires_at
+            Identity(user=user, groups=frozenset(groups), admin=admin, metrics=metrics),
+            expires_at,
         )
     return out
 
@@ -389,7 +401,10 @@ def identity_from_hub_model(model: Mapping[str, Any]) -> Identity:
     groups = model.get("groups") or []
     admin = bool(model.get("admin")) or ADMIN_SCOPE in scopes
     return Identity(
-        user=name, groups=frozenset(g for g in groups if isinstance(g, str)), admin=admin
+        user=name,
+        groups=frozenset(g for g in groups if isinstance(g, str)),
+        admin=admin,
+        metrics=METRICS_SCOPE in scopes,
     )
 
 

@@ -40,7 +40,7 @@ from .. import errors
 from .._version import __version__
 from ..errors import BodyTooLarge, GPULeaseError, NotActive, NotAuthenticated
 from ..model import QUOTA_FIELDS, Identity, Lease, Quota, QuotaBook, min_ppm_for, reserved_mb
-from ..wire import error_code, ppm_to_fraction
+from ..wire import NO_FRAMES, error_code, ppm_to_fraction
 from . import validation
 from .admission import EffectiveQuota
 from .auth import Authenticator, token_from_header
@@ -261,6 +261,8 @@ class APIHandler(web.RequestHandler):
         self.set_header("Content-Type", JSON_TYPE)
         self.set_header("Cache-Control", "no-store")
         self.set_header("X-Content-Type-Options", "nosniff")
+        for name, value in NO_FRAMES.items():  # the dashboard's page narrows its CSP further
+            self.set_header(name, value)
 
     def compute_etag(self) -> str | None:
         return None
@@ -461,7 +463,7 @@ class IndexHandler(APIHandler):
 #: the dashboard page may load only its own script and style and call only its own API
 DASHBOARD_CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'self'"
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
 )
 
 
@@ -530,15 +532,24 @@ class OpenAPIHandler(APIHandler):
 
 
 class MetricsHandler(APIHandler):
-    """``GET {p}metrics``: Prometheus text; a token is needed if ``metrics_require_auth``."""
+    """``GET {p}metrics``: Prometheus text, which names users and lease ids: an admin's
+    token or one with the metrics permission (``Identity.metrics``) unless
+    ``metrics_require_auth`` is off (``--no-metrics-auth``: a scrape-only network)."""
 
     def prepare(self) -> None:
-        if self.settings.get("gpu_lease_metrics_require_auth"):
-            self.auth_required = True
+        if not self.settings.get("gpu_lease_metrics_require_auth", True):
+            self.auth_required = False
         super().prepare()
 
     @api
     async def get(self) -> None:
+        if self.auth_required and not (self.ident.admin or self.ident.metrics):
+            raise errors.Forbidden(
+                "GET /metrics names users and lease ids: it needs a GPU lease admin's token "
+                "or one with the metrics permission (JupyterHub: the scope read:metrics; the "
+                'tokens file: "metrics": true). Ask your administrator for a scraper token, '
+                "or run the broker with --no-metrics-auth on a network only Prometheus reaches."
+            )
         metrics = self.settings.get("gpu_lease_metrics")
         if metrics is None or not hasattr(metrics, "render"):
             raise errors.LeaseNotFound("This broker does not export metrics.")

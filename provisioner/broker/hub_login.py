@@ -23,6 +23,8 @@ from typing import Any
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import web
 
+from ..wire import NO_FRAMES
+
 
 def with_hub_login(handler: type[web.RequestHandler], hub_auth: Any) -> type[web.RequestHandler]:
     """``handler`` (same name, same behaviour) that also speaks JupyterHub's OAuth login.
@@ -51,9 +53,16 @@ def oauth_callback_route(base_url: str, hub_auth: Any) -> tuple[str, type[web.Re
             "__module__": __name__,
             "__doc__": "``GET {p}oauth_callback``: JupyterHub's OAuth callback.",
             "_hub_auth": hub_auth,
+            "set_default_headers": _no_frames,
         },
     )
     return re.escape(base_url) + r"oauth_callback/?", callback
+
+
+def _no_frames(handler: web.RequestHandler) -> None:
+    """The callback's pages (its errors) may not be framed either (``wire.NO_FRAMES``)."""
+    for name, value in NO_FRAMES.items():
+        handler.set_header(name, value)
 
 
 __all__ = ["oauth_callback_route", "with_hub_login"]

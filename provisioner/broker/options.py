@@ -138,8 +138,11 @@ class BrokerOptions(HasTraits):
     ).tag(config=True)
 
     metrics_require_auth = Bool(
-        False,
-        help="Whether GET /metrics needs a valid token. Default: False (anyone may scrape).",
+        True,
+        help="""Whether GET /metrics needs an admin's token or one with the metrics
+        permission (JupyterHub's scope read:metrics; "metrics": true in the tokens file): its
+        series name users and lease ids. False (--no-metrics-auth) lets anyone scrape, for a
+        network only Prometheus reaches. Default: True.""",
     ).tag(config=True)
 
     metrics_per_user = Bool(

@@ -19,6 +19,13 @@ from .core import ServiceCore, require_admin
 log = logging.getLogger("gpu_lease.broker")
 
 
+#: how far back a user who is not an admin may ask for usage, at least (issue 36: ``since=0``
+#: from any student scanned every lease ever recorded on the store's writer thread)
+STUDENT_USAGE_REACH_S = 31 * 86400
+#: ``since=31d`` was turned into a time a moment before the check: it still passes
+REACH_SLACK_S = 60.0
+
+
 @dataclass(frozen=True)
 class QuotaStanding:
     """A user's effective quota with its sources, their own record and what they hold."""
@@ -145,6 +152,14 @@ class QuotaService:
         now = self.core.clock()
         if since > now:
             raise InvalidRequest("'since' is in the future.")
+        reach = self.student_reach()
+        if not ident.admin and since < now - reach - REACH_SLACK_S:
+            days = reach / 86400
+            raise Forbidden(
+                f"Your usage reaches back {days:g} days at most; ask for since={days:g}d or "
+                "later, or ask a GPU lease admin for older usage.",
+                max_since_s=reach,
+            )
         if not ident.admin and by == "user":
             mine = await self.core.writer.call(
                 lambda: self.core.store.user_usage(ident.user, since, now), read=True
@@ -154,6 +169,15 @@ class QuotaService:
         if not ident.admin:
             rows = {k: v for k, v in rows.items() if k in ident.groups}
         return rows
+
+    def student_reach(self) -> float:
+        """How far back (seconds) a user who is not an admin may ask for usage: the longest
+        budget window of any quota, at least :data:`STUDENT_USAGE_REACH_S` (each such
+        question scans the leases of that window on the store's one writer thread)."""
+        book = self.core.book
+        windows = [q.budget_window_s or 0 for q in (book.default, *book.groups.values())]
+        windows += [q.budget_window_s or 0 for q in book.users.values()]
+        return float(max(STUDENT_USAGE_REACH_S, *windows))
 
     def _set_quota(self, level: str, name: str, quota: Quota) -> None:
         """Mirror a quota the store just recorded in the in-memory book."""

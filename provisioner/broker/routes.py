@@ -228,12 +228,12 @@ TABLE: tuple[Route, ...] = (
     ),
     Route(
         "/metrics",
-        MetricsHandler,
-        public=True,  # unless --metrics-require-auth (the handler checks)
+        MetricsHandler,  # public with --no-metrics-auth (the handler checks)
         operations={
             "get": {
                 "tags": ["broker"],
-                "summary": "Prometheus metrics (text exposition format).",
+                "summary": "Prometheus metrics (text exposition format): an admin's token or "
+                "one with the metrics permission, unless the broker runs with --no-metrics-auth.",
                 "operationId": "metrics",
                 "responses": {
                     "200": {
@@ -540,7 +540,10 @@ TABLE: tuple[Route, ...] = (
                         "name": "since",
                         "in": "query",
                         "schema": {"type": "string"},
-                        "description": "Start of the period, POSIX seconds (e.g. 1735689600).",
+                        "description": "Start of the period, POSIX seconds (e.g. 1735689600), "
+                        "ISO 8601 or a duration (7d); default 7d. A user who is not an admin "
+                        "may reach back 31 days, or the longest budget window if longer (403 "
+                        "beyond).",
                     },
                     {
                         "name": "by",
@@ -700,7 +703,7 @@ def make_app(
     base_url: str = "/",
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
-    metrics_require_auth: bool = False,
+    metrics_require_auth: bool = True,
     **settings: Any,
 ) -> web.Application:
     """The tornado application of the broker (no server, no listening: ``app.py`` does that).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -26,6 +27,7 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application as WebApplication
 
 from ..errors import NotActive, StoreError
+from ..listeners import account, listening_on
 from ..model import GPU
 from .auth import Authenticator
 from .fronts import COOKIE_SECRET_ENV, Fronts
@@ -176,12 +178,21 @@ def listening_sockets(port: int, ip: str, count: int) -> list[list[socket.socket
 
 
 def cannot_listen(ip: str, port: int, exc: OSError, log: Log) -> None:
-    log.critical(
-        "Cannot listen on %s:%d (%s); choose another address or port with --ip/--port.",
-        ip,
-        port,
-        exc.strerror or exc,
-    )
+    """Log why the broker cannot listen; for a busy port, whose listener holds it (issue 36:
+    a student's process on the broker's port would be sent every server's token, which
+    ``BrokerClient`` now refuses, so the admin must free the port)."""
+    advice = "Choose another address or port with --ip/--port."
+    if exc.errno == errno.EADDRINUSE:
+        holders = sorted({uid for _, uid in listening_on(port)})
+        if holders:
+            advice = (
+                f"{', '.join(account(uid) for uid in holders)} listens on {ip}:{port}. "
+                "If that is not another broker of yours, stop that process (ss -ltnp "
+                f"'sport = :{port}' names it) and start the broker again: the servers send "
+                "their tokens to no other account's listener, so no GPU kernel starts until "
+                "the broker listens. Or choose another address or port with --ip/--port."
+            )
+    log.critical("Cannot listen on %s:%d (%s). %s", ip, port, exc.strerror or exc, advice)
 
 
 def listen(app: WebApplication, ip: str, port: int, log: Log) -> HTTPServer | None:

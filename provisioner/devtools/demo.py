@@ -284,7 +284,7 @@ GPU dashboard   {url}/services/gpu-lease/
 broker API      {info["broker_url"]}/api/v1/health
 operator token  {info["admin_token"]}   (also in {info["state_dir"]}/admin-token)
 CLI             GPU_LEASE_URL={info["broker_url"]} GPU_LEASE_TOKEN={info["admin_token"]} {Path(sys.executable).parent}/gpu-lease top
-classroom       {Path(sys.executable)} examples/classroom.py --hub-url {url} --token {info["admin_token"]} -n 10
+classroom       {Path(sys.executable)} examples/classroom.py --hub-url {url} --token-file {info["state_dir"]}/admin-token -n 10
 Kernels "Python 3 (GPU 0.02)" ... "(GPU 1)" and "Python 3 (GPU 0.05, ml101)" are installed.
 Press Ctrl-C to stop the hub, the broker, every server and every kernel.
 ========================================================
