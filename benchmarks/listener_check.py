@@ -28,6 +28,13 @@ def per_call_us(fn: Callable[[], object], k: int) -> float:
     return (time.perf_counter() - t) / k * 1e6
 
 
+def _connect_and_close(srv: socket.socket, port: int) -> None:
+    """The baseline: what a new loopback connection costs anyway (both ends)."""
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        srv.accept()[0].close()
+        c.close()
+
+
 def main() -> None:
     for n in (0, 500, 2500):
         with socket.create_server(("127.0.0.1", 0), backlog=4096) as srv:
@@ -44,9 +51,12 @@ def main() -> None:
                 partial(listeners.check_connection, conn, listeners.Owners(), "x"), 200
             )
             table = per_call_us(partial(listeners._table_owner, theirs, ours), 20)
+            connect = per_call_us(partial(_connect_and_close, srv, port), 200)
             print(
-                f"{lines:6d} TCP sockets: check {check:7.0f} us per new connection; "
-                f"/proc/net/tcp fallback {table:7.0f} us",
+                f"{lines:6d} TCP sockets: loopback connect+accept+close (baseline) "
+                f"{connect:5.0f} us; check {check:5.0f} us per new connection "
+                f"({check / connect:.2f}x the baseline); /proc/net/tcp fallback "
+                f"{table:7.0f} us ({table / connect:.0f}x)",
                 flush=True,
             )
             for s in keep:
