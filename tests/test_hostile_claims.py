@@ -206,7 +206,8 @@ def test_another_accounts_process_or_an_ancestor_is_never_charged_nor_killed(
         for text in (log, nb.log_path.read_text()):
             assert not any(p in text for p in proofs)  # never a proof (nor a secret) logged
         assert f"does not act on the kernel lease {lease1['id'][:6]}" in nb.log_path.read_text()
-        metrics = httpx.get(f"{nb.url}/metrics", timeout=30).text
+        admin_auth = {"Authorization": f"token {nb.tokens['admin']}"}
+        metrics = httpx.get(f"{nb.url}/metrics", headers=admin_auth, timeout=30).text
         assert metric(metrics, "gpu_lease_enforcement_actions_total", "claim_refused") == 2
         assert metric(metrics, "gpu_lease_enforcement_actions_total", 'action="killed"') is None
     finally:

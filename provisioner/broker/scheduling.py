@@ -73,7 +73,7 @@ from ..model import (
 )
 from ..wire import ppm_to_fraction
 from .admission import admit, check_course
-from .node_rules import mps_blocked, mps_owners
+from .node_rules import mps_blocked, mps_claim_window, mps_owners, mps_owners_of
 from .policy import Ask, Policy
 
 # -- decisions -----------------------------------------------------------------
@@ -316,8 +316,16 @@ def drain(
             if gpu is not None:
                 alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
                 sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
-                if req.mps_uid is not None:
-                    owners.setdefault(gpu.uuid, set()).add(req.mps_uid)
+                if req.mps_uid is not None:  # as mps_owners will count it after the grant
+                    lease = new_lease(req, gpu, now, policy, req.id) if parked is None else parked
+                    claim = mps_owners_of(
+                        {},
+                        [replace(lease, mps_uid=req.mps_uid)],
+                        state.mps_proven,
+                        now,
+                        mps_claim_window(policy),
+                    )
+                    owners.setdefault(gpu.uuid, set()).update(claim.get(gpu.uuid, set()))
                 done.add(req.id)
                 if parked is not None:  # it fits only on its own GPU (gpu_uuids)
                     grants.append(Grant(replace(parked, park="resuming"), req))
