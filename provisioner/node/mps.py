@@ -220,6 +220,9 @@ class MPSDaemon:
         self.starts = 0
         #: server pid -> the uid it serves, as the last :meth:`server_uid` found them
         self.servers: dict[int, int | None] = {}
+        #: the pids of every server's clients as the last :meth:`server_uid` found them
+        #: (None: not running, or a query failed: then nobody is judged outside MPS)
+        self.clients: frozenset[int] | None = None
         #: the default limit set, with the start it was set on (``quit`` loses it)
         self._default_set: tuple[int, int] | None = None
         #: server pid -> the limit set on it
@@ -292,13 +295,23 @@ class MPSDaemon:
     async def server_uid(self, proc: str = "/proc") -> int | None:
         """The uid this GPU's MPS server serves clients of now; None: no server, or one
         without clients (it gives way to another uid's first client at once). Each
-        server's uid is kept in :attr:`servers` (for :meth:`set_limits`)."""
+        server's uid is kept in :attr:`servers` (for :meth:`set_limits`), every server's
+        client pids in :attr:`clients` (for :func:`~provisioner.node.proof.outside_mps`;
+        None where a query failed: an unanswered list proves no one outside MPS)."""
         serving = None
         self.servers = {}
-        for server in _pids(await self.query("get_server_list")):
+        listed = await self.query("get_server_list")
+        clients: set[int] | None = None if listed is None else set()
+        for server in _pids(listed):
             self.servers[server] = uid_of(server, proc)
-            if serving is None and _pids(await self.query(f"get_client_list {server}")):
+            answer = await self.query(f"get_client_list {server}")
+            if answer is None:
+                clients = None
+            elif clients is not None:
+                clients.update(_pids(answer))
+            if serving is None and _pids(answer):
                 serving = self.servers[server]
+        self.clients = None if clients is None else frozenset(clients)
         return serving
 
     async def set_limits(
@@ -432,6 +445,11 @@ class MPSSupervisor:
         heartbeat's ``mps_uid``."""
         uids = await asyncio.gather(*(d.server_uid() for d in self.daemons))
         return {d.gpu_uuid: uid for d, uid in zip(self.daemons, uids, strict=True)}
+
+    def clients(self) -> dict[str, frozenset[int] | None]:
+        """GPU uuid -> the pids of its MPS server's clients as the last
+        :meth:`server_uids` found them (None: the daemon is down or did not answer)."""
+        return {d.gpu_uuid: d.clients if d.state == "running" else None for d in self.daemons}
 
     async def apply_limits(self, answer: Mapping[str, Any]) -> None:
         """After each heartbeat: each GPU's daemon-side pinned memory limits, from the
