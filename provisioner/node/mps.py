@@ -70,7 +70,10 @@ limit of its start ("existing clients are not affected"); a student with two lea
 GPU may use the larger twice; and a kernel that unsets ``CUDA_MPS_PIPE_DIRECTORY`` before
 CUDA starts is no MPS client at all ("if the connection attempt fails, the program
 continues to run as it normally would without MPS", the man page), so no MPS limit
-reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact.
+reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact; for
+the last, :meth:`MPSDaemon.server_uid` keeps every server's client pids, and a GPU process
+of a proven MPS kernel that is none of them makes the lease over its cap
+(:func:`~provisioner.node.proof.outside_mps`).
 """
 
 from __future__ import annotations

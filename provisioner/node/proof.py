@@ -21,6 +21,11 @@ kernel's cgroup is read from ``/proc/<proven pid>/cgroup``, never from the claim
 kernel cgroup (:func:`cgroup_accepted`). The functions read a ``proc`` root so tests can
 give them a made-up tree.
 
+A proven kernel whose lease is an MPS lease must use the GPU through MPS: a GPU process of
+it that is no client of its GPU's MPS server (:func:`outside_mps`, in two consecutive
+samples: :class:`MPSLeavers`) runs without any MPS memory limit, and is reported
+(``left_mps``) so that the lease counts as over its cap, as one that left its cgroup does.
+
 Who calls this: the node agent (:mod:`.agent`), once per heartbeat (:meth:`Prover.prove`).
 """
 
