@@ -86,6 +86,66 @@ def beats(nb: NodeBroker, n: int) -> None:
         wait_for(lambda s=seen: nodes_of(nb)["gpu-a"]["last_seen"] > s, 20, "a heartbeat")
 
 
+class Scene:
+    """The agent (``--mps --enforce MODE``, one GPU), a proven MPS kernel and its lease."""
+
+    def __init__(self, nb: NodeBroker, tmp_path: Path, enforce: str) -> None:
+        self.nb = nb
+        self.mps_dir = tmp_path / "mps"
+        self.agent = Agent(nb, "gpu-a", tmp_path, "--enforce", enforce, "--mps")
+        self.agent.args += ("--mps-dir", str(self.mps_dir), "--mps-control", str(FAKE_MPS))
+        self.agent.gpus = self.agent.gpus[:1]
+        self.agent.set_processes({})
+        self.gpu = self.agent.gpus[0]["uuid"]
+        self.control_log = self.mps_dir / self.gpu / "log" / "control.log"
+        self.env, self.proof = kernel_env()
+        self.env.update(
+            PYTHONPATH=str(HERE / "standin_gpu"),
+            FAKE_NVML_FILE=str(self.agent.nvml_file),
+            CUDA_VISIBLE_DEVICES=self.gpu,
+            # as the provisioner sets them for enforcement=mps
+            CUDA_MPS_PIPE_DIRECTORY=pipe_directory(str(self.mps_dir), self.gpu),
+            CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=3584M",
+        )
+        self.kernel: subprocess.Popen[str] | None = None
+        self.lease: dict[str, Any] = {}
+
+    def start(self, u: httpx.Client) -> None:
+        """The agent, the kernel and its lease (renewed with the kernel's proof), once the
+        daemon's limits cover the lease (the provisioner waits for that)."""
+        self.agent.start()
+        wait_for(lambda: nodes_of(self.nb).get("gpu-a", {}).get("mps") == {self.gpu: "running"})
+        self.kernel = subprocess.Popen(
+            [sys.executable, "-c", KERNEL],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        ask = {"kernel_id": "k", "fraction": 0.25, "gpu_uuids": [self.gpu], "mps_uid": os.getuid()}
+        self.lease = u.post("/leases", json=ask).json()
+        renew = claim(self.kernel.pid, self.proof)
+        assert u.post(f"/leases/{self.lease['id']}/renew", json=renew).status_code == 200
+        covered = Path(mps_covered_file(str(self.mps_dir), self.gpu))
+        digest = lease_digest(self.lease["id"])
+        wait_for(lambda: covered.exists() and digest in covered.read_text(), 20, "covered")
+
+    def run(self, cell: str) -> tuple[int, str]:
+        """Run ``cell`` (``honest`` or ``hostile``) in the kernel: its pid, first line."""
+        assert self.kernel is not None and self.kernel.stdin and self.kernel.stdout
+        self.kernel.stdin.write(cell + "\n")
+        self.kernel.stdin.flush()
+        pid, said = self.kernel.stdout.readline().split()
+        return int(pid), said
+
+    def stop(self) -> None:
+        if self.kernel is not None:
+            os.killpg(self.kernel.pid, 9)
+            self.kernel.communicate()
+        self.agent.stop()
+
+
 def test_a_kernel_process_outside_mps_revokes_its_lease_an_mps_client_does_not(
     nb: NodeBroker, tmp_path: Path
 ) -> None:
@@ -93,91 +153,85 @@ def test_a_kernel_process_outside_mps_revokes_its_lease_an_mps_client_does_not(
     the same kernel's cell that unset ``CUDA_MPS_PIPE_DIRECTORY`` is reported outside MPS,
     its lease revoked with that reason and (``--enforce kill``) the process killed. Before
     this change the lease stayed active (the hostile cell's 500 MiB were within the cap)."""
-    mps_dir = tmp_path / "mps"
-    agent = Agent(
-        nb,
-        "gpu-a",
-        tmp_path,
-        "--enforce",
-        "kill",
-        "--mps",
-        "--mps-dir",
-        str(mps_dir),
-        "--mps-control",
-        str(FAKE_MPS),
-    )
-    agent.gpus = agent.gpus[:1]
-    agent.set_processes({})
-    gpu = agent.gpus[0]["uuid"]
-    pipe = pipe_directory(str(mps_dir), gpu)
-    control_log = mps_dir / gpu / "log" / "control.log"
-    env, proof = kernel_env()
-    env.update(
-        PYTHONPATH=str(HERE / "standin_gpu"),
-        FAKE_NVML_FILE=str(agent.nvml_file),
-        CUDA_VISIBLE_DEVICES=gpu,
-        CUDA_MPS_PIPE_DIRECTORY=pipe,  # as the provisioner sets them for enforcement=mps
-        CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=3584M",
-    )
-    kernel: subprocess.Popen[str] | None = None
+    scene = Scene(nb, tmp_path, "kill")
     try:
-        agent.start()
-        wait_for(lambda: nodes_of(nb).get("gpu-a", {}).get("mps") == {gpu: "running"}, 30)
-        kernel = subprocess.Popen(
-            [sys.executable, "-c", KERNEL],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        assert kernel.stdin is not None and kernel.stdout is not None
-
-        def run(cell: str) -> tuple[int, str]:
-            assert kernel is not None and kernel.stdin is not None and kernel.stdout
-            kernel.stdin.write(cell + "\n")
-            kernel.stdin.flush()
-            pid, said = kernel.stdout.readline().split()
-            return int(pid), said
-
         with nb.http("alice") as u:
-            ask = {"kernel_id": "k", "fraction": 0.25, "gpu_uuids": [gpu], "mps_uid": os.getuid()}
-            lease = u.post("/leases", json=ask).json()
-            renew = claim(kernel.pid, proof)
-            assert u.post(f"/leases/{lease['id']}/renew", json=renew).status_code == 200
+            scene.start(u)
 
             def state() -> dict[str, Any]:
-                return dict(u.get(f"/leases/{lease['id']}").json())
+                return dict(u.get(f"/leases/{scene.lease['id']}").json())
 
-            covered = Path(mps_covered_file(str(mps_dir), gpu))
-            wait_for(
-                lambda: covered.exists() and lease_digest(lease["id"]) in covered.read_text(),
-                20,
-                "the daemon's limits to cover the lease (the provisioner waits for it)",
-            )
-            honest, said = run("honest")
-            assert said == "ON-MPS" and f"client {honest} of uid" in control_log.read_text()
+            honest, said = scene.run("honest")
+            assert said == "ON-MPS" and f"client {honest} of uid" in scene.control_log.read_text()
             wait_for(lambda: state()["used_mb"] > 0, 20, "the honest cell's usage on the lease")
             beats(nb, 6)  # many samples: an MPS client is never outside MPS
             assert state()["state"] == "active", state()
             assert state()["kernel_refused"] is None, state()
 
-            hostile, said = run("hostile")
+            hostile, said = scene.run("hostile")
             assert said == "OUTSIDE-MPS"
-            assert f"client {hostile} " not in control_log.read_text()
+            assert f"client {hostile} " not in scene.control_log.read_text()
             wait_for(lambda: state()["state"] == "revoked", 30, "the revocation")
             reason = state()["reason"]
             assert f"a kernel process (pid {hostile}) runs on GPU" in reason, reason
             assert "outside MPS" in reason, reason
             wait_for(lambda: not alive(hostile), 20, "the process outside MPS killed")
-        log = agent.log_path.read_text()
+        log = scene.agent.log_path.read_text()
         assert f"process {hostile} " in log and "outside MPS" in log, log
         assert f"process {honest} " not in log.replace(f"GPU process {honest} ", ""), log
-        assert proof not in log and proof not in nb.log_path.read_text()
+        assert scene.proof not in log and scene.proof not in nb.log_path.read_text()
         metrics = httpx.get(f"{nb.url}/metrics", headers=nb.headers("admin"), timeout=30).text
         assert metric(metrics, "gpu_lease_enforcement_actions_total", 'action="revoked"') == 1
     finally:
-        if kernel is not None:
-            os.killpg(kernel.pid, 9)
-            kernel.communicate()
-        agent.stop()
+        scene.stop()
+
+
+#: the last commit whose broker knows proofs and ``escaped`` but not ``left_mps``
+BEFORE_LEFT_MPS = "4722170"
+
+
+@pytest.fixture
+def older_nb(tmp_path: Path) -> Iterator[NodeBroker]:
+    """A real broker from the tree of :data:`BEFORE_LEFT_MPS` (``git archive``)."""
+    tree = tmp_path / "older"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent), "archive", BEFORE_LEFT_MPS, "provisioner"],
+        capture_output=True,
+    )
+    if archive.returncode != 0:
+        pytest.skip(f"no git history with {BEFORE_LEFT_MPS} here (a shallow clone?)")
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    b = NodeBroker(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        ("--GPULeaseBroker.overuse_grace=1", "--GPULeaseBroker.reap_interval=0.2"),
+    )
+    b.source = tree
+    with b.running(timeout=60):
+        yield b
+
+
+def test_an_older_broker_is_told_a_process_outside_mps_as_escaped(
+    older_nb: NodeBroker, tmp_path: Path
+) -> None:
+    """A broker older than ``left_mps`` refuses the field; the agent says so once and
+    reports those pids as ``escaped``: the lease is over its cap all the same (revoked
+    under ``--enforce revoke``, with the older broker's cgroup reason)."""
+    scene = Scene(older_nb, tmp_path, "revoke")
+    try:
+        with older_nb.http("alice") as u:
+            scene.start(u)
+            hostile, said = scene.run("hostile")
+            assert said == "OUTSIDE-MPS"
+
+            def state() -> dict[str, Any]:
+                return dict(u.get(f"/leases/{scene.lease['id']}").json())
+
+            wait_for(lambda: state()["state"] == "revoked", 30, "the revocation")
+            assert f"a kernel process (pid {hostile}) left the kernel's cgroup" in state()["reason"]
+        log = scene.agent.log_path.read_text()
+        assert log.count("The broker is older than kernels outside MPS") == 1, log
+        assert "older than proven kernels" not in log, log
+    finally:
+        scene.stop()
