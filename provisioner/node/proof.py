@@ -352,19 +352,18 @@ def outside_mps(
     None or absent: not judged there). ``samples``: ``(pid, gpu uuid, MiB)`` as NVML
     reports them; ``members``: each kernel host pid's GPU processes (:func:`.agent.attribute`).
     """
-    out: dict[str, list[tuple[int, str]]] = {}
-    for lease_id, p in proven.items():
-        if p.claim.enforcement != "mps":
-            continue
-        mine = set(members.get(p.host_pid, []))
-        left: set[tuple[int, str]] = set()
-        for pid, uuid, _ in samples:
-            served = clients.get(uuid)
-            if pid in mine and served is not None and pid not in served:
-                left.add((pid, uuid))
-        if left:
-            out[lease_id] = sorted(left)
-    return out
+    lease_of = {
+        pid: lease_id
+        for lease_id, p in proven.items()
+        if p.claim.enforcement == "mps"
+        for pid in members.get(p.host_pid, [])
+    }
+    left: dict[str, set[tuple[int, str]]] = {}
+    for pid, uuid, _ in samples:
+        served = clients.get(uuid)
+        if pid in lease_of and served is not None and pid not in served:
+            left.setdefault(lease_of[pid], set()).add((pid, uuid))
+    return {lease_id: sorted(found) for lease_id, found in left.items()}
 
 
 @dataclass
