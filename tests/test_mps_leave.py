@@ -18,6 +18,7 @@ cap with its own reason. The pure rule is tabled in ``tests/test_proof.py``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -28,7 +29,8 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner.devtools.testing import wait_for
+from provisioner.devtools.testing import wait_for, wait_for_async
+from provisioner.node.mps import MPSSupervisor
 from provisioner.wire import lease_digest, mps_covered_file, pipe_directory
 
 from .proven import claim, kernel_env
@@ -235,3 +237,45 @@ def test_an_older_broker_is_told_a_process_outside_mps_as_escaped(
         assert "older than proven kernels" not in log, log
     finally:
         scene.stop()
+
+
+async def test_the_daemons_client_list_counts_only_where_the_agent_can_read_it(
+    tmp_path: Path,
+) -> None:
+    """A stand-in daemon and one client: :meth:`MPSDaemon.server_uid` keeps every server's
+    client pids. Where a listed client is no process of the server's uid in the agent's
+    ``/proc`` (here a made-up, empty one: as if the daemon numbered pids in another pid
+    namespace), the list is not understood and judges no one (None), so an honest kernel
+    is never revoked for it; a daemon that is down judges no one either."""
+    supervisor = MPSSupervisor(["GPU-x"], str(tmp_path), str(FAKE_MPS))
+    (daemon,) = supervisor.daemons
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(supervisor.run(stop))
+    client: asyncio.subprocess.Process | None = None
+    try:
+        pipe = daemon.env["CUDA_MPS_PIPE_DIRECTORY"]
+        await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
+        assert await supervisor.server_uids() == {"GPU-x": None}
+        assert supervisor.clients() == {"GPU-x": frozenset()}  # no server: no client
+        client = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
+            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert client.stdout is not None
+        assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"
+        assert await supervisor.server_uids() == {"GPU-x": os.getuid()}
+        assert supervisor.clients() == {"GPU-x": frozenset({client.pid})}
+        (tmp_path / "proc").mkdir()
+        await daemon.server_uid(proc=str(tmp_path / "proc"))
+        assert daemon.clients is None
+    finally:
+        if client is not None and client.returncode is None:
+            client.kill()
+            await client.wait()
+        stop.set()
+        await running
+    assert supervisor.clients() == {"GPU-x": None}  # down

@@ -299,21 +299,24 @@ class MPSDaemon:
         """The uid this GPU's MPS server serves clients of now; None: no server, or one
         without clients (it gives way to another uid's first client at once). Each
         server's uid is kept in :attr:`servers` (for :meth:`set_limits`), every server's
-        client pids in :attr:`clients` (for :func:`~provisioner.node.proof.outside_mps`;
-        None where a query failed: an unanswered list proves no one outside MPS)."""
+        client pids in :attr:`clients` (for :func:`~provisioner.node.proof.outside_mps`).
+        Those are None where a query failed, or where a listed client is no process of
+        the server's uid here (gone meanwhile, or the daemon numbers pids in another pid
+        namespace than the agent's /proc): a list not understood proves no one outside MPS."""
         serving = None
         self.servers = {}
         listed = await self.query("get_server_list")
         clients: set[int] | None = None if listed is None else set()
         for server in _pids(listed):
-            self.servers[server] = uid_of(server, proc)
+            uid = self.servers[server] = uid_of(server, proc)
             answer = await self.query(f"get_client_list {server}")
-            if answer is None:
+            pids = _pids(answer)
+            if answer is None or any(uid is None or uid_of(pid, proc) != uid for pid in pids):
                 clients = None
             elif clients is not None:
-                clients.update(_pids(answer))
-            if serving is None and _pids(answer):
-                serving = self.servers[server]
+                clients.update(pids)
+            if serving is None and pids:
+                serving = uid
         self.clients = None if clients is None else frozenset(clients)
         return serving
 
