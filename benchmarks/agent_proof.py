@@ -11,7 +11,10 @@ the same run, on the same processes:
   ``(pid, pid_ns)``, then ``attribute`` and ``merge_samples``);
 - **cold**: a fresh ``Prover`` (the first heartbeat after the agent starts) + the
   attribution over the proven kernels;
-- **warm**: the same ``Prover`` again (verdicts cached per pid and start time).
+- **warm**: the same ``Prover`` again (verdicts cached per pid and start time);
+- **warm + MPS**: the same, every lease an MPS lease, and each kernel process checked
+  against its GPU's MPS clients (``outside_mps`` + ``MPSLeavers``; every one a client, as
+  on an honest node; the daemon's client list is the query the agent made before).
 
 Run as root (the agent is root; ``/proc/<pid>/environ`` of another uid needs it)::
 
@@ -26,13 +29,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provisioner.node.agent import attribute, merge_samples, proven_finder  # noqa: E402
 from provisioner.node.pidns import KernelFinder, own_pid_ns  # noqa: E402
-from provisioner.node.proof import Claim, Prover  # noqa: E402
+from provisioner.node.proof import Claim, MPSLeavers, Prover, outside_mps  # noqa: E402
 from tests.proven import kernel_env  # noqa: E402
 
 GPU = "GPU-bench-0"
@@ -79,10 +83,22 @@ def main() -> int:
             proven, _ = warm_prover.prove(claims)
             merge_samples(attribute(sample, proven_finder(proven, set()))[0])
 
+        mps_claims = [replace(c, enforcement="mps") for c in claims]
+        mps_prover, leavers = Prover(check_account="auto"), MPSLeavers()
+        clients: dict[str, frozenset[int] | None] = {GPU: frozenset(p.pid for p in procs)}
+
+        def warm_mps() -> None:
+            proven, _ = mps_prover.prove(mps_claims)
+            samples, members = attribute(sample, proven_finder(proven, set()))
+            assert not leavers(outside_mps(sample, members, proven, clients))
+            merge_samples(samples)
+
+        warm_mps()
         results = {
             "before (claims believed)": timed(before, args.rounds),
             "cold (first beat: prove all)": timed(cold, args.rounds),
             "warm (cached verdicts)": timed(warm, args.rounds),
+            "warm + MPS clients check": timed(warm_mps, args.rounds),
         }
     finally:
         for p in procs:

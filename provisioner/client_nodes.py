@@ -47,8 +47,8 @@ class NodeCalls:
         ``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
         ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none).
         ``kernels``: ``{pid, pid_ns, host_pid}`` of the namespaced kernels the agent found
-        (an agent that proves claims: ``lease_id``, ``uid``, ``cgroup`` and ``escaped`` too,
-        one per proven kernel); ``refused``: ``{lease_id, reason}`` of the claims it refused
+        (an agent that proves claims: ``lease_id``, ``uid``, ``cgroup``, ``escaped`` and
+        ``left_mps`` too, one per proven kernel); ``refused``: ``{lease_id, reason}`` of the claims it refused
         (sent, even empty, by an agent that proves claims);
         ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
         Parking (issue 28): ``checkpoint``, whether this node's driver can checkpoint

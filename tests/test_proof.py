@@ -222,3 +222,86 @@ def test_park_orders_run_only_for_proven_kernels_and_fail_at_once_for_refused_on
     assert (outcome["lease_id"], outcome["outcome"]) == ("lease-2", "failed")
     assert outcome["message"].startswith("the node agent did not prove this lease's kernel")
     assert parker.ready.is_set()
+
+
+# -- processes outside MPS (a kernel that unset CUDA_MPS_PIPE_DIRECTORY) --------------------
+
+
+def _mps_kernel(lease_id: str, host: int, enforcement: str = "mps") -> proof.Proven:
+    c = Claim(lease_id, host, None, PROOF, "", "k", "GPU-1", 900, enforcement)
+    return proof.Proven(c, host, 1000, None, False)
+
+
+MPS_PROVEN = {
+    "L-mps": _mps_kernel("L-mps", 100),
+    "L-coop": _mps_kernel("L-coop", 200, "cooperative"),
+}
+MPS_MEMBERS = {100: [101, 102], 200: [201]}
+
+
+@pytest.mark.parametrize(
+    "samples, clients, outside",
+    [
+        # both of the MPS kernel's processes are clients: nobody is outside
+        ([(101, "GPU-1", 300), (102, "GPU-1", 300)], {"GPU-1": frozenset({101, 102})}, {}),
+        # 102 is no client of GPU-1's server: outside (and only the MPS lease is judged)
+        (
+            [(101, "GPU-1", 300), (102, "GPU-1", 500), (201, "GPU-1", 9)],
+            {"GPU-1": frozenset({101})},
+            {"L-mps": [(102, "GPU-1")]},
+        ),
+        # no server runs: no process is its client
+        ([(101, "GPU-1", 300)], {"GPU-1": frozenset()}, {"L-mps": [(101, "GPU-1")]}),
+        # the daemon is down or did not answer (None), or is not this agent's (absent)
+        ([(101, "GPU-1", 300)], {"GPU-1": None}, {}),
+        ([(101, "GPU-2", 300)], {"GPU-1": frozenset()}, {}),
+        # a client on one GPU is judged per GPU (MIG or two GPUs list a pid twice)
+        (
+            [(101, "GPU-1", 300), (101, "GPU-2", 10)],
+            {"GPU-1": frozenset({101}), "GPU-2": frozenset()},
+            {"L-mps": [(101, "GPU-2")]},
+        ),
+        # a process of no kernel is the unleased reaper's, not this check's
+        ([(999, "GPU-1", 300)], {"GPU-1": frozenset()}, {}),
+    ],
+)
+def test_which_mps_kernel_processes_run_outside_mps(
+    samples: list[tuple[int, str, int]],
+    clients: dict[str, frozenset[int] | None],
+    outside: dict[str, list[tuple[int, str]]],
+) -> None:
+    assert proof.outside_mps(samples, MPS_MEMBERS, MPS_PROVEN, clients) == outside
+
+
+def test_a_process_outside_mps_counts_only_in_two_consecutive_samples(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One sample may catch a client that exits (or is being replaced) between NVML's sample
+    and the daemon's client list; a process outside MPS is so for its life, so the next
+    sample finds it again. Each is logged once, never with the proof."""
+    leavers = proof.MPSLeavers()
+    once = {"L-mps": [(102, "GPU-1")]}
+    assert leavers(once) == {}
+    assert leavers({}) == {}  # gone (or not judged) in between: the streak breaks
+    assert leavers(once) == {}
+    assert leavers(once) == {"L-mps": [102]}
+    assert leavers(once) == {"L-mps": [102]}
+    said = [r.getMessage() for r in caplog.records if "outside MPS" in r.getMessage()]
+    assert len(said) == 1 and "Kernel process 102 of lease L-mps… runs on GPU GPU-1" in said[0]
+    assert PROOF not in caplog.text
+
+
+def test_the_broker_reads_left_mps_and_refuses_a_bad_one() -> None:
+    """The heartbeat's ``left_mps`` (issue 36): pids, like ``escaped``; anything else is
+    refused with a sentence, and an entry without it (an agent older than it) has none."""
+    from provisioner.broker.validation import parse_node_proofs
+    from provisioner.errors import InvalidRequest
+
+    entry = {"pid": 7, "pid_ns": None, "host_pid": 30001, "lease_id": "a", "uid": 1000}
+    got = parse_node_proofs({"refused": [], "kernels": [{**entry, "left_mps": [30002]}]})
+    assert got is not None and got.proven["a"].left_mps == (30002,)
+    got = parse_node_proofs({"refused": [], "kernels": [entry]})
+    assert got is not None and got.proven["a"].left_mps == ()
+    for bad in ("30002", [0], ["x"], {"pid": 1}):
+        with pytest.raises(InvalidRequest, match="'left_mps'"):
+            parse_node_proofs({"refused": [], "kernels": [{**entry, "left_mps": bad}]})

@@ -282,7 +282,8 @@ class NodeService:
             self.core.used_mb[lease.id] = mb
             proven = proofs.proven.get(lease.id) if proofs is not None else None
             escaped = proven.escaped if proven is not None else ()
-            over = bool(escaped) or node_rules.over_lease(lease, mb, self.core.policy)
+            left_mps = proven.left_mps if proven is not None else ()
+            over = bool(escaped or left_mps) or node_rules.over_lease(lease, mb, self.core.policy)
             if node.enforce == "off" or not over:
                 self.core.over_since.pop(lease.id, None)
                 self.core.over_reported.discard(lease.id)
@@ -295,6 +296,13 @@ class NodeService:
                 reason = (
                     f"a kernel process (pid {escaped[0]}) left the kernel's cgroup, which "
                     "carries its driver memory limit: a lease's processes must stay in it"
+                )
+            if left_mps:
+                reason = (
+                    f"a kernel process (pid {left_mps[0]}) runs on GPU {lease.gpu_uuid} "
+                    "outside MPS (it is no client of the GPU's MPS server, e.g. "
+                    "CUDA_MPS_PIPE_DIRECTORY was unset), so outside its memory limit: an MPS "
+                    "kernel's processes must run under MPS"
                 )
             if node.enforce in ("revoke", "kill"):
                 ends.append((lease, "revoked", reason))

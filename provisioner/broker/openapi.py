@@ -708,7 +708,8 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "Which host pid each lease kernel of another pid namespace "
                 "is (found through /proc/<pid>/status NSpid); `usage` names host pids. An "
                 "agent that proves claims (it sends `refused`) lists each proven kernel, "
-                "with its lease, real uid, cgroup and its GPU processes that left it.",
+                "with its lease, real uid, cgroup, its GPU processes that left it and those "
+                "outside MPS.",
                 "items": {
                     "type": "object",
                     "additionalProperties": False,
@@ -734,6 +735,15 @@ _SCHEMAS: dict[str, Any] = {
                             "description": "The kernel's GPU processes outside its cgroup "
                             "while a driver limit holds on it: the lease counts as over "
                             "its cap.",
+                        },
+                        "left_mps": {
+                            "type": "array",
+                            "maxItems": wire.MAX_USAGE_SAMPLES,
+                            "items": _PID,
+                            "description": "An MPS lease's kernel processes that use a GPU "
+                            "without being clients of its MPS server (in two consecutive "
+                            "samples), so outside any MPS memory limit: the lease counts as "
+                            "over its cap. Absent: none.",
                         },
                     },
                 },

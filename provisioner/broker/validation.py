@@ -544,7 +544,16 @@ PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb",
 MAX_HOST_MEMORY_MB = 2**40
 #: the longest a park or resume may have taken (s), as a heartbeat reports it
 MAX_PARK_SECONDS = 86400.0
-KERNEL_MAP_FIELDS = ("pid", "pid_ns", "host_pid", "lease_id", "uid", "cgroup", "escaped")
+KERNEL_MAP_FIELDS = (
+    "pid",
+    "pid_ns",
+    "host_pid",
+    "lease_id",
+    "uid",
+    "cgroup",
+    "escaped",
+    "left_mps",
+)
 REFUSED_FIELDS = ("lease_id", "reason")
 USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
 
@@ -696,13 +705,15 @@ def parse_node_kernels(
 @dataclass(frozen=True)
 class ProvenKernel:
     """A kernel a node agent proved to be its lease's (heartbeat ``kernels`` entry with
-    ``lease_id``): its host pid, real uid, accepted cgroup, GPU processes outside it."""
+    ``lease_id``): its host pid, real uid, accepted cgroup, GPU processes outside it, and
+    (an MPS lease's) GPU processes that are no client of their GPU's MPS server."""
 
     lease_id: str
     host_pid: int
     uid: int | None = None
     cgroup: str | None = None
     escaped: tuple[int, ...] = ()
+    left_mps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -712,6 +723,14 @@ class NodeProofs:
 
     proven: dict[str, ProvenKernel]
     refused: dict[str, str]
+
+
+def _pid_list(entry: dict[str, Any], name: str) -> tuple[int, ...]:
+    """A ``kernels`` entry's list of pids ``name`` (absent or null: none)."""
+    pids = entry.get(name) or []
+    if not isinstance(pids, list) or len(pids) > MAX_USAGE_SAMPLES:
+        raise InvalidRequest(f"{name!r} must be a JSON array of pids.")
+    return tuple(_int(p, name, low=1, high=MAX_PID) for p in pids)
 
 
 def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
@@ -730,9 +749,7 @@ def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
         if entry.get("pid_ns") is not None:
             _int(entry["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
         _int(entry.get("pid"), "pid", low=1, high=MAX_PID)
-        escaped = entry.get("escaped") or []
-        if not isinstance(escaped, list) or len(escaped) > MAX_USAGE_SAMPLES:
-            raise InvalidRequest("'escaped' must be a JSON array of pids.")
+        escaped, left_mps = _pid_list(entry, "escaped"), _pid_list(entry, "left_mps")
         proven[lease_id] = ProvenKernel(
             lease_id,
             _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID),
@@ -740,7 +757,8 @@ def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
             if entry.get("uid") is not None
             else None,
             parse_cgroup(entry["cgroup"]) if entry.get("cgroup") is not None else None,
-            tuple(_int(p, "escaped", low=1, high=MAX_PID) for p in escaped),
+            escaped,
+            left_mps,
         )
     refused: dict[str, str] = {}
     for raw in _list(body, "refused", MAX_USAGE_SAMPLES):

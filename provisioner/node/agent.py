@@ -42,7 +42,16 @@ from . import driver_limits
 from .mps import MPS_CONTROL, MPSSupervisor
 from .parking import DEFAULT_HOST_RESERVE_MB, Parker, host_memory_available_mb
 from .pidns import KernelFinder, KernelId
-from .proof import CHECK_ACCOUNT, Claim, Proven, Prover, by_cgroup, escapes
+from .proof import (
+    CHECK_ACCOUNT,
+    Claim,
+    MPSLeavers,
+    Proven,
+    Prover,
+    by_cgroup,
+    escapes,
+    outside_mps,
+)
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -56,6 +65,9 @@ PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
 PARK_FIELDS_RETRY = 600.0
 #: the heartbeat fields of proven claims (issue 36); a broker older than them refuses them
 PROOF_FIELDS = frozenset({"refused", "lease_id", "uid", "cgroup", "escaped"})
+#: the kernels' field of processes outside MPS; a broker that proves claims but is older
+#: than it refuses it, and is then told them as ``escaped`` (over the cap all the same)
+LEFT_MPS_FIELD = "left_mps"
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -268,6 +280,7 @@ async def run_agent(
     parker: Parker | None = None,
     prover: Prover | None = None,
     mps_limits: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
+    mps_clients: Callable[[], dict[str, frozenset[int] | None]] | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -302,6 +315,11 @@ async def run_agent(
     (``kernels``: host pid, uid, cgroup, GPU processes that left a limited cgroup) and the
     refused claims (``refused``). A broker older than proofs (it refuses those fields) gets
     the older report, its kernels are believed as named, and no driver limit is set.
+    With ``mps_clients`` (:meth:`~provisioner.node.mps.MPSSupervisor.clients`, as the
+    beat's ``mps_uids`` query found them), each GPU process of a proven MPS kernel must be
+    a client of its GPU's MPS server: one that is not in two consecutive samples
+    (:class:`~provisioner.node.proof.MPSLeavers`) runs without any MPS limit and is reported
+    (``left_mps``; to a broker older than that field, as ``escaped``).
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
@@ -310,6 +328,8 @@ async def run_agent(
     said_older = False
     prover = prover or Prover()
     proof_wire = True
+    left_mps_wire = True
+    leavers = MPSLeavers()
     legacy: set[KernelId] = set()
     proven: dict[str, Proven] = {}
     refusals: dict[str, str] = {}
@@ -326,19 +346,27 @@ async def run_agent(
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
             usage = []
-        proof: dict[str, Any] = {"kernels": find.report()}
-        if proof_wire:
-            left = escapes(members, proven, set(limited or ()))
-            proof = {
-                "kernels": [p.report(left.get(lease)) for lease, p in proven.items()],
-                "refused": [{"lease_id": k, "reason": v} for k, v in sorted(refusals.items())],
-            }
         uids: dict[str, int | None] | None = None
         if mps_uids is not None:
             try:
-                uids = await mps_uids()
+                uids = await mps_uids()  # after the sample: a client in it is listed now
             except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
                 log.exception("Cannot learn which uid each GPU's MPS server serves")
+        clients = mps_clients() if mps_clients is not None and uids is not None else {}
+        proof: dict[str, Any] = {"kernels": find.report()}
+        if proof_wire:
+            left = escapes(members, proven, set(limited or ()))
+            off_mps = leavers(outside_mps(raw, members, proven, clients))
+            if not left_mps_wire:  # a broker older than left_mps: over the cap all the same
+                for lease, pids in off_mps.items():
+                    left[lease] = sorted(set(left.get(lease, [])) | set(pids))
+                off_mps = {}
+            proof = {
+                "kernels": [
+                    p.report(left.get(lease), off_mps.get(lease)) for lease, p in proven.items()
+                ],
+                "refused": [{"lease_id": k, "reason": v} for k, v in sorted(refusals.items())],
+            }
         sent: list[dict[str, Any]] = []
         park: dict[str, Any] = {}
         if refused_at is not None and time.monotonic() - refused_at >= PARK_FIELDS_RETRY:
@@ -390,6 +418,17 @@ async def run_agent(
             log.warning("Heartbeat of node %s failed: %s", node, exc.message)
         except InvalidRequest as exc:
             refused = set(exc.details.get("fields") or [])
+            if proof_wire and left_mps_wire and LEFT_MPS_FIELD in refused:
+                log.warning(
+                    "The broker is older than kernels outside MPS (it refused %r): they are "
+                    "reported to it as escaped from their cgroup, over their cap all the same, "
+                    "until the broker is upgraded.",
+                    LEFT_MPS_FIELD,
+                )
+                left_mps_wire = False
+                refused.discard(LEFT_MPS_FIELD)
+                if not refused:
+                    continue
             if proof_wire and refused & PROOF_FIELDS and refused <= PROOF_FIELDS | PARK_FIELDS:
                 log.warning(
                     "The broker is older than proven kernels (it refused %s): the kernels it "
@@ -670,6 +709,7 @@ class GPULeaseAgent(Application):
                 parker,
                 Prover(self.check_account, list(self.kernel_cgroup_parents)),
                 mps_limits=mps.apply_limits if mps is not None else None,
+                mps_clients=mps.clients if mps is not None else None,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)

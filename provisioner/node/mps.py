@@ -70,7 +70,10 @@ limit of its start ("existing clients are not affected"); a student with two lea
 GPU may use the larger twice; and a kernel that unsets ``CUDA_MPS_PIPE_DIRECTORY`` before
 CUDA starts is no MPS client at all ("if the connection attempt fails, the program
 continues to run as it normally would without MPS", the man page), so no MPS limit
-reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact.
+reaches it. The agent's ``--enforce`` report/revoke/kill covers these after the fact; for
+the last, :meth:`MPSDaemon.server_uid` keeps every server's client pids, and a GPU process
+of a proven MPS kernel that is none of them makes the lease over its cap
+(:func:`~provisioner.node.proof.outside_mps`).
 """
 
 from __future__ import annotations
@@ -220,6 +223,9 @@ class MPSDaemon:
         self.starts = 0
         #: server pid -> the uid it serves, as the last :meth:`server_uid` found them
         self.servers: dict[int, int | None] = {}
+        #: the pids of every server's clients as the last :meth:`server_uid` found them
+        #: (None: not running, or a query failed: then nobody is judged outside MPS)
+        self.clients: frozenset[int] | None = None
         #: the default limit set, with the start it was set on (``quit`` loses it)
         self._default_set: tuple[int, int] | None = None
         #: server pid -> the limit set on it
@@ -292,13 +298,26 @@ class MPSDaemon:
     async def server_uid(self, proc: str = "/proc") -> int | None:
         """The uid this GPU's MPS server serves clients of now; None: no server, or one
         without clients (it gives way to another uid's first client at once). Each
-        server's uid is kept in :attr:`servers` (for :meth:`set_limits`)."""
+        server's uid is kept in :attr:`servers` (for :meth:`set_limits`), every server's
+        client pids in :attr:`clients` (for :func:`~provisioner.node.proof.outside_mps`).
+        Those are None where a query failed, or where a listed client is no process of
+        the server's uid here (gone meanwhile, or the daemon numbers pids in another pid
+        namespace than the agent's /proc): a list not understood proves no one outside MPS."""
         serving = None
         self.servers = {}
-        for server in _pids(await self.query("get_server_list")):
-            self.servers[server] = uid_of(server, proc)
-            if serving is None and _pids(await self.query(f"get_client_list {server}")):
-                serving = self.servers[server]
+        listed = await self.query("get_server_list")
+        clients: set[int] | None = None if listed is None else set()
+        for server in _pids(listed):
+            uid = self.servers[server] = uid_of(server, proc)
+            answer = await self.query(f"get_client_list {server}")
+            pids = _pids(answer)
+            if answer is None or any(uid is None or uid_of(pid, proc) != uid for pid in pids):
+                clients = None
+            elif clients is not None:
+                clients.update(pids)
+            if serving is None and pids:
+                serving = uid
+        self.clients = None if clients is None else frozenset(clients)
         return serving
 
     async def set_limits(
@@ -432,6 +451,11 @@ class MPSSupervisor:
         heartbeat's ``mps_uid``."""
         uids = await asyncio.gather(*(d.server_uid() for d in self.daemons))
         return {d.gpu_uuid: uid for d, uid in zip(self.daemons, uids, strict=True)}
+
+    def clients(self) -> dict[str, frozenset[int] | None]:
+        """GPU uuid -> the pids of its MPS server's clients as the last
+        :meth:`server_uids` found them (None: the daemon is down or did not answer)."""
+        return {d.gpu_uuid: d.clients if d.state == "running" else None for d in self.daemons}
 
     async def apply_limits(self, answer: Mapping[str, Any]) -> None:
         """After each heartbeat: each GPU's daemon-side pinned memory limits, from the

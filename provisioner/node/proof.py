@@ -21,6 +21,11 @@ kernel's cgroup is read from ``/proc/<proven pid>/cgroup``, never from the claim
 kernel cgroup (:func:`cgroup_accepted`). The functions read a ``proc`` root so tests can
 give them a made-up tree.
 
+A proven kernel whose lease is an MPS lease must use the GPU through MPS: a GPU process of
+it that is no client of its GPU's MPS server (:func:`outside_mps`, in two consecutive
+samples: :class:`MPSLeavers`) runs without any MPS memory limit, and is reported
+(``left_mps``) so that the lease counts as over its cap, as one that left its cgroup does.
+
 Who calls this: the node agent (:mod:`.agent`), once per heartbeat (:meth:`Prover.prove`).
 """
 
@@ -92,9 +97,12 @@ class Proven:
     cgroup: str | None
     cgroup_ok: bool
 
-    def report(self, escaped: list[int] | None = None) -> dict[str, Any]:
-        """The heartbeat's ``kernels`` entry of this kernel."""
-        return {
+    def report(
+        self, escaped: list[int] | None = None, left_mps: list[int] | None = None
+    ) -> dict[str, Any]:
+        """The heartbeat's ``kernels`` entry of this kernel (``left_mps`` only where some
+        process of it runs outside MPS: a broker older than that field refuses it)."""
+        entry: dict[str, Any] = {
             "pid": self.claim.pid,
             "pid_ns": self.claim.pid_ns,
             "host_pid": self.host_pid,
@@ -103,6 +111,9 @@ class Proven:
             "cgroup": self.cgroup if self.cgroup_ok else None,
             "escaped": sorted(escaped or []),
         }
+        if left_mps:
+            entry["left_mps"] = sorted(left_mps)
+        return entry
 
 
 def start_time(pid: int, proc: str = "/proc") -> int | None:
@@ -326,6 +337,73 @@ def escapes(
     return out
 
 
+def outside_mps(
+    samples: list[tuple[int, str, int]],
+    members: dict[int, list[int]],
+    proven: dict[str, Proven],
+    clients: dict[str, frozenset[int] | None],
+) -> dict[str, list[tuple[int, str]]]:
+    """Lease id -> its MPS kernel's GPU processes, with their GPU, that are no client of
+    that GPU's MPS server in this sample: they run without MPS, so without its memory limit.
+
+    Only a proven kernel whose lease is an MPS lease (``enforcement`` ``mps``) is judged,
+    only on a GPU whose daemon runs under this agent and answered (``clients``: GPU uuid ->
+    the pids of its server's clients, :meth:`~provisioner.node.mps.MPSSupervisor.clients`;
+    None or absent: not judged there). ``samples``: ``(pid, gpu uuid, MiB)`` as NVML
+    reports them; ``members``: each kernel host pid's GPU processes (:func:`.agent.attribute`).
+    """
+    lease_of = {
+        pid: lease_id
+        for lease_id, p in proven.items()
+        if p.claim.enforcement == "mps"
+        for pid in members.get(p.host_pid, [])
+    }
+    left: dict[str, set[tuple[int, str]]] = {}
+    for pid, uuid, _ in samples:
+        served = clients.get(uuid)
+        if pid in lease_of and served is not None and pid not in served:
+            left.setdefault(lease_of[pid], set()).add((pid, uuid))
+    return {lease_id: sorted(found) for lease_id, found in left.items()}
+
+
+@dataclass
+class MPSLeavers:
+    """The kernel processes outside MPS in two consecutive samples (:func:`outside_mps`).
+
+    One sample is not enough: NVML is sampled before the daemons are asked for their
+    clients, and a client that exits between the two (or whose server was just replaced
+    for another uid) is in the sample but in no client list. A process outside MPS is so
+    for its life (CUDA connects once, at its start), so the next sample finds it again,
+    while one that is gone, or that the daemon did not answer for, is not judged again.
+    Each is logged once (its pid, lease and GPU; never the proof).
+    """
+
+    #: (lease id, pid, gpu uuid) found outside MPS in the last sample
+    last: set[tuple[str, int, str]] = field(default_factory=set)
+    #: those already logged
+    said: set[tuple[str, int, str]] = field(default_factory=set)
+
+    def __call__(self, found: dict[str, list[tuple[int, str]]]) -> dict[str, list[int]]:
+        """Lease id -> its pids outside MPS now and in the sample before."""
+        now = {(lease, pid, uuid) for lease, left in found.items() for pid, uuid in left}
+        both = now & self.last
+        self.last = now
+        for lease, pid, uuid in sorted(both - self.said):
+            log.warning(
+                "Kernel process %d of lease %s… runs on GPU %s outside MPS (it is no client "
+                "of the GPU's MPS server, e.g. CUDA_MPS_PIPE_DIRECTORY was unset), so no MPS "
+                "memory limit holds on it: the lease counts as over its cap",
+                pid,
+                lease[:6],
+                uuid,
+            )
+        self.said = (self.said & now) | both
+        out: dict[str, list[int]] = {}
+        for lease, pid, _ in sorted(both):
+            out.setdefault(lease, []).append(pid)
+        return out
+
+
 def by_cgroup(proven: dict[str, Proven], proc: str = "/proc") -> Any:
     """A lookup ``pid -> host pid`` of the proven kernel whose (accepted) cgroup ``pid``
     is in: a kernel's double-forked child still counts for it."""
@@ -349,12 +427,14 @@ def by_cgroup(proven: dict[str, Proven], proc: str = "/proc") -> Any:
 __all__ = [
     "CHECK_ACCOUNT",
     "Claim",
+    "MPSLeavers",
     "Proven",
     "Prover",
     "by_cgroup",
     "cgroup_accepted",
     "escapes",
     "leaf_name",
+    "outside_mps",
     "real_uid",
     "secret_digest",
     "start_time",
