@@ -42,6 +42,7 @@ from typing import Any
 
 from ..wire import KERNEL_SECRET_ENV, kernel_proof
 from .cgroups import cgroup_of
+from .mps import uid_of
 from .pidns import ns_pid_of, pid_ns_of
 
 log = logging.getLogger("gpu_lease.agent")
@@ -124,18 +125,6 @@ def start_time(pid: int, proc: str = "/proc") -> int | None:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def real_uid(pid: int, proc: str = "/proc") -> int | None:
-    """The real uid of ``pid`` (``Uid:`` in ``/proc/<pid>/status``; None if it is gone)."""
-    try:
-        with open(f"{proc}/{pid}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def secret_digest(pid: int, proc: str = "/proc") -> str | None:
@@ -294,7 +283,7 @@ class Prover:
             return why
         uid = self.uids.get((host, start))
         if uid is None:
-            uid = real_uid(host, self.proc)
+            uid = uid_of(host, self.proc)
             if uid is None:
                 return f"process {host} ended while it was checked"
             self.uids[(host, start)] = uid
@@ -314,7 +303,7 @@ class Prover:
             if self.check_account == "yes":
                 return f"user {claim.user!r} has no Unix account on this node (--check-account yes)"
             return None
-        uid = real_uid(host, self.proc)
+        uid = uid_of(host, self.proc)
         if uid != expected:
             return f"process {host} runs as uid {uid}, not as {claim.user!r} (uid {expected})"
         return None
@@ -435,7 +424,6 @@ __all__ = [
     "escapes",
     "leaf_name",
     "outside_mps",
-    "real_uid",
     "secret_digest",
     "start_time",
 ]
