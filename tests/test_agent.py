@@ -263,18 +263,38 @@ class Kernel:
         self.proc.stdout.close()
 
 
+#: the broker options of the enforcement tests: a node lost after 5 s, over-use acted on
+#: after 1 s with no tolerance, a reaper pass every 0.2 s
+ENFORCING = (
+    "--GPULeaseBroker.node_grace=5",
+    "--GPULeaseBroker.overuse_grace=1",
+    "--GPULeaseBroker.overuse_tolerance_mb=0",
+    "--GPULeaseBroker.reap_interval=0.2",
+)
+
+
+def enforcing_broker(tmp_path: Path, options: tuple[str, ...] = ENFORCING) -> NodeBroker:
+    """A broker on SQLite in ``tmp_path`` for the enforcement tests (start it with
+    ``running``)."""
+    return NodeBroker(tmp_path, f"sqlite:///{tmp_path / 'b.sqlite'}", options)
+
+
+async def mps_client(pipe: str) -> asyncio.subprocess.Process:
+    """A stand-in CUDA process that connects to the stand-in MPS daemon of ``pipe``, says
+    ``in`` once admitted, and lives until its stdin closes."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
+        env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
 @pytest.fixture
 def enforcing(tmp_path: Path) -> Iterator[NodeBroker]:
-    b = NodeBroker(
-        tmp_path,
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        (
-            "--GPULeaseBroker.node_grace=5",
-            "--GPULeaseBroker.overuse_grace=1",
-            "--GPULeaseBroker.overuse_tolerance_mb=0",
-            "--GPULeaseBroker.reap_interval=0.2",
-        ),
-    )
+    b = enforcing_broker(tmp_path)
     with b.running(timeout=60):
         yield b
 
@@ -500,14 +520,7 @@ async def test_the_agent_learns_whom_each_gpus_mps_server_serves(tmp_path: Path)
     try:
         await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
         assert await daemon.server_uid() is None  # no server yet
-        client = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
-            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
+        client = await mps_client(pipe)
         assert client.stdout is not None and client.stdin is not None
         assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"  # admitted
         assert await daemon.server_uid() == os.getuid()
@@ -689,14 +702,7 @@ async def test_the_mps_limits_follow_each_users_leases_in_the_answer_after_issue
         answer = {"kernels": [kernel(me, 3000), kernel("nobody", 5000)]}
         await supervisor.apply_limits(answer)
         assert await control("get_default_device_pinned_mem_limit 0") == "5000M"
-        client = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
-            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
+        client = await mps_client(pipe)
         assert client.stdout is not None
         assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"
         assert await supervisor.server_uids() == {"GPU-x": os.getuid()}

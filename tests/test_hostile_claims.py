@@ -27,7 +27,7 @@ from provisioner.node import cgroups
 from . import accounts
 from .hostile import add_tokens
 from .proven import claim, kernel_env
-from .test_agent import metric, nodes_of
+from .test_agent import enforcing_broker, metric, nodes_of
 from .test_node_boundaries import R615Agent, alive, host_pid_of
 from .test_nodes import NodeBroker
 
@@ -89,16 +89,7 @@ class Process:
 
 @pytest.fixture
 def nb(tmp_path: Path) -> Iterator[NodeBroker]:
-    b = NodeBroker(
-        tmp_path,
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        (
-            "--GPULeaseBroker.node_grace=5",
-            "--GPULeaseBroker.overuse_grace=1",
-            "--GPULeaseBroker.overuse_tolerance_mb=0",
-            "--GPULeaseBroker.reap_interval=0.2",
-        ),
-    )
+    b = enforcing_broker(tmp_path)
     with b.running(timeout=60):
         yield b
 

@@ -34,7 +34,16 @@ from provisioner.node.mps import MPSSupervisor
 from provisioner.wire import lease_digest, mps_covered_file, pipe_directory
 
 from .proven import claim, kernel_env
-from .test_agent import FAKE_MPS, HERE, Agent, metric, nodes_of
+from .test_agent import (
+    ENFORCING,
+    FAKE_MPS,
+    HERE,
+    Agent,
+    enforcing_broker,
+    metric,
+    mps_client,
+    nodes_of,
+)
 from .test_node_boundaries import alive
 from .test_nodes import NodeBroker
 
@@ -68,15 +77,7 @@ KERNEL = (
 
 @pytest.fixture
 def nb(tmp_path: Path) -> Iterator[NodeBroker]:
-    b = NodeBroker(
-        tmp_path,
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        (
-            "--GPULeaseBroker.node_grace=5",
-            "--GPULeaseBroker.overuse_grace=1",
-            "--GPULeaseBroker.reap_interval=0.2",
-        ),
-    )
+    b = enforcing_broker(tmp_path, tuple(x for x in ENFORCING if "overuse_tolerance_mb" not in x))
     with b.running(timeout=60):
         yield b
 
@@ -257,14 +258,7 @@ async def test_the_daemons_client_list_counts_only_where_the_agent_can_read_it(
         await wait_for_async(Path(pipe, "clients").exists, what="the daemon's start")
         assert await supervisor.server_uids() == {"GPU-x": None}
         assert supervisor.clients() == {"GPU-x": frozenset()}  # no server: no client
-        client = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            "import cupy, sys; cupy.empty(1); print('in', flush=True); sys.stdin.read()",
-            env={"PYTHONPATH": str(HERE / "standin_gpu"), "CUDA_MPS_PIPE_DIRECTORY": pipe},
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
+        client = await mps_client(pipe)
         assert client.stdout is not None
         assert await asyncio.wait_for(client.stdout.readline(), 20) == b"in\n"
         assert await supervisor.server_uids() == {"GPU-x": os.getuid()}

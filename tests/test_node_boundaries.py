@@ -27,7 +27,7 @@ from provisioner.devtools.testing import wait_for
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.node import cgroups
 
-from .test_agent import Agent, nodes_of
+from .test_agent import ENFORCING, Agent, enforcing_broker, nodes_of
 from .test_nodes import NodeBroker
 
 pytestmark = [
@@ -106,18 +106,7 @@ def student() -> Iterator[str]:
 
 @pytest.fixture
 def enforcing(tmp_path: Path) -> Iterator[NodeBroker]:
-    b = NodeBroker(
-        tmp_path,
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        (
-            "--ttl",
-            "6",
-            "--GPULeaseBroker.node_grace=5",
-            "--GPULeaseBroker.overuse_grace=1",
-            "--GPULeaseBroker.overuse_tolerance_mb=0",
-            "--GPULeaseBroker.reap_interval=0.2",
-        ),
-    )
+    b = enforcing_broker(tmp_path, ("--ttl", "6", *ENFORCING))
     with b.running(timeout=60):
         yield b
 
