@@ -316,8 +316,15 @@ def drain(
             if gpu is not None:
                 alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
                 sizes.setdefault(gpu.uuid, []).append(req.fraction_ppm)
+                # the lease keeps the request's id: a client that gave up waiting and
+                # withdraws its request by that id (DELETE) releases the lease if it was
+                # granted meanwhile; a resume grants the parked lease back on its own GPU
+                lease = (
+                    new_lease(req, gpu, now, policy, req.id)
+                    if parked is None
+                    else replace(parked, park="resuming")
+                )
                 if req.mps_uid is not None:  # as mps_owners will count it after the grant
-                    lease = new_lease(req, gpu, now, policy, req.id) if parked is None else parked
                     claim = mps_owners_of(
                         {},
                         [replace(lease, mps_uid=req.mps_uid)],
@@ -327,14 +334,9 @@ def drain(
                     )
                     owners.setdefault(gpu.uuid, set()).update(claim.get(gpu.uuid, set()))
                 done.add(req.id)
-                if parked is not None:  # it fits only on its own GPU (gpu_uuids)
-                    grants.append(Grant(replace(parked, park="resuming"), req))
-                    continue
-                held[req.user] = held.get(req.user, 0) + req.fraction_ppm
-                # the lease keeps the request's id: a client that gave up waiting and
-                # withdraws its request by that id (DELETE) releases the lease if it was
-                # granted meanwhile
-                grants.append(Grant(new_lease(req, gpu, now, policy, req.id), req))
+                grants.append(Grant(lease, req))
+                if parked is None:
+                    held[req.user] = held.get(req.user, 0) + req.fraction_ppm
             elif policy.backfill and not reserved and ok:
                 # the head reserves one GPU it could use; nothing else lands there until it fits
                 reserved.add(reservation_target(ok, alloc, sizes, req.fraction_ppm, policy).uuid)
