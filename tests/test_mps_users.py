@@ -31,6 +31,7 @@ import pytest
 from provisioner.devtools.testing import wait_for
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 
+from .accounts import account_command
 from .test_agent import FAKE_MPS, Agent, nodes_of
 from .test_nodes import NodeBroker
 
@@ -53,11 +54,11 @@ pytestmark = [
 def account() -> Iterator[pwd.struct_passwd]:
     """A Unix account of its own (no home, no login), removed afterwards."""
     name = f"glmps-{secrets.token_hex(4)}"
-    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    account_command(["useradd", "-M", "-s", "/usr/sbin/nologin", name])
     try:
         yield pwd.getpwnam(name)
     finally:
-        subprocess.run(["userdel", name], check=False)
+        account_command(["userdel", name], check=False)
 
 
 def world_reachable(path: str) -> bool:
