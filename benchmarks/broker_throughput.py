@@ -746,9 +746,9 @@ _INSERT = (
 
 def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     """Pairs/s of the layers below the HTTP broker, all on SQLite files in ``tmp``."""
-    from provisioner.broker.policy import Ask, Policy
-    from provisioner.broker.service import BrokerService, new_id
-    from provisioner.broker.store import Store
+    from provisioner.broker.rules.policy import Ask, Policy
+    from provisioner.broker.services.broker_service import BrokerService, new_id
+    from provisioner.broker.store.store import Store
     from provisioner.inventory import load_gpus
     from provisioner.model import Identity, Lease
 
@@ -917,7 +917,7 @@ def _category(frame: str) -> str:
         ("json/", "json"),
         ("stdlib/asyncio/", "asyncio loop"),
         ("asyncio/", "asyncio loop"),
-        ("provisioner/broker/store.py", "provisioner store"),
+        ("provisioner/broker/store/store.py", "provisioner store"),
         ("provisioner/broker/", "provisioner broker (handlers/service/auth)"),
         ("provisioner/", "provisioner core (scheduling/model)"),
     ):

@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.broker import node_rules  # noqa: E402
-from provisioner.broker.policy import Policy  # noqa: E402
+from provisioner.broker.rules import node_rules  # noqa: E402
+from provisioner.broker.rules.policy import Policy  # noqa: E402
 from provisioner.model import GPU, Lease, PoolState  # noqa: E402
 from provisioner.node.mps import mps_leases, pinned_limit_mb  # noqa: E402
 

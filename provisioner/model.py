@@ -202,7 +202,7 @@ class Node:
     #: GPU uuid -> its MPS control daemon's state, from the last heartbeat (agent ``--mps``)
     mps: dict[str, str] = field(default_factory=dict)
     #: GPU uuid -> the Unix uid its MPS server serves clients of now (absent: none), from
-    #: the last heartbeat (agent ``--mps``); see :func:`provisioner.broker.node_rules.mps_blocked`
+    #: the last heartbeat (agent ``--mps``); see :func:`provisioner.broker.rules.node_rules.mps_blocked`
     mps_uid: dict[str, int] = field(default_factory=dict)
 
     def summary(self, state: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Lease, node and MPS states, enforcement modes, the request limits, the fraction's
 ppm conversion, the HTTP status of each error and the default CUDA context overhead.
-The broker (``broker/validation.py``, ``broker/handlers.py``), the OpenAPI document
-(``broker/openapi.py`` builds each field's schema from these tuples with
+The broker (``broker/web/validation.py``, ``broker/web/handlers.py``), the OpenAPI document
+(``broker/web/openapi.py`` builds each field's schema from these tuples with
 :func:`enum_schema`), the client, the node agent and the kernel side (``kernel/status.py``)
 import them from here, so a field's documented values and the values it carries cannot
 drift apart (``tests/test_conformance.py`` checks every answer of the API tests against

@@ -1,4 +1,4 @@
-"""Tests of provisioner.broker.auth: header parsing, the static tokens file, hub identities.
+"""Tests of provisioner.broker.web.auth: header parsing, the static tokens file, hub identities.
 
 JupyterHub's HubAuth is the one thing substituted (the hub is not ours): ``HubTokens``
 takes it as an injectable ``hub_auth``. Real hub round trips are the hub tests' job.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tornado.web import HTTPError
 
-from provisioner.broker.auth import (
+from provisioner.broker.web.auth import (
     HubTokens,
     StaticTokens,
     identity_from_hub_model,

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
+from provisioner.broker.web.routes import PUBLIC_ROUTES, ROUTES
 from provisioner.kernel import kernelspecs as ks
 
 from .conftest import Broker

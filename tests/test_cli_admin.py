@@ -414,7 +414,7 @@ def test_revoke(broker: Broker, cli: Any) -> None:
 def test_lease_ids_never_begin_with_a_dash() -> None:
     """A lease id is a CLI argument (``revoke ID``); one in 64 random ids began with ``-``,
     which argparse read as an option (test_revoke failed in CI that way)."""
-    from provisioner.broker.service import new_id
+    from provisioner.broker.services.broker_service import new_id
 
     ids = [new_id() for _ in range(20_000)]  # about 310 would begin with "-" by chance
     assert len(set(ids)) == len(ids) and all(len(x) == 22 for x in ids)

@@ -31,11 +31,11 @@ import tomllib
 from tornado import web
 from tornado.httpserver import HTTPServer
 
-from provisioner.broker.auth import HubTokens, make_hub_oauth
-from provisioner.broker.policy import Policy
-from provisioner.broker.routes import make_app
-from provisioner.broker.service import BrokerService
-from provisioner.broker.store import Store
+from provisioner.broker.rules.policy import Policy
+from provisioner.broker.services.broker_service import BrokerService
+from provisioner.broker.store.store import Store
+from provisioner.broker.web.auth import HubTokens, make_hub_oauth
+from provisioner.broker.web.routes import make_app
 from provisioner.devtools import classday
 from provisioner.devtools.testing import BrokerProcess, free_port, wait_for, wait_for_http
 from provisioner.inventory import parse_gpu_spec

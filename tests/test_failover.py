@@ -36,8 +36,8 @@ import psutil
 import pytest
 import sqlalchemy as sa
 
-from provisioner.broker.store import leases as leases_table
-from provisioner.broker.store import requests as requests_table
+from provisioner.broker.store.store import leases as leases_table
+from provisioner.broker.store.store import requests as requests_table
 from provisioner.devtools.testing import wait_for, wait_for_async
 
 from .conftest import Broker

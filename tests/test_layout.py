@@ -11,6 +11,7 @@ a lazy import hides a circle, it does not break it.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,95 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+# -- the broker's layers: each subpackage imports only the layers below it ---------------
+#: the broker's subpackages; a module directly in provisioner/broker/ is the ``top`` layer,
+#: which puts the layers together (app, options, startup)
+BROKER_LAYERS = ("rules", "store", "services", "web", "fronts")
+#: which broker layers each layer may import (besides the shared base)
+LAYER_MAY_IMPORT = {
+    # pure: no I/O, the clock passed in
+    "rules": {"rules"},
+    # SQL only: knows no rule, no service, no HTTP
+    "store": {"store"},
+    "services": {"services", "rules", "store"},
+    # HTTP never touches the database but through a service
+    "web": {"web", "services", "rules"},
+    "fronts": {"fronts", "web", "services", "rules"},
+    "top": {"top", *BROKER_LAYERS},
+}
+#: the shared base the pure rules may use: the data model, the wire format and the errors
+RULES_BASE = {
+    "provisioner",
+    "provisioner._version",
+    "provisioner.errors",
+    "provisioner.model",
+    "provisioner.wire",
+}
+BROKER_MODULES = sorted((PACKAGE / "broker").rglob("*.py"))
+
+
+def broker_layer(module: str) -> str:
+    """``provisioner.broker.web.handlers`` -> ``web``; ``provisioner.broker.app`` -> ``top``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in BROKER_LAYERS else "top"
+
+
+def test_every_broker_module_is_in_a_layer() -> None:
+    for layer in BROKER_LAYERS:
+        assert (PACKAGE / "broker" / layer / "__init__.py").exists(), layer
+    top = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
+    # a new module goes into a layer; the top puts them together and reads the site's
+    # configuration (the options, the courses file)
+    assert top == {"__init__", "app", "courses", "options", "startup"}, top
+
+
+@pytest.mark.parametrize("path", BROKER_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_broker_layer_imports_only_the_layers_below(path: Path) -> None:
+    module = dotted(path)
+    layer = broker_layer(module)
+    wrong = sorted(
+        m
+        for m in imports_of(path)
+        if m.startswith("provisioner.broker.") and broker_layer(m) not in LAYER_MAY_IMPORT[layer]
+    )
+    assert not wrong, f"{module} ({layer}) imports {wrong}: LAYER_MAY_IMPORT[{layer!r}]"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((PACKAGE / "broker" / "rules").glob("*.py")),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_rules_use_only_the_standard_library_and_the_shared_base(path: Path) -> None:
+    outside = sorted(
+        m
+        for m in imported_modules(path)
+        if not m.startswith(".")
+        and m.split(".")[0] not in sys.stdlib_module_names
+        and m.split(".")[0] != "__future__"
+        and not (
+            m.split(".")[0] == "provisioner"
+            and (m in RULES_BASE or m.startswith("provisioner.broker.rules"))
+        )
+    )
+    base = sorted(
+        m
+        for m in imports_of(path)
+        if not m.startswith("provisioner.broker.rules") and m not in RULES_BASE
+    )
+    assert not outside and not base, f"{path.name} imports {outside + base}: the rules are pure"
+
+
+def test_the_layer_check_sees_a_wrong_arrow(tmp_path: Path) -> None:
+    """The layer rule is read from real imports: a web module that imports the store fails."""
+    assert broker_layer("provisioner.broker.web.handlers") == "web"
+    assert broker_layer("provisioner.broker.app") == "top"
+    assert "store" not in LAYER_MAY_IMPORT["web"]
+    imported = imports_of(PACKAGE / "broker" / "services" / "service_core.py")
+    assert any(broker_layer(m) == "store" for m in imported)
+    assert any(broker_layer(m) == "rules" for m in imported)
+
+
 def test_every_module_at_the_top_has_a_side() -> None:
     top = {p.stem for p in PACKAGE.glob("*.py")}
     assert top <= set(TOP_LEVEL), f"classify {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL"
@@ -148,7 +238,7 @@ def test_imports_of_sees_relative_and_late_imports() -> None:
     """The check below is only as good as this: both kinds of import are seen."""
     assert "provisioner.kernel.status" in imports_of(PACKAGE / "lab" / "board.py")
     assert "provisioner.broker.app" in imports_of(PACKAGE / "cli.py")  # inside a function
-    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "handlers.py")
+    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "web" / "handlers.py")
 
 
 @pytest.mark.parametrize("path", ALL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -166,7 +256,7 @@ def test_each_side_imports_only_the_base_and_itself(path: Path) -> None:
 
 
 def _module_name(path: Path) -> str:
-    """``provisioner/broker/handlers.py`` -> ``provisioner.broker.handlers``."""
+    """``provisioner/broker/web/handlers.py`` -> ``provisioner.broker.web.handlers``."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -246,7 +336,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_is_read() -> None:
     # the edges this test relies on, a function-level import among them
-    assert "provisioner.broker.openapi" in our_imports("provisioner.broker.routes")
+    assert "provisioner.broker.web.openapi" in our_imports("provisioner.broker.web.routes")
     assert "provisioner.wire" in our_imports("provisioner.model")
     assert "provisioner.errors" in our_imports("provisioner.wire")
     assert "provisioner.node.doctor" in our_imports("provisioner.cli")  # inside a function

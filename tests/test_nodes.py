@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from provisioner.broker.validation import (
+from provisioner.broker.web.validation import (
     MAX_GPU_MEMORY_MB,
     MAX_PID,
     parse_node_heartbeat,

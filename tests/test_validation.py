@@ -1,4 +1,4 @@
-"""Table tests of provisioner.broker.validation (pure: no broker, no HTTP)."""
+"""Table tests of provisioner.broker.web.validation (pure: no broker, no HTTP)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker.validation import (
+from provisioner.broker.web.validation import (
     parse_acquire,
     parse_duration,
     parse_flag,

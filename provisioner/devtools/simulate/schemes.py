@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...broker.policy import Policy
+from ...broker.rules.policy import Policy
 
 # -- schemes -------------------------------------------------------------------------
 
