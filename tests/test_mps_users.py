@@ -1,6 +1,6 @@
 """Two Unix users' ``enforcement=mps`` kernels on a one-GPU node: the second waits in the
 broker's queue with a reason it can read, none hangs in CUDA, and when the first user's
-kernel ends the second is granted (issue 26).
+kernel ends the second is granted.
 
 Real processes throughout: a broker, a node agent with ``--mps`` (the stand-in
 ``nvidia-cuda-mps-control`` of ``tests/fake_mps``, which serves one uid at a time as the

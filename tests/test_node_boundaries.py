@@ -1,5 +1,5 @@
 """The node agent across Unix users and pid namespaces, and per-kernel cgroups with a driver
-memory limit (issue 26, DESIGN "Accounts and boundaries"), with REAL processes: a broker
+memory limit (a renewal's pid is a claim), with REAL processes: a broker
 subprocess, the agent subprocess (stand-in NVML: ``tests/fake_nvml``), a Unix account made
 here with ``useradd`` (removed at teardown), and a Jupyter "server" that starts a real
 ipykernel through ``GPULeaseProvisioner`` inside ``unshare --pid --fork`` (its own pid

@@ -23,7 +23,7 @@ class ProvenKernel:
 
 @dataclass(frozen=True)
 class NodeProofs:
-    """An agent's proven kernels and refused claims (issue 36); a heartbeat without
+    """An agent's proven kernels and refused claims; a heartbeat without
     ``refused`` comes from an agent older than proofs (None from the parser)."""
 
     proven: dict[str, ProvenKernel]

@@ -44,7 +44,7 @@ class Heartbeat:
     kill: list[int]
     #: the node's lease kernels as claimed (``{pid, pid_ns, lease_id, user, kernel_id,
     #: proof, gpu_uuid, memory_mb, enforcement}``, see :mod:`.kernel_places`); ``limits``:
-    #: always empty since issue 36 (an older agent sets no driver limit on a claim)
+    #: always empty since agents prove claims (an older agent sets no driver limit on a claim)
     kernels: list[dict[str, Any]] = field(default_factory=list)
     limits: list[dict[str, Any]] = field(default_factory=list)
     #: what to park or resume: ``{lease_id, action, pid, pid_ns, gpu_uuid, memory_mb}``
@@ -167,7 +167,7 @@ class NodeService:
         a lease not in that state, late or repeated, is ignored), then the answer orders
         what is still to park or resume on this node.
 
-        Proofs (``proofs``, issue 36; None from an agent older than them): only the kernels
+        Proofs (``proofs``; None from an agent older than them): only the kernels
         the agent proved count for their leases; a refused claim is logged and counted
         once per (lease, reason) and shown on the lease (``kernel_refused``); a proven
         kernel's GPU process outside its driver-limited cgroup puts its lease over its cap.

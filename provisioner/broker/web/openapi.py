@@ -380,7 +380,7 @@ _SCHEMAS: dict[str, Any] = {
                 "example": "idle",
             },
             "last_activity": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
-            # node boundaries (issue 26): pid namespaces and the kernel's cgroup
+            # node boundaries: pid namespaces and the kernel's cgroup
             "pid_ns": {
                 **_PID_NS,
                 "description": "The inode of the pid namespace `pid` is numbered in "
@@ -393,7 +393,7 @@ _SCHEMAS: dict[str, Any] = {
                 "the provisioner sees it (informational: the node agent reads the cgroup of "
                 "the proven kernel itself).",
             },
-            # proof (issue 36)
+            # proof of the kernel's secret
             "proof": {
                 "type": "string",
                 "pattern": wire.PROOF_PATTERN,
@@ -701,7 +701,7 @@ _SCHEMAS: dict[str, Any] = {
             "at": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
             "mps": _MPS_STATES,
             "mps_uid": _MPS_UIDS,
-            # node boundaries (issue 26)
+            # node boundaries
             "kernels": {
                 "type": "array",
                 "maxItems": wire.MAX_USAGE_SAMPLES,
@@ -771,7 +771,7 @@ _SCHEMAS: dict[str, Any] = {
                 "description": "The kernel cgroups whose driver memory limit "
                 "(nvmlDeviceSetMemoryLimits_v1) is in force.",
             },
-            # parking (issue 28)
+            # parking
             "checkpoint": {
                 "type": "boolean",
                 "description": "The node's CUDA driver offers the checkpoint API: its "
@@ -877,7 +877,7 @@ _SCHEMAS: dict[str, Any] = {
             },
             "limits": {
                 "type": "array",
-                "description": "Deprecated, always empty since issue 36 (an agent sets "
+                "description": "Deprecated, always empty since agents prove claims (an agent sets "
                 "driver limits only on the cgroups of the kernels it proves): an older agent "
                 "sets none.",
                 "items": {
