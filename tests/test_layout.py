@@ -180,7 +180,24 @@ def test_every_broker_module_is_in_a_layer() -> None:
     top = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
     # a new module goes into a layer; the top puts them together and reads the site's
     # configuration (the options, the courses file)
-    assert top == {"__init__", "app", "courses", "options", "startup"}, top
+    assert top == {"__init__", "app", "courses", "options", "startup", *BROKER_ALIASES}, top
+
+
+#: old module paths that sites' configurations name, kept as aliases of the moved module
+BROKER_ALIASES = {"auth": "provisioner.broker.web.auth"}
+
+
+def test_the_aliases_are_only_aliases() -> None:
+    import importlib
+
+    for old, new in BROKER_ALIASES.items():
+        alias, real = (
+            importlib.import_module(f"provisioner.broker.{old}"),
+            importlib.import_module(new),
+        )
+        names = set(real.__all__)
+        assert names and all(getattr(alias, n) is getattr(real, n) for n in names)
+        assert imports_of(PACKAGE / "broker" / f"{old}.py") == {new}
 
 
 @pytest.mark.parametrize("path", BROKER_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
