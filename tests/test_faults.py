@@ -43,6 +43,9 @@ from provisioner.model import Identity
 
 from .conftest import PG_URL, ROOT, Broker
 
+#: crashes: kill -9 of the broker, exit codes: the broker fixture runs as a subprocess here
+pytestmark = pytest.mark.broker_process
+
 PPM = 1_000_000
 #: the real client, with retries for a broker restart on a busy shared 2-core box, where a
 #: restart took up to 16 s (about 1.5 s when idle; the default client allows >= 7.75 s)

@@ -26,7 +26,7 @@ from provisioner.devtools.testing import alive, children_of, wait_for
 
 from .conftest import Broker
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.broker_process]
 
 
 def fronts_of(broker: Broker) -> list[int]:
