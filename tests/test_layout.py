@@ -51,11 +51,6 @@ TOP_LEVEL = {
     "errors": "base",
     "model": "base",
     "wire": "base",
-    "client": "base",
-    "client_calls": "base",
-    "client_leases": "base",
-    "client_quotas": "base",
-    "client_nodes": "base",
     "inventory": "base",
     "listeners": "base",
     "__main__": "cli",
@@ -63,6 +58,8 @@ TOP_LEVEL = {
     "tables": "cli",
 }
 FOLDERS = {
+    # the broker client: shared by every side that calls the broker
+    "client": "base",
     "broker": "broker",
     "node": "node",
     "kernel": "kernel",

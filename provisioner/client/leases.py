@@ -15,9 +15,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import errors
-from .client_calls import Core, segment
-from .wire import MAX_WAIT
+from .. import errors
+from .calls import Core, segment
+from ..wire import MAX_WAIT
 
 log = logging.getLogger("gpu_lease.client")
 
