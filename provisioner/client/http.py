@@ -76,11 +76,11 @@ import httpx
 
 from .. import errors
 from .._version import __version__
+from ..listeners import Owners, checked_transport
+from ..wire import ERROR_BY_STATUS
 from .leases import LeaseCalls
 from .nodes import NodeCalls
 from .quotas import QuotaCalls
-from ..listeners import Owners, checked_transport
-from ..wire import ERROR_BY_STATUS
 
 log = logging.getLogger("gpu_lease.client")
 
