@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from provisioner.broker.routes import build_openapi
+from provisioner.broker.web.routes import build_openapi
 from provisioner.client import (
     BrokerClient,
     GrantedLease,

@@ -31,9 +31,9 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.service import BrokerService
-from provisioner.broker.store import Store
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.services.broker_service import BrokerService
+from provisioner.broker.store.store import Store
 from provisioner.client import BrokerClient
 from provisioner.devtools.testing import wait_for_async
 from provisioner.errors import LeaseExpired
@@ -895,7 +895,7 @@ def test_ids_are_unguessable_and_a_forked_child_draws_its_own() -> None:
     import base64
     import os
 
-    from provisioner.broker.service import new_id
+    from provisioner.broker.services.broker_service import new_id
 
     ids = [new_id() for _ in range(3000)]  # several refills
     assert len(set(ids)) == len(ids)
