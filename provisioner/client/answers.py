@@ -9,8 +9,8 @@ written (the JupyterLab status board, the saved provisioner info, ``gpu-lease le
 ``from_json(lease.to_json()) == lease``.
 
 The fields are declared once, in the dataclass: each field's type names its reader
-(:data:`_READERS`), so adding a field of the broker's lease is one line here (see
-docs/developers.md, "Adding a lease field"). Reading is:
+(:data:`_READERS`, :data:`_NESTED`), so adding a field of the broker's lease is one line
+here (see docs/developers.md, "Adding a lease field"). Reading is:
 
 - strict about types: a field that is present with the wrong type (a string for a number,
   a bool for an integer, NaN) raises :class:`~provisioner.errors.InvalidRequest` naming the
@@ -28,6 +28,7 @@ by UUID only and the fraction in ppm; this is the lease as the API describes it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
@@ -218,13 +219,13 @@ class _Wrong(Exception):
     """A value of the wrong type: what was expected."""
 
 
-def _text(value: Any, where: str) -> str:
+def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise _Wrong("a string")
     return value
 
 
-def _integer(value: Any, where: str) -> int:
+def _integer(value: Any) -> int:
     # JSON has one number type: 1126.0 is an integer; 1126.5, NaN and true are not
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Wrong("an integer")
@@ -235,7 +236,7 @@ def _integer(value: Any, where: str) -> int:
     return value
 
 
-def _number(value: Any, where: str) -> float:
+def _number(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Wrong("a number")
     if not math.isfinite(value):
@@ -243,30 +244,58 @@ def _number(value: Any, where: str) -> float:
     return float(value)
 
 
-def _texts(value: Any, where: str) -> tuple[str, ...]:
+def _texts(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
         raise _Wrong("a list of strings")
     return tuple(value)
 
 
-#: each field type the answers use -> its reader (``where`` names the field in errors)
-_READERS: dict[str, Callable[[Any, str], Any]] = {
+#: each field type the answers use -> its reader; a nested object's reader is also given
+#: where the object sits (``lease.gpu``), for its errors
+_READERS: dict[str, Callable[[Any], Any]] = {
     "str": _text,
     "str | None": _text,
     "int | None": _integer,
     "float | None": _number,
     "tuple[str, ...]": _texts,
+}
+_NESTED: dict[str, Callable[[Any, str], Any]] = {
     "LeasedGPU": LeasedGPU.from_json,
     "ResumePlace | None": ResumePlace.from_json,
     "GrantedLease | None": lambda value, where: GrantedLease.from_json(value),
 }
+#: what a field missing from the answer becomes, where not None (the dataclass's default)
+_MISSING: dict[str, Any] = {"LeasedGPU": LeasedGPU()}
+
+
+def _at(read: Callable[[Any, str], Any], where: str) -> Callable[[Any], Any]:
+    """``read`` of a nested object that sits at ``where``."""
+    return lambda value: read(value, where)
+
+
+@functools.cache
+def _plan(cls: type, where: str) -> tuple[tuple[str, Callable[[Any], Any], Any], ...]:
+    """``(name, reader, value when missing)`` of each field of dataclass ``cls``, read at
+    ``where`` (worked out once per class: a lease is read at every renewal)."""
+    plan = []
+    for f in fields(cls):
+        kind = str(f.type)
+        reader: Callable[[Any], Any]
+        if kind in _NESTED:
+            reader = _at(_NESTED[kind], f"{where}.{f.name}")
+        elif kind in _READERS:
+            reader = _READERS[kind]
+        else:
+            raise TypeError(f"{cls.__name__}.{f.name}: no reader for {kind!r}")
+        plan.append((f.name, reader, _MISSING.get(kind)))
+    return tuple(plan)
 
 
 def _read_fields(cls: type, data: Any, where: str, required: tuple[str, ...]) -> dict[str, Any]:
     """The constructor arguments of dataclass ``cls`` read from the JSON object ``data``.
 
-    A field missing or ``null`` keeps its default (``None`` for a ``LeasedGPU``: an empty
-    one); one in ``required`` must be a non-empty value. Unknown keys are ignored.
+    A field missing or ``null`` keeps its default (``None``; an empty ``LeasedGPU``); one
+    in ``required`` must be a non-empty value. Unknown keys are ignored.
     """
     if data is None and not required:
         data = {}
@@ -277,49 +306,45 @@ def _read_fields(cls: type, data: Any, where: str, required: tuple[str, ...]) ->
             field=where,
         )
     out: dict[str, Any] = {}
-    for f in fields(cls):
-        value = data.get(f.name)
-        if value is None or (f.name in required and value == ""):
-            if f.name in required:
+    for name, reader, missing in _plan(cls, where):
+        value = data.get(name)
+        if value is None or (value == "" and name in required):
+            if name in required:
                 raise InvalidRequest(
-                    f"The GPU lease broker's {where} has no {f.name}; "
+                    f"The GPU lease broker's {where} has no {name}; "
                     "the kernel cannot be started with it.",
-                    field=f"{where}.{f.name}",
+                    field=f"{where}.{name}",
                 )
-            if f.type == "LeasedGPU":
-                out[f.name] = LeasedGPU()
+            if missing is not None:
+                out[name] = missing
             continue
         try:
-            out[f.name] = _READERS[str(f.type)](value, f"{where}.{f.name}")
+            out[name] = reader(value)
         except _Wrong as wrong:
             raise InvalidRequest(
-                f"The GPU lease broker's {where} has {f.name} = {_shown(value)}, not "
+                f"The GPU lease broker's {where} has {name} = {_shown(value)}, not "
                 f"{wrong}; is the broker a compatible version?",
-                field=f"{where}.{f.name}",
+                field=f"{where}.{name}",
             ) from None
     return out
 
 
 def _shown(value: Any) -> str:
     """``value`` for a message: its JSON kind and a short form."""
+    if value is None:
+        return "null"
     kind = {bool: "a boolean", str: "a string", int: "an integer", float: "a number"}.get(
         type(value), "a list" if isinstance(value, list) else "an object"
     )
-    if value is None:
-        return "null"
     text = repr(value)
     return f"{kind} ({text[:40] + '…' if len(text) > 40 else text})"
 
 
-def _check_readers() -> None:
-    """Every field of the answers has a reader: a field of a new type fails at import."""
-    for cls in (LeasedGPU, ResumePlace, GrantedLease, _Waiting):
-        for f in fields(cls):
-            if str(f.type) not in _READERS:
-                raise TypeError(f"{cls.__name__}.{f.name}: no reader for {f.type!r}")
-
-
-_check_readers()
+# every field of the answers has a reader: a field of a new type fails at import
+for _cls, _where in ((LeasedGPU, "lease.gpu"), (ResumePlace, "lease.resume")):
+    _plan(_cls, _where)
+_plan(GrantedLease, "lease")
+_plan(_Waiting, "resume answer")
 
 __all__ = [
     "PARK_STATES",
