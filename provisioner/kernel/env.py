@@ -1,8 +1,8 @@
 """A granted lease -> the kernel's environment and command line (pure, no I/O).
 
 Called by ``GPULeaseProvisioner.pre_launch`` once the broker has granted a lease (a
-:class:`.lease.GrantedLease`): :func:`lease_environment` gives the variables to add to
-the kernel's environment, :func:`kernel_argv` rewrites the kernelspec's argv so the
+:class:`provisioner.client.GrantedLease`): :func:`lease_environment` gives the variables to
+add to the kernel's environment, :func:`kernel_argv` rewrites the kernelspec's argv so the
 kernel starts under ``startup/gpu_lease_launcher.py`` (which applies the caps that need
 code, when a framework is imported) with the ``%gpu`` extension loaded.
 

@@ -17,7 +17,8 @@ side: its hooks decide *when*; small collaborators in this package do each job:
 - :mod:`.refusals` — the broker's refusal (and our own: no fraction, no MPS daemon) as the
   sentence JupyterLab shows;
 - :mod:`.cgroup_keeper` — the kernel's own cgroup, entered after each launch;
-- :mod:`.env` and :mod:`.lease` — the granted lease -> the kernel's environment and argv.
+- :mod:`.env` — the granted lease (``provisioner.client.GrantedLease``) -> the kernel's
+  environment and argv.
 
 Who calls what, and when (jupyter_client ``KernelManager``):
 
