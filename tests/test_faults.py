@@ -161,14 +161,14 @@ class Holder:
 
     async def run(self, stop: asyncio.Event, every: float = 0.3) -> None:
         lease = await self.client.leases.acquire(self.kernel_id, self.fraction, wait=5)
-        self.lease_id = lease["id"]
-        self.seen_ids.add(lease["id"])
+        self.lease_id = lease.id
+        self.seen_ids.add(lease.id)
         while not stop.is_set():
             fresh = await self.client.leases.renew(
                 self.lease_id, pid=os.getpid(), execution_state=random.choice(["idle", "busy"])
             )
-            assert fresh["state"] == "active"
-            self.seen_ids.add(fresh["id"])
+            assert fresh.state == "active"
+            self.seen_ids.add(fresh.id)
             self.renewals += 1
             try:
                 await asyncio.wait_for(stop.wait(), every)
@@ -189,8 +189,8 @@ async def churn(broker: Broker, user: str, stop: asyncio.Event, done: list[int])
             fraction = random.choice([0.1, 0.2, 0.3])
             lease = await client.leases.acquire(kernel_id, fraction, wait=2)
             await asyncio.sleep(random.uniform(0.05, 0.4))
-            await client.leases.renew(lease["id"], execution_state="busy")
-            await client.leases.release(lease["id"])
+            await client.leases.renew(lease.id, execution_state="busy")
+            await client.leases.release(lease.id)
             done[0] += 1
 
 
@@ -610,7 +610,7 @@ async def test_sqlite_locked_by_another_process(broker: Broker) -> None:
         locker.close()
     try:
         lease = await asyncio.wait_for(task, 30)
-        assert lease["state"] == "active"
+        assert lease.state == "active"
     finally:
         await client.aclose()
     renewed = api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client_calls import Core, segment
+from .calls import Core, segment
 
 
 def _node_path(node: str, action: str = "") -> str:
