@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -100,9 +100,17 @@ async def wait_for_async(
         await asyncio.sleep(interval)
 
 
+class Polled(Protocol):
+    """What :func:`wait_for_http` watches: a ``Popen``, or an :class:`EmbeddedBroker`."""
+
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+
+
 def wait_for_http(
     url: str,
-    proc: subprocess.Popen[bytes] | None = None,
+    proc: Polled | None = None,
     log: Callable[[], str] = lambda: "",
     timeout: float = 30.0,
     what: str = "the server",
@@ -257,7 +265,7 @@ class EmbeddedBroker:
             app = GPULeaseBroker()
             app.initialize(self.argv)
             for logger, _ in saved:  # --log-level, as the process's _setup_logging sets it
-                logger.setLevel(int(app.log_level))
+                logger.setLevel(int(app.log_level))  # type: ignore[call-overload]
             app.log = logging.getLogger("gpu_lease.broker.app")
             self.returncode = asyncio.run(self._serve(app))
         except SystemExit as exc:  # a configuration error: Application.exit(2)
