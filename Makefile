@@ -85,15 +85,15 @@ typecheck: $(STAMP) $(CHP)
 unit-js: $(CHP)
 	npm run -s test:unit
 
-# the unit tests on WORKERS pytest-xdist workers (--dist loadgroup: a module whose tests share
-# a module-scoped fixture, a hub or a Slurm cluster, runs whole on one worker). The broker's
+# the unit tests on WORKERS pytest-xdist workers (tests/conftest.py's scheduler: a module whose
+# tests share a module-scoped fixture, a hub or a Slurm cluster, runs whole on one worker). The broker's
 # API, authorization, fuzzing, crash, failover, kernel and hub tests also run with HTTP served
 # by a front process (--http-processes 1): tests/conftest.py's FRONTS_MODULES, the
 # [sqlite-fronts] and [fronts] variants, in the same session
 WORKERS ?= 3
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
 
 # jupyter_client's and jupyter_server's own kernel and session tests, from the sdists of
 # the installed versions (fetched once into .upstream/), with our provisioner as the default;

@@ -15,6 +15,7 @@ from __future__ import annotations
 import _posixsubprocess
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -87,26 +88,54 @@ def _refuse_processes(nodeid: str, mp: pytest.MonkeyPatch) -> None:
 PROCESS_FIXTURES = {"broker", "chromium"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads groups
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    # the modules that run whole on one worker first: the longest units start earliest
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in SHARED_FIXTURE_MODULES)
 
 
-def _shares_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a fixture kept for its whole module (a hub, a Slurm cluster, a
-    browser page): ``make test`` runs tests on several workers (pytest-xdist,
-    ``--dist loadgroup``), and such a module then runs whole on one worker, so its fixture
-    is made once. Every other test goes to whichever worker is free."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(
-        d.scope in ("module", "package") for defs in info.name2fixturedefs.values() for d in defs
-    )
+# -- several workers (pytest-xdist): a module that shares a fixture runs on one ----------
+def _modules_sharing_a_fixture() -> frozenset[str]:
+    """The test modules (``tests/test_x.py``, as in node ids) whose tests share a fixture
+    kept for the whole module: one of their own (``scope="module"``: a hub, a Slurm
+    cluster, a clean install) or this file's ``chromium``."""
+    found = set()
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        text = path.read_text()
+        if 'scope="module"' in text or re.search(r"\bchromium\b", text):
+            found.add(f"tests/{path.name}")
+    return frozenset(found)
+
+
+SHARED_FIXTURE_MODULES = _modules_sharing_a_fixture()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make unit``'s scheduler: a test goes to whichever worker is free, except that a
+    module of :data:`SHARED_FIXTURE_MODULES` runs whole on one worker (one per module
+    parameter, such as a hub's ``[fronts]``), so its fixture is made once.
+
+    (xdist's own ``--dist loadgroup`` marks groups by editing node ids, which pytest 9's
+    nodes no longer take: its groups are silently ignored.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return SharedFixtureScheduling(config, log)
+
+
+def unit_of_work(nodeid: str) -> str:
+    """What one worker runs together: a shared-fixture module's tests of one module-level
+    parameter (``[fronts]``), or a single test."""
+    path = nodeid.split("::", 1)[0]
+    if path not in SHARED_FIXTURE_MODULES:
+        return nodeid
+    return path + ("[fronts]" if "fronts]" in nodeid else "")
 
 
 @pytest.hookimpl(wrapper=True)
