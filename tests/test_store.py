@@ -978,7 +978,7 @@ def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str, tmp_path: Pa
     store.put_quota("group", "ml101", Quota(max_leases=4))
     store.insert_request(_request("r1"))
     before = (store.list_leases(), store.load_quotas(), store.load_active())
-    notes = _revision(tmp_path / "notes", "notes", _ADD_NOTE)
+    notes = _revision(tmp_path / "notes 100%", "notes", _ADD_NOTE)  # a space, a %
     assert store.upgrade([notes]) == "t_notes"
     assert store.upgrade([notes]) == "t_notes"  # safe to repeat
     assert "note" in _columns(db_url)
@@ -1283,6 +1283,31 @@ def test_rows_map_every_stored_column_by_name() -> None:
     stored = set(store_schema._LEASE_FIELD_OF.values()) | {"groups"}
     assert stored == {f.name for f in dataclasses.fields(Lease)} - {"mps_uid"}
     assert json_columns.isdisjoint(store_schema._LEASE_FIELD_OF)
+
+
+@pytest.mark.slow
+def test_a_database_at_head_opens_without_importing_alembic(tmp_path: Path) -> None:
+    """Every broker start reads the revision with one query; Alembic (a quarter of a
+    second to import) is loaded only when there is something to migrate."""
+    url = f"sqlite:///{tmp_path / 'head.sqlite'}"
+    probe = (
+        "import sys; from provisioner.broker.store.store import Store; s = Store(sys.argv[1]); "
+        "s.open(); s.close(); print('alembic' in sys.modules)"
+    )
+
+    def imports_alembic() -> bool:
+        run = subprocess.run(
+            [sys.executable, "-c", probe, url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip() == "True"
+
+    assert imports_alembic()  # fresh: migrated
+    assert not imports_alembic()  # at head
 
 
 def _open_worker(url: str, barrier: Any, out: Any) -> None:

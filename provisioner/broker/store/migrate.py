@@ -57,10 +57,11 @@ def alembic_config(
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # set_main_option interpolates: a ``%`` in a path is written ``%%``
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
     cfg.set_main_option("path_separator", "os")
     locations = [str(MIGRATIONS_DIR / "versions"), *(str(p) for p in version_locations)]
-    cfg.set_main_option("version_locations", os.pathsep.join(locations))
+    cfg.set_main_option("version_locations", os.pathsep.join(locations).replace("%", "%%"))
     cfg.attributes["connection"] = connection
     return cfg
 
