@@ -13,9 +13,10 @@ fractions on each GPU plus the new ones fit, and that the kernel holds no other
 active lease, all in the transaction that inserts. Two broker processes writing at
 once therefore cannot over-allocate a GPU.
 
-Tables (schema version 7)::
+Tables (Alembic revision ``migrate.HEAD``; the revisions in ``migrations/versions/``)::
 
-    schema_version  version PK, description, applied_at
+    gpu_lease_alembic_version  version_num (Alembic's: the revision the database is at)
+    schema_version  version PK, description, applied_at (versions 1-7, before Alembic)
     gpus            uuid PK, node, name, memory_mb, idx, capacity_ppm
     leases          id PK, user, kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb,
                     state, grp, created_at, renewed_at, expires_at, ended_at, reason,
@@ -50,7 +51,8 @@ Fenced leadership (PostgreSQL, ``--ha-lock``): ``store.fencing``
 gives up the ``leadership`` row, and once its fence is set every write transaction first
 checks it: a deposed broker can never commit.
 
-The parts: ``store_schema.py`` (tables, migrations, statements), ``store_engine.py``
+The parts: ``schema.py`` (tables, statements, rows to objects by column name),
+``migrate.py`` (Alembic at open; ``legacy.py``: the steps before it), ``engine.py``
 (connections and transactions: :class:`~provisioner.broker.store.engine.Database`),
 ``store_writes.py`` (grants and the group commit: :class:`~provisioner.broker.store.writes.LeaseWrites`),
 and this module's :class:`Store`, the one class its callers use.
