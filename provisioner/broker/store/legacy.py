@@ -25,9 +25,6 @@ from sqlalchemy.engine import Connection
 
 from ...errors import StoreError
 
-#: the last step before Alembic
-LEGACY_VERSION = 7
-
 
 def _define_schema_version(md: sa.MetaData) -> sa.Table:
     return sa.Table(
@@ -272,4 +269,4 @@ def upgrade_legacy(
     return current
 
 
-__all__ = ["LEGACY_MIGRATIONS", "LEGACY_VERSION", "Migration", "upgrade_legacy"]
+__all__ = ["LEGACY_MIGRATIONS", "Migration", "upgrade_legacy"]
