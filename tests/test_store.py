@@ -59,6 +59,8 @@ from provisioner.model import (
     Request,
 )
 
+from .conftest import postgres_schema
+
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REPO_ROOT = Path(provisioner.__file__).resolve().parent.parent
 GPU0 = GPU("GPU-0", "node-a", "V100", 32768, 0)
@@ -1131,6 +1133,77 @@ def test_a_fresh_database_is_at_head_with_the_tables_of_schema_py(db_url: str) -
     assert _schema_diff(db_url) == []
 
 
+def _facts(url: str) -> dict[str, Any]:
+    """Everything about a database's schema and its seeded rows, in a comparable form:
+    columns, keys, constraints, each index's definition (partial ones with their WHERE)."""
+    eng = _raw_engine(url)
+    try:
+        with eng.connect() as conn:
+            inspector = sa.inspect(conn)
+            tables = sorted(inspector.get_table_names())
+            facts: dict[str, Any] = {
+                t: (
+                    sorted(
+                        (c["name"], str(c["type"]), c["nullable"]) for c in inspector.get_columns(t)
+                    ),
+                    inspector.get_pk_constraint(t)["constrained_columns"],
+                    sorted((c["name"], c["sqltext"]) for c in inspector.get_check_constraints(t)),
+                    sorted(
+                        (c["name"], c["column_names"]) for c in inspector.get_unique_constraints(t)
+                    ),
+                )
+                for t in tables
+            }
+            if conn.dialect.name == "sqlite":
+                sql = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            else:
+                sql = (
+                    "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+                )
+            facts["indexes"] = sorted(
+                (
+                    name,
+                    " ".join(
+                        d.replace('"', "")
+                        .replace(f"{conn.dialect.default_schema_name}.", "")
+                        .split()
+                    ),
+                )
+                for name, d in conn.exec_driver_sql(sql)
+            )
+            facts["rows"] = (
+                conn.exec_driver_sql(
+                    "SELECT version, description FROM schema_version ORDER BY 1"
+                ).all(),
+                conn.exec_driver_sql("SELECT id, holder, epoch, expires_at FROM leadership").all(),
+                conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").all(),
+            )
+            return facts
+    finally:
+        eng.dispose()
+
+
+def test_a_fresh_database_built_from_the_tables_equals_one_built_by_the_revisions(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A fresh database is built at head from schema.py's tables (no Alembic); the same
+    database built by running the revisions (the old steps) from nothing is identical."""
+    Store(db_url).upgrade()
+    with contextlib.ExitStack() as stack:
+        if db_url.startswith("sqlite"):
+            other = f"sqlite:///{tmp_path / 'by-revisions.sqlite'}"
+        else:
+            other = stack.enter_context(postgres_schema())
+        eng = _raw_engine(other)
+        with eng.begin() as conn:  # another revision directory: through Alembic
+            assert upgrade_schema(conn, [tmp_path]) == HEAD
+        eng.dispose()
+        built, migrated = _facts(db_url), _facts(other)
+    assert built == migrated
+    partial = {n for n, d in built["indexes"] if "WHERE" in d and "active" in d}
+    assert partial == {"ix_leases_active_gpu", "uq_leases_active_kernel"}
+
+
 def test_the_schema_check_sees_what_the_revisions_and_schema_py_disagree_on(
     db_url: str,
 ) -> None:
@@ -1286,16 +1359,16 @@ def test_rows_map_every_stored_column_by_name() -> None:
 
 
 @pytest.mark.slow
-def test_a_database_at_head_opens_without_importing_alembic(tmp_path: Path) -> None:
-    """Every broker start reads the revision with one query; Alembic (a quarter of a
-    second to import) is loaded only when there is something to migrate."""
-    url = f"sqlite:///{tmp_path / 'head.sqlite'}"
+def test_only_a_database_to_migrate_imports_alembic(tmp_path: Path) -> None:
+    """A broker's start reads the revision with one query, and builds a fresh database
+    from the tables; Alembic (a quarter of a second or more to import) is loaded only when
+    there are revisions to run."""
     probe = (
         "import sys; from provisioner.broker.store.store import Store; s = Store(sys.argv[1]); "
         "s.open(); s.close(); print('alembic' in sys.modules)"
     )
 
-    def imports_alembic() -> bool:
+    def imports_alembic(url: str) -> bool:
         run = subprocess.run(
             [sys.executable, "-c", probe, url],
             capture_output=True,
@@ -1306,8 +1379,12 @@ def test_a_database_at_head_opens_without_importing_alembic(tmp_path: Path) -> N
         assert run.returncode == 0, run.stderr
         return run.stdout.strip() == "True"
 
-    assert imports_alembic()  # fresh: migrated
-    assert not imports_alembic()  # at head
+    fresh, old = (f"sqlite:///{tmp_path / name}.sqlite" for name in ("fresh", "v6"))
+    assert not imports_alembic(fresh)
+    assert not imports_alembic(fresh)  # at head
+    _legacy_database(old, 6).close()
+    assert imports_alembic(old)  # migrated by the baseline revision
+    assert not imports_alembic(old)
 
 
 def _open_worker(url: str, barrier: Any, out: Any) -> None:

@@ -235,6 +235,22 @@ LEGACY_MIGRATIONS: tuple[Migration, ...] = (
 )
 
 
+def seed_version_7(conn: Connection, *, now: float | None = None) -> None:
+    """The rows the steps above leave in a database they built, for one built at head
+    from the current tables instead (``migrate.upgrade_schema``): the ``schema_version``
+    rows 1 to 7 and the free leadership row (step 6)."""
+    stamp = time.time() if now is None else now
+    conn.execute(
+        _define_schema_version(sa.MetaData()).insert(),
+        [
+            {"version": m.version, "description": m.description, "applied_at": stamp}
+            for m in LEGACY_MIGRATIONS
+        ],
+    )
+    leadership = _define_v6_leadership(sa.MetaData())
+    conn.execute(leadership.insert().values(id=1, holder=None, epoch=0, expires_at=0.0))
+
+
 def upgrade_legacy(
     conn: Connection,
     migrations: Sequence[Migration] = LEGACY_MIGRATIONS,
@@ -269,4 +285,4 @@ def upgrade_legacy(
     return current
 
 
-__all__ = ["LEGACY_MIGRATIONS", "Migration", "upgrade_legacy"]
+__all__ = ["LEGACY_MIGRATIONS", "Migration", "seed_version_7", "upgrade_legacy"]

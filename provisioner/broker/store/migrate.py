@@ -9,15 +9,18 @@ migrate: the second waits, then finds the database at head.
 
 Which databases reach head, and how:
 
-* a fresh one: the baseline revision builds schema version 7 (``legacy.py``'s steps);
+* a fresh one (none of our tables): built at head from ``schema.py``'s tables, with the
+  rows the old steps left (``legacy.seed_version_7``), and stamped :data:`HEAD`, as
+  Alembic's cookbook does it ("building an up to date database from scratch"). Tests
+  check that this and the revisions build the same database;
 * one made before Alembic (its ``schema_version`` table says 1 to 7, no Alembic version
-  table): the baseline applies the old steps it lacks (none for version 7: it is adopted
-  as it is, with its data), then Alembic stamps the baseline;
-* later revisions then run in order.
+  table): the baseline revision applies the old steps it lacks (none for version 7: it
+  is adopted as it is, with its data), then Alembic stamps the baseline;
+* one at an older revision: the later revisions run in order.
 
-A database already at :data:`HEAD` is recognised with one query, without importing
-Alembic (a quarter of a second of every broker's start). A database at a revision this
-code does not know was upgraded by a newer jupyter-gpu-lease: it is refused, untouched.
+Neither a fresh database nor one at :data:`HEAD` imports Alembic (a quarter of a second
+or more of the broker's start). A database at a revision this code does not know was
+upgraded by a newer jupyter-gpu-lease: it is refused, untouched.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ...errors import StoreError
+from . import schema
+from .legacy import seed_version_7
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -66,6 +71,16 @@ def alembic_config(
     return cfg
 
 
+def _version_table() -> sa.Table:
+    """Alembic's version table, as Alembic creates it (``DefaultImpl.version_table_impl``)."""
+    return sa.Table(
+        VERSION_TABLE,
+        sa.MetaData(),
+        sa.Column("version_num", sa.String(32), nullable=False),
+        sa.PrimaryKeyConstraint("version_num", name=f"{VERSION_TABLE}_pkc"),
+    )
+
+
 def stored_revision(conn: Connection) -> str | None:
     """The database's Alembic revision; ``None`` before Alembic (fresh, or versions 1-7)."""
     if not sa.inspect(conn).has_table(VERSION_TABLE):
@@ -96,6 +111,9 @@ def upgrade_schema(conn: Connection, version_locations: Sequence[str | Path] = (
     current = stored_revision(conn)
     if current == HEAD and not version_locations:
         return HEAD
+    if current is None and not version_locations and _is_fresh(conn):
+        _create_at_head(conn)
+        return HEAD
     from alembic import command
     from alembic.script import ScriptDirectory
     from alembic.script.revision import RevisionError
@@ -122,6 +140,24 @@ def upgrade_schema(conn: Connection, version_locations: Sequence[str | Path] = (
         log.info("Upgrading the lease database's schema from %s to %s", current, heads[0])
         command.upgrade(cfg, heads[0])
     return heads[0]
+
+
+def _is_fresh(conn: Connection) -> bool:
+    """None of the lease database's tables is there (other applications' may be)."""
+    ours = {table.name for table in schema.metadata.sorted_tables} | {VERSION_TABLE}
+    return ours.isdisjoint(sa.inspect(conn).get_table_names())
+
+
+def _create_at_head(conn: Connection) -> None:
+    """Build a fresh database at head: the tables, the old steps' rows, the stamp."""
+    log.info("Creating the lease database's tables (schema revision %s)", HEAD)
+    if conn.dialect.name == "postgresql":  # that dialect is loaded: the partial indexes
+        schema.complete_metadata()
+    schema.metadata.create_all(conn)
+    seed_version_7(conn)
+    version = _version_table()
+    version.create(conn)
+    conn.execute(version.insert().values(version_num=HEAD))
 
 
 __all__ = ["HEAD", "MIGRATIONS_DIR", "VERSION_TABLE", "alembic_config", "upgrade_schema"]
