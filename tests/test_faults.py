@@ -20,6 +20,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -288,6 +289,35 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         assert_store_matches(svc)
         with pytest.raises(LeaseExpired):
             await svc.leases.renew(Identity("u00"), dead)
+    finally:
+        svc.close()
+
+
+async def test_a_caller_that_goes_away_does_not_cancel_the_reload_others_wait_for(
+    tmp_path: Path,
+) -> None:
+    """After a refused batch every request reloads memory first, one reload for all. The
+    caller that started it may go away (its client hung up: the handler cancels its work);
+    the others, still waiting for the same reload, get it, not a ``CancelledError`` (which
+    tornado answers with a 500: seen once when a broker lost its database session)."""
+    svc = service(tmp_path, Clock(), ttl=90.0, reap_interval=5.0)
+    try:
+        (lease_id,) = await take(svc, 1)
+        core = svc.core
+        core.stale = True
+        gate = threading.Event()  # holds the writer's thread: the reload waits behind it
+        held = asyncio.ensure_future(core.writer.call(lambda: gate.wait(10), read=True))
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(core.reconcile())
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(svc.leases.renew(Identity("u00"), lease_id))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the caller that started the reload goes away
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        fresh = await asyncio.wait_for(second, 10)
+        assert fresh.id == lease_id and not core.stale
     finally:
         svc.close()
 
