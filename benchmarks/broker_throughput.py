@@ -26,8 +26,8 @@ What it measures (each part can be chosen with ``--only``):
                 batches of 50, so bursts of other load hit every pool size alike.
 ``limits``      the same pair of operations below the broker, on SQLite with the store's
                 durability settings (WAL, synchronous=NORMAL, busy_timeout, BEGIN IMMEDIATE):
-                raw ``sqlite3`` INSERT+DELETE (one transaction each: the floor the issue
-                names), raw ``sqlite3`` with the broker's own statements, the ``Store``
+                raw ``sqlite3`` INSERT+DELETE (one transaction each: the floor
+                of any store), raw ``sqlite3`` with the broker's own statements, the ``Store``
                 (SQLAlchemy Core), and ``BrokerService`` in process (no HTTP, no auth,
                 no log lines): one caller, and 64 at once with the CPU its event loop's
                 thread spends per pair (the broker's own work beside the HTTP).
@@ -746,9 +746,9 @@ _INSERT = (
 
 def run_limits(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     """Pairs/s of the layers below the HTTP broker, all on SQLite files in ``tmp``."""
-    from provisioner.broker.policy import Ask, Policy
-    from provisioner.broker.service import BrokerService, new_id
-    from provisioner.broker.store import Store
+    from provisioner.broker.rules.policy import Ask, Policy
+    from provisioner.broker.services.broker_service import BrokerService, new_id
+    from provisioner.broker.store.store import Store
     from provisioner.inventory import load_gpus
     from provisioner.model import Identity, Lease
 
@@ -917,7 +917,7 @@ def _category(frame: str) -> str:
         ("json/", "json"),
         ("stdlib/asyncio/", "asyncio loop"),
         ("asyncio/", "asyncio loop"),
-        ("provisioner/broker/store.py", "provisioner store"),
+        ("provisioner/broker/store/store.py", "provisioner store"),
         ("provisioner/broker/", "provisioner broker (handlers/service/auth)"),
         ("provisioner/", "provisioner core (scheduling/model)"),
     ):

@@ -16,7 +16,7 @@ active to the first 200 from the new one**, then restarts the old one as the sta
 
 The cycles alternate (kill, pause, kill, ...), so background load hits both alike;
 min / median / max of each kind are printed. The bound the design states (see
-``provisioner/broker/leadership.py``): a standby takes over between 2/3 of the TTL and
+``provisioner/broker/store/leadership.py``): a standby takes over between 2/3 of the TTL and
 the whole TTL (plus its poll, at most 1 s) after the active's last renewal, then loads
 the state and listens; the client adds up to its poll interval.
 """

@@ -1,4 +1,4 @@
-"""What issue 36's MPS rules cost: the broker's owners of each GPU (``node_rules.mps_owners``,
+"""What the MPS ownership rules cost: the broker's owners of each GPU (``node_rules.mps_owners``,
 run by every placement of an MPS kernel) and the agent's daemon-side limits from one
 heartbeat answer (``node.mps.mps_leases`` + ``pinned_limit_mb``, with a ``getpwnam`` per
 user), on a node of 8 GPUs with 100 MPS kernels (half of them proven).
@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.broker import node_rules  # noqa: E402
-from provisioner.broker.policy import Policy  # noqa: E402
+from provisioner.broker.rules import node_rules  # noqa: E402
+from provisioner.broker.rules.policy import Policy  # noqa: E402
 from provisioner.model import GPU, Lease, PoolState  # noqa: E402
 from provisioner.node.mps import mps_leases, pinned_limit_mb  # noqa: E402
 

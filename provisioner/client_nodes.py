@@ -51,7 +51,7 @@ class NodeCalls:
         ``left_mps`` too, one per proven kernel); ``refused``: ``{lease_id, reason}`` of the claims it refused
         (sent, even empty, by an agent that proves claims);
         ``driver_limits``: the kernel cgroups whose driver memory limit is in force.
-        Parking (issue 28): ``checkpoint``, whether this node's driver can checkpoint
+        Parking: ``checkpoint``, whether this node's driver can checkpoint
         kernels; ``host_memory_available_mb``, MemAvailable in MiB; ``parking``, the
         outcomes of park/resume orders not yet delivered. Each is sent only when not None
         (a broker older than parking refuses them). Returns the answer, with the broker's

@@ -2,8 +2,8 @@
 
 Lease, node and MPS states, enforcement modes, the request limits, the fraction's
 ppm conversion, the HTTP status of each error and the default CUDA context overhead.
-The broker (``broker/validation.py``, ``broker/handlers.py``), the OpenAPI document
-(``broker/openapi.py`` builds each field's schema from these tuples with
+The broker (``broker/web/validation.py``, ``broker/web/handlers.py``), the OpenAPI document
+(``broker/web/openapi.py`` builds each field's schema from these tuples with
 :func:`enum_schema`), the client, the node agent and the kernel side (``kernel/status.py``)
 import them from here, so a field's documented values and the values it carries cannot
 drift apart (``tests/test_conformance.py`` checks every answer of the API tests against
@@ -140,8 +140,8 @@ MAX_PID_NS = 2**64 - 1
 MAX_CGROUP_CHARS = 1024
 #: a kernel cgroup v2 path: names of letters, digits and ``._@:+=,-`` between slashes
 CGROUP_PATTERN = r"^(/[A-Za-z0-9._@:+=,-]+)+$"
-#: the environment variable that carries a lease's kernel secret (DESIGN "Accounts and
-#: boundaries"): the provisioner sets it in the kernel's environment, children inherit it,
+#: the environment variable that carries a lease's kernel secret (proof that a process
+#: is its kernel): the provisioner sets it in the kernel's environment, children inherit it,
 #: and the root agent reads it in ``/proc/<pid>/environ``; only its digest goes on the wire
 KERNEL_SECRET_ENV = "GPU_LEASE_KERNEL_SECRET"
 #: a renewal's ``proof``: the hex sha256 of the kernel's secret (64 lowercase hex digits)
@@ -211,7 +211,7 @@ def error_code(status: int) -> str:
 
 # -- browsers ------------------------------------------------------------------------------
 #: headers of every broker answer: no page of another origin may frame the dashboard (a page a
-#: student serves could otherwise drive an instructor's logged-in dashboard; issue 36)
+#: student serves could otherwise drive an instructor's logged-in dashboard)
 NO_FRAMES = {"Content-Security-Policy": "frame-ancestors 'none'", "X-Frame-Options": "DENY"}
 
 

@@ -2,7 +2,7 @@
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-/** The broker's lease object (the Lease schema of provisioner/broker/openapi.py); only what we show is typed. */
+/** The broker's lease object (the Lease schema of provisioner/broker/web/openapi.py); only what we show is typed. */
 export interface ILease {
   id: string;
   fraction: number;

@@ -1,4 +1,4 @@
-"""Tests of provisioner.broker.auth: header parsing, the static tokens file, hub identities.
+"""Tests of provisioner.broker.web.auth: header parsing, the static tokens file, hub identities.
 
 JupyterHub's HubAuth is the one thing substituted (the hub is not ours): ``HubTokens``
 takes it as an injectable ``hub_auth``. Real hub round trips are the hub tests' job.
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from tornado.web import HTTPError
 
-from provisioner.broker.auth import (
+from provisioner.broker.web.auth import (
     HubTokens,
     StaticTokens,
     identity_from_hub_model,
@@ -180,7 +180,7 @@ def test_hub_tokens_need_the_service_token(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 async def test_hub_tokens_identify_node_agents_from_their_own_file(tmp_path: Path) -> None:
-    """issue 14: agents are not hub users; under --auth hub their tokens come from a tokens
+    """Agents are not hub users; under --auth hub their tokens come from a tokens
     file that may hold nothing else, and are never sent to the hub."""
     path = tmp_path / "agents.json"
     path.write_text(json.dumps({"agent-secret": {"agent": True, "node": "gpu-a"}}))

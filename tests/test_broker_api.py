@@ -100,7 +100,7 @@ async def test_health_gpus_and_public_endpoints(broker: Broker) -> None:
 
 
 async def test_every_documented_route_is_served(broker: Broker) -> None:
-    from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES
+    from provisioner.broker.web.routes import PUBLIC_ROUTES, ROUTES
 
     async with httpx.AsyncClient(
         base_url=broker.url, headers=broker.headers("admin"), event_hooks=broker.conformance.hooks()
@@ -516,7 +516,7 @@ async def test_usage_by_group_counts_generic_kernels_for_the_course(broker: Brok
 
 async def test_a_student_asks_usage_of_31_days_at_most(broker: Broker) -> None:
     """``usage?by=group&since=0`` from any student scanned every lease ever recorded on the
-    store's one writer thread (issue 36, item 7): a student reaches back 31 days, or the
+    store's one writer thread: a student reaches back 31 days, or the
     longest budget window; an admin as far as they like."""
     async with broker.client("alice") as alice:
         for since in ("0", "32d", "2020-01-01"):
@@ -545,7 +545,7 @@ async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
     """Fill the V100, queue two, withdraw one, release: the history shows it all."""
     from openapi_schema_validator import OAS30Validator
 
-    from provisioner.broker.routes import build_openapi
+    from provisioner.broker.web.routes import build_openapi
 
     doc = build_openapi()
     schema = OAS30Validator(
@@ -904,7 +904,7 @@ def test_a_standby_collects_garbage_while_it_waits(tmp_path: Path) -> None:
 
 def test_authenticator_by_auth_name_or_by_class(tmp_path: Path) -> None:
     from provisioner.broker.app import GPULeaseBroker
-    from provisioner.broker.auth import StaticTokens
+    from provisioner.broker.web.auth import StaticTokens
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"a-long-token": {"user": "alice"}}))
@@ -915,7 +915,7 @@ def test_authenticator_by_auth_name_or_by_class(tmp_path: Path) -> None:
     by_class.initialize(
         [
             "--auth=hub",  # the class, when given, wins over the short name
-            "--GPULeaseBroker.authenticator_class=provisioner.broker.auth.StaticTokens",
+            "--GPULeaseBroker.authenticator_class=provisioner.broker.web.auth.StaticTokens",
             f"--tokens-file={tokens}",
         ]
     )

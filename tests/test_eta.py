@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from provisioner.broker import estimates
-from provisioner.broker import scheduling as core
-from provisioner.broker.estimates import HoldTimes
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.scheduling import Queued
+from provisioner.broker.rules import estimates, scheduling
+from provisioner.broker.rules.estimates import HoldTimes
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.rules.scheduling import Queued
 from provisioner.devtools.simulate import SCHEMES, eta_accuracy, load_trace
 from provisioner.model import GPU, PPM, PoolState
 
@@ -33,10 +32,15 @@ def holds(*seconds: float) -> HoldTimes:
 
 def queue_up(state: PoolState, user: str, kernel: str, ppm: int, now: float, **kw: object) -> None:
     n = len(state.leases) + len(state.queue)
-    d = core.decide_acquire(
-        state, Ask(user, kernel, ppm, **kw), core.Quota(), now, POLICY, lambda: f"id{n}-{kernel}"
+    d = scheduling.decide_acquire(
+        state,
+        Ask(user, kernel, ppm, **kw),
+        scheduling.Quota(),
+        now,
+        POLICY,
+        lambda: f"id{n}-{kernel}",
     )
-    core.apply_grants(state, d.grants)
+    scheduling.apply_grants(state, d.grants)
     if isinstance(d.outcome, Queued):
         state.queue[d.outcome.request.key] = d.outcome.request
 

@@ -33,11 +33,11 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 from tornado.httpserver import HTTPServer
 
-from provisioner.broker.auth import StaticTokens
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.routes import make_app
-from provisioner.broker.service import BrokerService
-from provisioner.broker.store import Store
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.services.broker_service import BrokerService
+from provisioner.broker.store.store import Store
+from provisioner.broker.web.auth import StaticTokens
+from provisioner.broker.web.routes import make_app
 from provisioner.client import BrokerClient
 from provisioner.devtools.testing import free_port, wait_for_async
 from provisioner.errors import LeaseExpired
@@ -976,7 +976,7 @@ def test_ids_are_unguessable_and_a_forked_child_draws_its_own() -> None:
     import base64
     import os
 
-    from provisioner.broker.service import new_id
+    from provisioner.broker.services.broker_service import new_id
 
     ids = [new_id() for _ in range(3000)]  # several refills
     assert len(set(ids)) == len(ids)

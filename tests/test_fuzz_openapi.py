@@ -197,7 +197,7 @@ def test_fuzz_the_api_from_its_openapi_document(broker: Broker) -> None:
 def test_the_fuzzing_is_deterministic() -> None:
     """The document loads cleanly and derandomize=True draws the same requests on every
     run, so a failure in CI reproduces on a laptop."""
-    from provisioner.broker.routes import build_openapi
+    from provisioner.broker.web.routes import build_openapi
 
     schema = schemathesis.openapi.from_dict(build_openapi())
     assert not list(schema.iter_schema_warnings())

@@ -1,4 +1,4 @@
-"""provisioner.broker.history: the pool's history in buckets, as table tests (pure, no I/O)."""
+"""provisioner.broker.rules.history: the pool's history in buckets, as table tests (pure, no I/O)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker.history import MAX_POINTS, bucket_starts, compute
+from provisioner.broker.rules.history import MAX_POINTS, bucket_starts, compute
 from provisioner.model import PPM, Lease, QueueRecord
 
 

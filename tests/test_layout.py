@@ -1,6 +1,7 @@
 """Where modules live: the runtime package never imports the developer tools, each
 deployable (the broker, the node side, the kernel side, the lab side) imports only the
-shared base and itself, and no module imports itself round a circle.
+shared base and itself, and no module imports itself round a circle. And the repository
+stands alone: nothing in it points a reader at a tracker or a document they do not have.
 
 ``provisioner/devtools/`` (demo, test harness, simulator) may import the runtime; no
 module elsewhere under ``provisioner/`` may import ``devtools`` (docs/developers.md).
@@ -11,6 +12,9 @@ a lazy import hides a circle, it does not break it.
 from __future__ import annotations
 
 import ast
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +141,112 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+# -- the broker's layers: each subpackage imports only the layers below it ---------------
+#: the broker's subpackages; a module directly in provisioner/broker/ is the ``top`` layer,
+#: which puts the layers together (app, options, startup)
+BROKER_LAYERS = ("rules", "store", "services", "web", "fronts")
+#: which broker layers each layer may import (besides the shared base)
+LAYER_MAY_IMPORT = {
+    # pure: no I/O, the clock passed in
+    "rules": {"rules"},
+    # SQL only: knows no rule, no service, no HTTP
+    "store": {"store"},
+    "services": {"services", "rules", "store"},
+    # HTTP never touches the database but through a service
+    "web": {"web", "services", "rules"},
+    "fronts": {"fronts", "web", "services", "rules"},
+    "top": {"top", *BROKER_LAYERS},
+}
+#: the shared base the pure rules may use: the data model, the wire format and the errors
+RULES_BASE = {
+    "provisioner",
+    "provisioner._version",
+    "provisioner.errors",
+    "provisioner.model",
+    "provisioner.wire",
+}
+BROKER_MODULES = sorted((PACKAGE / "broker").rglob("*.py"))
+
+
+def broker_layer(module: str) -> str:
+    """``provisioner.broker.web.handlers`` -> ``web``; ``provisioner.broker.app`` -> ``top``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[2] in BROKER_LAYERS else "top"
+
+
+def test_every_broker_module_is_in_a_layer() -> None:
+    for layer in BROKER_LAYERS:
+        assert (PACKAGE / "broker" / layer / "__init__.py").exists(), layer
+    top = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
+    # a new module goes into a layer; the top puts them together and reads the site's
+    # configuration (the options, the courses file)
+    assert top == {"__init__", "app", "courses", "options", "startup", *BROKER_ALIASES}, top
+
+
+#: old module paths that sites' configurations name, kept as aliases of the moved module
+BROKER_ALIASES = {"auth": "provisioner.broker.web.auth"}
+
+
+def test_the_aliases_are_only_aliases() -> None:
+    import importlib
+
+    for old, new in BROKER_ALIASES.items():
+        alias, real = (
+            importlib.import_module(f"provisioner.broker.{old}"),
+            importlib.import_module(new),
+        )
+        names = set(real.__all__)
+        assert names and all(getattr(alias, n) is getattr(real, n) for n in names)
+        assert imports_of(PACKAGE / "broker" / f"{old}.py") == {new}
+
+
+@pytest.mark.parametrize("path", BROKER_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_broker_layer_imports_only_the_layers_below(path: Path) -> None:
+    module = dotted(path)
+    layer = broker_layer(module)
+    wrong = sorted(
+        m
+        for m in imports_of(path)
+        if m.startswith("provisioner.broker.") and broker_layer(m) not in LAYER_MAY_IMPORT[layer]
+    )
+    assert not wrong, f"{module} ({layer}) imports {wrong}: LAYER_MAY_IMPORT[{layer!r}]"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((PACKAGE / "broker" / "rules").glob("*.py")),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_rules_use_only_the_standard_library_and_the_shared_base(path: Path) -> None:
+    outside = sorted(
+        m
+        for m in imported_modules(path)
+        if not m.startswith(".")
+        and m.split(".")[0] not in sys.stdlib_module_names
+        and m.split(".")[0] != "__future__"
+        and not (
+            m.split(".")[0] == "provisioner"
+            and (m in RULES_BASE or m.startswith("provisioner.broker.rules"))
+        )
+    )
+    base = sorted(
+        m
+        for m in imports_of(path)
+        if not m.startswith("provisioner.broker.rules") and m not in RULES_BASE
+    )
+    assert not outside and not base, f"{path.name} imports {outside + base}: the rules are pure"
+
+
+def test_the_layer_check_sees_a_wrong_arrow(tmp_path: Path) -> None:
+    """The layer rule is read from real imports: a web module that imports the store fails."""
+    assert broker_layer("provisioner.broker.web.handlers") == "web"
+    assert broker_layer("provisioner.broker.app") == "top"
+    assert "store" not in LAYER_MAY_IMPORT["web"]
+    imported = imports_of(PACKAGE / "broker" / "services" / "service_core.py")
+    assert any(broker_layer(m) == "store" for m in imported)
+    assert any(broker_layer(m) == "rules" for m in imported)
+
+
 def test_every_module_at_the_top_has_a_side() -> None:
     top = {p.stem for p in PACKAGE.glob("*.py")}
     assert top <= set(TOP_LEVEL), f"classify {sorted(top - set(TOP_LEVEL))} in TOP_LEVEL"
@@ -148,7 +258,7 @@ def test_imports_of_sees_relative_and_late_imports() -> None:
     """The check below is only as good as this: both kinds of import are seen."""
     assert "provisioner.kernel.status" in imports_of(PACKAGE / "lab" / "board.py")
     assert "provisioner.broker.app" in imports_of(PACKAGE / "cli.py")  # inside a function
-    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "handlers.py")
+    assert "provisioner.errors" in imports_of(PACKAGE / "broker" / "web" / "handlers.py")
 
 
 @pytest.mark.parametrize("path", ALL_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -166,7 +276,7 @@ def test_each_side_imports_only_the_base_and_itself(path: Path) -> None:
 
 
 def _module_name(path: Path) -> str:
-    """``provisioner/broker/handlers.py`` -> ``provisioner.broker.handlers``."""
+    """``provisioner/broker/web/handlers.py`` -> ``provisioner.broker.web.handlers``."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -246,7 +356,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_is_read() -> None:
     # the edges this test relies on, a function-level import among them
-    assert "provisioner.broker.openapi" in our_imports("provisioner.broker.routes")
+    assert "provisioner.broker.web.openapi" in our_imports("provisioner.broker.web.routes")
     assert "provisioner.wire" in our_imports("provisioner.model")
     assert "provisioner.errors" in our_imports("provisioner.wire")
     assert "provisioner.node.doctor" in our_imports("provisioner.cli")  # inside a function
@@ -268,7 +378,7 @@ def test_no_import_cycles() -> None:
     )
 
 
-#: the house's most lines for one class (issue 25): a class that grows past it does two jobs
+#: the house's most lines for one class: a class that grows past it does two jobs
 MOST_CLASS_LINES = 400
 
 
@@ -300,3 +410,90 @@ def test_no_class_over_the_house_limit() -> None:
         if (long := long_classes(p))
     }
     assert not found, f"classes over {MOST_CLASS_LINES} lines: {found}"
+
+
+# -- the repository stands alone -----------------------------------------------------------
+REPO = PACKAGE.parent
+#: what a reader of a clone reads (CHANGELOG.md keeps its history as it was written)
+STANDALONE = (
+    "provisioner",
+    "tests",
+    "docs",
+    "benchmarks",
+    "examples",
+    "hub_config",
+    "deploy",
+    "src",
+    "test",
+    "README.md",
+)
+#: folders that are built, installed or cached, not written
+NOT_WRITTEN = {"node_modules", "__pycache__", "labextension"}
+#: references that mean nothing to someone who clones the project: the contract document
+#: that lived outside the repository (docs/design.md took its place) and our own issue
+#: numbers (the word and a number, or "#" and a number); an upstream project's issue,
+#: "owner/name#" and its number, may stay
+OUR_REFERENCES = (
+    re.compile(r"\bDESIG[N]\b"),
+    re.compile(r"\b[Ii]ssues?\s+#?\d+"),
+    re.compile(r"(?<![\w/&.-])#\d{1,5}\b"),
+)
+
+
+def our_references(text: str, *, css: bool = False) -> list[str]:
+    """``line: reference`` for each reference in ``text`` that only our tracker could explain.
+
+    ``css``: a style sheet, where ``#`` and digits are a colour, not an issue.
+    """
+    patterns = OUR_REFERENCES[:2] if css else OUR_REFERENCES
+    return [
+        f"{number}: {match.group(0)}"
+        for number, line in enumerate(text.splitlines(), 1)
+        for pattern in patterns
+        for match in pattern.finditer(line)
+    ]
+
+
+def written_files() -> list[Path]:
+    """Every file of :data:`STANDALONE` that people write (no build output, no cache)."""
+    found: list[Path] = []
+    for name in STANDALONE:
+        top = REPO / name
+        if top.is_file():
+            found.append(top)
+            continue
+        for folder, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if d not in NOT_WRITTEN and not d.startswith(".")]
+            found += [Path(folder, f) for f in files if not f.startswith(".")]
+    return sorted(found)
+
+
+def test_the_reference_check_tells_ours_from_upstreams() -> None:
+    # the samples are put together here, so that this file holds none of them
+    n, design = "28", "DESIG" + "N"
+    assert our_references(f"Parking (issue {n}) changes idle reclaim.") == [f"1: issue {n}"]
+    assert our_references(f"ok\nsee Issue #{n}, item 2") == [f"2: Issue #{n}", f"2: #{n}"]
+    assert our_references(f"as {design}.md says, and {design}'s table") == [f"1: {design}"] * 2
+    assert our_references(f"fixed (#{n})") == [f"1: #{n}"]
+    assert our_references(f"issues {n} and 13") == [f"1: issues {n}"]
+    assert our_references(f"its proxy on one (jupyterhub#{n}), jupyterhub/jupyterhub#{n}") == []
+    assert our_references(f"pip's issue tracker; a design; # {n} comment; &#{n};") == []
+    assert our_references(f"color: #{n}{n};", css=True) == []
+    assert our_references(f"color: #{n}{n};") == [f"1: #{n}{n}"]
+
+
+def test_the_repository_stands_alone() -> None:
+    """No file a reader of a clone reads cites our issue numbers or the contract document
+    that lived outside the repository: say what is meant ("parking", "kernel proofs"), and
+    find the contract in docs/design.md."""
+    files = written_files()
+    assert REPO / "docs" / "design.md" in files and REPO / "provisioner" / "wire.py" in files
+    found: dict[str, list[str]] = {}
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # images and other binaries
+            continue
+        if hits := our_references(text, css=path.suffix == ".css"):
+            found[str(path.relative_to(REPO))] = hits
+    assert not found, f"references only our tracker could explain: {found}"

@@ -2,8 +2,8 @@
 
 Every refusal the broker makes (quota, course, can never fit) and the provisioner's
 queue-timeout sentence, built from plain data with the pure core
-(:mod:`provisioner.broker.scheduling`, :mod:`provisioner.broker.admission`) and :func:`provisioner.client_leases.no_capacity_message`. Each
-row says what the sentence must say and what it must not (issue 13's defects: a remedy
+(:mod:`provisioner.broker.rules.scheduling`, :mod:`provisioner.broker.rules.admission`) and :func:`provisioner.client_leases.no_capacity_message`. Each
+row says what the sentence must say and what it must not (defects once found: a remedy
 that does not apply, the place in the queue said twice, a GPU named by its UUID).
 """
 
@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker import admission
-from provisioner.broker import scheduling as core
-from provisioner.broker.policy import Ask, Policy
+from provisioner.broker.rules import admission, scheduling
+from provisioner.broker.rules.policy import Ask, Policy
 from provisioner.client_leases import no_capacity_message
 from provisioner.errors import CannotFit, Forbidden, GPULeaseError, QuotaExceeded
 from provisioner.model import GPU, PPM, Lease, PoolState, Quota, QuotaBook, Request, never_allowed
@@ -36,7 +35,7 @@ def state_with(*leases: Lease, gpus: tuple[GPU, ...] = (V100,)) -> PoolState:
 
 def refusal(state: PoolState, ask: Ask, quota: Quota = Quota(), used: float = 0.0) -> str:
     with pytest.raises(GPULeaseError) as info:
-        core.decide_acquire(state, ask, quota, 0.0, Policy(), lambda: "new", used)
+        scheduling.decide_acquire(state, ask, quota, 0.0, Policy(), lambda: "new", used)
     return info.value.message
 
 
@@ -44,7 +43,7 @@ def refusal(state: PoolState, ask: Ask, quota: Quota = Quota(), used: float = 0.
 @pytest.mark.parametrize(
     "held, ask_ppm, quota, says, never",
     [
-        # max_leases = 0: nothing to shut down, say so (issue 13)
+        # max_leases = 0: nothing to shut down, say so
         ((), 20_000, Quota(max_leases=0), ["allows no GPU kernels", "max_leases is 0",
                                            "kernel without a GPU"], ["Shut down", "0 GPU kernel"]),
         ((), 20_000, Quota(max_fraction_ppm=0), ["allows no GPU kernels", "max_fraction is 0"],
@@ -116,15 +115,19 @@ def test_course_refusal() -> None:
 )  # fmt: skip
 def test_cannot_fit_names_the_smallest_fraction(ppm: int, says: list[str]) -> None:
     with pytest.raises(CannotFit) as info:
-        core.decide_acquire(state_with(), Ask("a", "k", ppm), Quota(), 0, Policy(), lambda: "x")
+        scheduling.decide_acquire(
+            state_with(), Ask("a", "k", ppm), Quota(), 0, Policy(), lambda: "x"
+        )
     for words in says:
         assert words in info.value.message, info.value.message
 
 
 # -- waiting -------------------------------------------------------------------------------
 def queued_reason(state: PoolState, ppm: int, policy: Policy = Policy()) -> str:
-    decision = core.decide_acquire(state, Ask("late", "k", ppm), Quota(), 1.0, policy, lambda: "r")
-    assert isinstance(decision.outcome, core.Queued)
+    decision = scheduling.decide_acquire(
+        state, Ask("late", "k", ppm), Quota(), 1.0, policy, lambda: "r"
+    )
+    assert isinstance(decision.outcome, scheduling.Queued)
     return decision.outcome.reason
 
 
@@ -174,24 +177,24 @@ def test_why_waiting_names_nodes_when_there_are_several() -> None:
 
 
 def test_why_waiting_says_another_node_has_room() -> None:
-    """issue 15: a server's kernels may use only its node's GPUs; when that node is full
+    """A server's kernels may use only its node's GPUs; when that node is full
     while another has room, the student reads that (not just "full")."""
     a = GPU("GPU-a", "node1", "T4", 16384, 0)
     b = GPU("GPU-b", "node2", "T4", 16384, 0)
     state = state_with(lease("x", "k", PPM, b), gpus=(a, b))
     ask = Ask("late", "k", 250_000, node="node2")
-    decision = core.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
-    assert isinstance(decision.outcome, core.Queued)
+    decision = scheduling.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
+    assert isinstance(decision.outcome, scheduling.Queued)
     reason = decision.outcome.reason
     assert reason.startswith("The GPU you may use is full: GPU 0 (T4) on node node2"), reason
     assert "Node node1 has room, but your server runs on node node2" in reason, reason
     # not bound to a node, the request is simply placed on node1
-    free = core.decide_acquire(state, Ask("late", "k2", 250_000), Quota(), 1.0, Policy(), str)
-    assert not isinstance(free.outcome, core.Queued)
+    free = scheduling.decide_acquire(state, Ask("late", "k2", 250_000), Quota(), 1.0, Policy(), str)
+    assert not isinstance(free.outcome, scheduling.Queued)
     # and a node with room too small for the ask is not offered
     state = state_with(lease("x", "k", PPM, b), lease("y", "k", 900_000, a), gpus=(a, b))
-    decision = core.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
-    assert isinstance(decision.outcome, core.Queued)
+    decision = scheduling.decide_acquire(state, ask, Quota(), 1.0, Policy(), lambda: "r")
+    assert isinstance(decision.outcome, scheduling.Queued)
     assert "has room" not in decision.outcome.reason
 
 
@@ -222,7 +225,7 @@ def test_queue_timeout_message(
     message = no_capacity_message(fraction, timeout, answer)
     for words in says:
         assert words in message, message
-    assert message.count("position") <= 1, message  # said once (issue 13: twice)
+    assert message.count("position") <= 1, message  # said once, not twice
     assert "The broker said" not in message and "smaller GPU fraction" not in message
 
 
@@ -268,7 +271,7 @@ def test_for_dialog(message: str, shown: str) -> None:
 def test_both_jupyter_server_paths_show_the_dialog_text() -> None:
     """``POST /api/kernels`` reads ``log_message``; ``POST /api/sessions`` (JupyterLab's)
     re-raises ``HTTPError(500, str(exc))``, whose ``log_message`` doubles every ``%`` in
-    tornado 6.5+ (issue 13: "100%% allocated")."""
+    tornado 6.5+ ("100%% allocated")."""
     from tornado.web import HTTPError
 
     from provisioner.errors import NoCapacity

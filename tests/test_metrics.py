@@ -18,10 +18,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from provisioner._version import __version__
-from provisioner.broker.metrics import BrokerMetrics
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.service import BrokerService
-from provisioner.broker.store import Store
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.services.broker_service import BrokerService
+from provisioner.broker.store.store import Store
+from provisioner.broker.web.metrics import BrokerMetrics
 from provisioner.errors import CannotFit
 from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Identity, Lease, PoolState, Request

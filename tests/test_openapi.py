@@ -14,9 +14,9 @@ from openapi_schema_validator import OAS30Validator
 from openapi_spec_validator import validate
 
 from provisioner._version import __version__
-from provisioner.broker.openapi import documented_routes
-from provisioner.broker.routes import PUBLIC_ROUTES, ROUTES, build_openapi
-from provisioner.broker.validation import parse_node_heartbeat, parse_node_parking, parse_resume
+from provisioner.broker.web.openapi import documented_routes
+from provisioner.broker.web.routes import PUBLIC_ROUTES, ROUTES, build_openapi
+from provisioner.broker.web.validation import parse_node_heartbeat, parse_node_parking, parse_resume
 from provisioner.errors import InvalidRequest
 from provisioner.inventory import parse_gpu_spec
 from provisioner.model import Lease, Quota
@@ -175,7 +175,7 @@ def test_heartbeat_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -
     ],
 )
 def test_node_heartbeat_parking_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
-    """The parking fields of a node heartbeat (issue 28) as ``validation`` takes them."""
+    """The parking fields of a node heartbeat as ``validation`` takes them."""
     assert schema_validator(doc, "NodeHeartbeat").is_valid(body) is ok
     try:
         parse_node_parking(body)
@@ -305,7 +305,7 @@ def test_each_path_matches_exactly_one_route_whatever_their_order(base_url: str)
     that matches): that is safe only while no path matches two patterns."""
     import re
 
-    from provisioner.broker.routes import HOT_PATHS, TABLE, url_specs
+    from provisioner.broker.web.routes import HOT_PATHS, TABLE, url_specs
 
     specs = url_specs(base_url)
     assert [s.regex.pattern for s in specs[: len(HOT_PATHS)]] == [

@@ -1,4 +1,4 @@
-"""The agent's proof of a claimed kernel (``provisioner/node/proof.py``, issue 36) on a
+"""The agent's proof of a claimed kernel (``provisioner/node/proof.py``) on a
 made-up ``/proc`` tree: the secret in the start environment, the account's uid, a pid
 reused by another process (its start time), the cgroup accepted for a driver limit."""
 
@@ -168,8 +168,8 @@ def test_the_broker_keeps_only_what_a_proving_agent_proved() -> None:
     """``KernelPlaces`` (broker, pure): the claim handed to the agent carries the proof and
     the lease's memory; what the agent proved (uid, cgroup) replaces the claim; a refusal
     is new once; ``proven_uids`` names only proven kernels (the MPS owners' source)."""
-    from provisioner.broker.kernel_places import KernelPlaces
-    from provisioner.broker.validation import NodeProofs, ProvenKernel
+    from provisioner.broker.rules.kernel_places import KernelPlaces
+    from provisioner.broker.rules.reports import NodeProofs, ProvenKernel
     from provisioner.model import Lease
 
     def lease(i: str, mps_uid: int | None = None) -> Lease:
@@ -292,9 +292,9 @@ def test_a_process_outside_mps_counts_only_in_two_consecutive_samples(
 
 
 def test_the_broker_reads_left_mps_and_refuses_a_bad_one() -> None:
-    """The heartbeat's ``left_mps`` (issue 36): pids, like ``escaped``; anything else is
+    """The heartbeat's ``left_mps``: pids, like ``escaped``; anything else is
     refused with a sentence, and an entry without it (an agent older than it) has none."""
-    from provisioner.broker.validation import parse_node_proofs
+    from provisioner.broker.web.validation import parse_node_proofs
     from provisioner.errors import InvalidRequest
 
     entry = {"pid": 7, "pid_ns": None, "host_pid": 30001, "lease_id": "a", "uid": 1000}

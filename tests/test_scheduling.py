@@ -6,10 +6,9 @@ import itertools
 
 import pytest
 
-from provisioner.broker import admission, node_rules
-from provisioner.broker import scheduling as core
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.scheduling import Existing, Grant, Queued
+from provisioner.broker.rules import admission, node_rules, scheduling
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.rules.scheduling import Existing, Grant, Queued
 from provisioner.errors import CannotFit, Conflict, Forbidden, InvalidRequest, QuotaExceeded
 from provisioner.model import (
     GPU,
@@ -41,8 +40,8 @@ def pool(*gpus: GPU) -> PoolState:
 
 def acquire(state, ask, policy=Policy(), now=0.0, quota=Quota(), new_id=None, used=0.0):
     """Decide and apply, as the service does (without the store)."""
-    d = core.decide_acquire(state, ask, quota, now, policy, new_id or _IDS, used)
-    core.apply_grants(state, d.grants)
+    d = scheduling.decide_acquire(state, ask, quota, now, policy, new_id or _IDS, used)
+    scheduling.apply_grants(state, d.grants)
     if isinstance(d.outcome, Queued):
         state.queue[d.outcome.request.key] = d.outcome.request
     return d.outcome
@@ -84,7 +83,7 @@ def test_fifty_students_fill_one_v100_exactly_and_the_51st_queues():
     out = acquire(st, Ask("s50", "k", 20_000))
     assert isinstance(out, Queued) and out.position == 1
     assert "100%" in out.reason
-    core.check_invariants(st, Policy())
+    scheduling.check_invariants(st, Policy())
 
 
 @pytest.mark.parametrize(
@@ -94,7 +93,7 @@ def test_fifty_students_fill_one_v100_exactly_and_the_51st_queues():
 def test_placement(placement, expect):
     st = pool(*A100s)
     st.allocated.update({"GPU-a0": 100_000, "GPU-a1": 900_000, "GPU-a2": 0})
-    gpu = core.place(st.ordered_gpus(), st.allocated, 100_000, Policy(placement=placement))
+    gpu = scheduling.place(st.ordered_gpus(), st.allocated, 100_000, Policy(placement=placement))
     assert gpu is not None and gpu.uuid == expect
 
 
@@ -102,9 +101,9 @@ def test_placement_respects_reserve_and_exclusion():
     st = pool(V100)
     policy = Policy(reserve_ppm=100_000)
     st.allocated[V100.uuid] = 880_000
-    assert core.place([V100], st.allocated, 20_000, policy) is V100
-    assert core.place([V100], st.allocated, 30_000, policy) is None
-    assert core.place([V100], st.allocated, 20_000, policy, exclude={V100.uuid}) is None
+    assert scheduling.place([V100], st.allocated, 20_000, policy) is V100
+    assert scheduling.place([V100], st.allocated, 30_000, policy) is None
+    assert scheduling.place([V100], st.allocated, 20_000, policy, exclude={V100.uuid}) is None
 
 
 def test_idempotent_acquire_and_conflict():
@@ -243,10 +242,10 @@ def test_queue_order_priority_fair_share_arrival_and_aging():
         last_polled_at=4,
         priority=5,
     )
-    order = [r.user for r in core.queue_order(st, 10, policy)]
+    order = [r.user for r in scheduling.queue_order(st, 10, policy)]
     assert order == ["vip", "poor", "poor2", "rich"]
     # after waiting past starvation_after, arrival order wins
-    order = [r.user for r in core.queue_order(st, 200, policy)]
+    order = [r.user for r in scheduling.queue_order(st, 200, policy)]
     assert order == ["rich", "poor", "poor2", "vip"]
 
 
@@ -264,10 +263,10 @@ def test_head_reservation_prevents_starvation_of_a_large_request():
     t = 2.0
     for i in range(30):
         victim = min(st.leases.values(), key=lambda x: x.created_at).id
-        core.apply_ends(st, [victim])
-        core.apply_grants(st, core.drain(st, t, policy))
+        scheduling.apply_ends(st, [victim])
+        scheduling.apply_grants(st, scheduling.drain(st, t, policy))
         acquire(st, Ask(f"late{i}", "k", 100_000), now=t, new_id=new_id)
-        core.check_invariants(st, policy)
+        scheduling.check_invariants(st, policy)
         t += 1
         if st.lease_for_kernel("researcher", "big"):
             break
@@ -287,15 +286,15 @@ def test_a_grant_that_reorders_the_queue_drains_it_again():
     assert isinstance(acquire(st, Ask("cyd", "k2", PPM, node="b"), now=1, new_id=new_id), Queued)
     assert isinstance(acquire(st, Ask("ann", "k1", 50_000, node="b"), now=2, new_id=new_id), Queued)
     # cyd's small kernel goes to the V100: now cyd holds more than ann, ann is first, fits
-    decision, changes = core.acquire(st, Ask("cyd", "k1", 20_000), Quota(), 3, policy, new_id)
+    decision, changes = scheduling.acquire(st, Ask("cyd", "k1", 20_000), Quota(), 3, policy, new_id)
     assert isinstance(decision.outcome, Grant)
     assert st.lease_for_kernel("ann", "k1") is not None, "ann's request still waits"
     assert {g.lease.user for g in changes.granted} == {"cyd", "ann"}
     assert [r.user for r in st.queue.values()] == ["cyd"]
-    order = core.queue_order(st, 3, policy)
-    ok = core.usable_gpus(st, order[0].fraction_ppm, policy, order[0].node)
-    assert core.place(ok, st.allocated, order[0].fraction_ppm, policy) is None
-    core.check_invariants(st, policy)
+    order = scheduling.queue_order(st, 3, policy)
+    ok = scheduling.usable_gpus(st, order[0].fraction_ppm, policy, order[0].node)
+    assert scheduling.place(ok, st.allocated, order[0].fraction_ppm, policy) is None
+    scheduling.check_invariants(st, policy)
 
 
 def test_without_backfill_reservation_small_requests_overtake_forever():
@@ -308,7 +307,7 @@ def test_without_backfill_reservation_small_requests_overtake_forever():
     acquire(st, Ask("researcher", "big", 800_000), now=1, new_id=new_id, policy=policy)
     for i in range(10):
         victim = min(st.leases.values(), key=lambda x: x.created_at).id
-        core.apply_ends(st, [victim])
+        scheduling.apply_ends(st, [victim])
         acquire(st, Ask(f"late{i}", "k", 200_000), now=2 + i, new_id=new_id, policy=policy)
     assert st.lease_for_kernel("researcher", "big") is None
 
@@ -317,11 +316,13 @@ def test_expiry_and_renewal():
     st = pool(V100)
     policy = Policy(ttl=90)
     lease = acquire(st, Ask("u", "k", 20_000), now=0, policy=policy).lease
-    assert core.expired(st, 89) == []
-    fresh = core.renewed(lease, 60, policy, pid=42, execution_state="idle", last_activity=55)
+    assert scheduling.expired(st, 89) == []
+    fresh = scheduling.renewed(lease, 60, policy, pid=42, execution_state="idle", last_activity=55)
     st.update_lease(fresh)
     assert fresh.expires_at == 150 and fresh.pid == 42
-    assert core.expired(st, 149) == [] and [x.id for x in core.expired(st, 150)] == [lease.id]
+    assert scheduling.expired(st, 149) == [] and [x.id for x in scheduling.expired(st, 150)] == [
+        lease.id
+    ]
 
 
 def test_stale_requests_dropped_unless_polling():
@@ -330,7 +331,7 @@ def test_stale_requests_dropped_unless_polling():
     acquire(st, Ask("a", "k", 20_000), now=0)
     acquire(st, Ask("b", "k", 20_000), now=0)
     policy = Policy(queue_poll_grace=30)
-    stale = core.stale_requests(st, 31, policy, polling={("b", "k")})
+    stale = scheduling.stale_requests(st, 31, policy, polling={("b", "k")})
     assert [r.user for r in stale] == ["a"]
 
 
@@ -339,15 +340,17 @@ def test_idle_reclaim_only_while_someone_waits():
     policy = Policy(idle_reclaim_after=600)
     for i in range(50):
         lease = acquire(st, Ask(f"s{i}", "k", 20_000), policy=policy).lease
-        st.update_lease(core.renewed(lease, 0, policy, execution_state="idle", last_activity=0))
-    assert core.idle_victims(st, 10_000, policy) == []  # nobody waits: nothing revoked
+        st.update_lease(
+            scheduling.renewed(lease, 0, policy, execution_state="idle", last_activity=0)
+        )
+    assert scheduling.idle_victims(st, 10_000, policy) == []  # nobody waits: nothing revoked
     acquire(st, Ask("late", "k", 40_000), now=10_000, policy=policy)
-    victims = core.idle_victims(st, 10_000, policy)
+    victims = scheduling.idle_victims(st, 10_000, policy)
     assert len(victims) == 2  # exactly enough for 0.04
     # busy kernels are never idle
     for lease in list(st.leases.values()):
-        st.update_lease(core.renewed(lease, 10_000, policy, execution_state="busy"))
-    assert core.idle_victims(st, 20_000, policy) == []
+        st.update_lease(scheduling.renewed(lease, 10_000, policy, execution_state="busy"))
+    assert scheduling.idle_victims(st, 20_000, policy) == []
 
 
 @pytest.mark.parametrize(
@@ -368,7 +371,7 @@ def test_check_invariants_catches_over_allocation():
     acquire(st, Ask("u", "k", PPM))
     st.allocated[V100.uuid] += 1
     with pytest.raises(AssertionError):
-        core.check_invariants(st, Policy())
+        scheduling.check_invariants(st, Policy())
 
 
 @pytest.mark.parametrize(
@@ -383,7 +386,7 @@ def test_check_invariants_catches_over_allocation():
     ],
 )
 def test_leases_to_end(sizes, allocated, ppm, expect):
-    assert core.leases_to_end(sizes, allocated, ppm, PPM) == expect
+    assert scheduling.leases_to_end(sizes, allocated, ppm, PPM) == expect
 
 
 def _reservation_pool():
@@ -414,11 +417,13 @@ def test_head_reserves_the_gpu_where_the_fewest_leases_must_end(reservation, res
     assert isinstance(
         acquire(st, Ask("big", "k", PPM), policy=policy, now=1, new_id=new_id), Queued
     )
-    ok = core.usable_gpus(st, PPM, policy)
+    ok = scheduling.usable_gpus(st, PPM, policy)
     sizes = {}
     for lease in st.leases.values():
         sizes.setdefault(lease.gpu_uuid, []).append(lease.fraction_ppm)
-    assert core.reservation_target(ok, dict(st.allocated), sizes, PPM, policy).uuid == reserved
+    assert (
+        scheduling.reservation_target(ok, dict(st.allocated), sizes, PPM, policy).uuid == reserved
+    )
     # a 0.2 fits on g0 or g1; best-fit would pick g1 (fuller), but not if g1 is reserved
     out = acquire(st, Ask("small", "k", 200_000), policy=policy, now=2, new_id=new_id)
     assert isinstance(out, Grant) and out.lease.gpu_uuid == small_on
@@ -433,9 +438,9 @@ def test_fewest_leases_reservation_serves_the_head_despite_a_stream_of_small_req
         acquire(st, Ask(f"late{i}", "k", 20_000), policy=policy, now=t, new_id=new_id)
         assert st.allocated["g1"] <= 750_000  # nothing new lands on the reserved GPU
         victim = min(st.leases.values(), key=lambda x: x.created_at).id
-        core.apply_ends(st, [victim])
-        core.apply_grants(st, core.drain(st, t, policy))
-        core.check_invariants(st, policy)
+        scheduling.apply_ends(st, [victim])
+        scheduling.apply_grants(st, scheduling.drain(st, t, policy))
+        scheduling.check_invariants(st, policy)
         t += 1
         if st.lease_for_kernel("big", "k"):
             break
@@ -452,7 +457,7 @@ def test_a_repeated_poll_says_how_full_the_gpus_are():
     assert "V100" in again.reason and "100% allocated" in again.reason
 
 
-# -- MPS serves one Unix user per GPU at a time (issue 26) ----------------------------------
+# -- MPS serves one Unix user per GPU at a time ----------------------------------
 ANN, BOB = 1000, 1001  # the uids their provisioners report
 
 
@@ -494,7 +499,7 @@ def test_an_mps_kernel_is_placed_only_where_the_mps_server_serves_its_uid_or_non
         assert "ann" not in out.reason and str(ANN) not in out.reason  # never who
     else:
         assert out.lease.mps_uid == uid
-    core.check_invariants(st, Policy())
+    scheduling.check_invariants(st, Policy())
 
 
 def test_an_mps_kernel_goes_to_another_gpu_rather_than_wait():
@@ -512,12 +517,12 @@ def test_the_waiting_mps_kernel_is_granted_when_the_other_users_kernels_end():
     assert isinstance(acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=1), Queued)
     # ann's lease ends, but her kernel's client is still reported: bob still waits
     (ann,) = st.leases.values()
-    changes = core.end(st, [(ann, "released", None)], 2, policy)
+    changes = scheduling.end(st, [(ann, "released", None)], 2, policy)
     assert changes.granted == [] and ("bob", "k") in st.queue
     # the agent's next report: the server has no clients (None); the service drains
     st.mps_uid.clear()
     changes = Changes(3)
-    assert core.grant_waiting(st, 3, policy, changes) == 1
+    assert scheduling.grant_waiting(st, 3, policy, changes) == 1
     assert st.lease_for_kernel("bob", "k").mps_uid == BOB
 
 
@@ -527,9 +532,9 @@ def test_one_drain_does_not_place_two_users_mps_kernels_on_one_gpu():
     hog = acquire(st, Ask("hog", "k", PPM))
     assert isinstance(acquire(st, Ask("ann", "k", 100_000, mps_uid=ANN), now=1), Queued)
     assert isinstance(acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=2), Queued)
-    changes = core.end(st, [(hog.lease, "released", None)], 3, policy)
+    changes = scheduling.end(st, [(hog.lease, "released", None)], 3, policy)
     assert [g.lease.user for g in changes.granted] == ["ann"]
-    reason = core.decide_acquire(
+    reason = scheduling.decide_acquire(
         st, Ask("bob", "k", 100_000, mps_uid=BOB), Quota(), 4, policy, _IDS
     ).outcome.reason
     assert reason.startswith("The MPS server of GPU 0 (V100) is serving another user's kernels")
@@ -548,7 +553,7 @@ def test_the_first_users_stream_of_mps_kernels_does_not_starve_the_second():
     for t in range(2, 6):
         acquire(st, Ask("ann", f"k{t}", 100_000, mps_uid=ANN), now=t, new_id=new_id)
     assert [x.kernel_id for x in st.leases.values()] == ["k0"]  # ann's new ones wait too
-    core.end(st, [(st.lease_for_kernel("ann", "k0"), "released", None)], 6, policy)
+    scheduling.end(st, [(st.lease_for_kernel("ann", "k0"), "released", None)], 6, policy)
     assert st.lease_for_kernel("bob", "k") is not None
 
 
@@ -564,7 +569,7 @@ def test_the_reason_names_each_gpu_whose_server_serves_another_user_and_how_full
     assert "GPU 2 (A100) is 100% allocated" in out.reason, out.reason
 
 
-# -- MPS owners from trusted sources only (issue 36, item 2) ------------------------------
+# -- MPS owners from trusted sources only ------------------------------
 MADE_UP = 4242  # a uid a student claims; no account runs anything as it
 WINDOW = node_rules.mps_claim_window(Policy())  # 90/3 + 30 = 60 s
 
@@ -595,7 +600,7 @@ def test_a_gpus_mps_owners_come_from_the_agent_and_proofs_and_a_claim_only_brief
 
 
 def test_a_made_up_mps_uid_keeps_another_users_mps_kernel_waiting_only_for_the_window():
-    """The attack of issue 36: a 0.02 lease claiming a made-up uid on the only GPU. The
+    """The MPS placement squat: a 0.02 lease claiming a made-up uid on the only GPU. The
     victim waits within the window, and the reaper's drain grants it after."""
     st = pool(V100)
     policy = Policy()
@@ -603,9 +608,9 @@ def test_a_made_up_mps_uid_keeps_another_users_mps_kernel_waiting_only_for_the_w
     assert isinstance(squat, Grant)
     out = acquire(st, Ask("bob", "k", 100_000, mps_uid=BOB), now=WINDOW / 2)
     assert isinstance(out, Queued) and "serving another user's kernels" in out.reason
-    assert core.reap(st, WINDOW, policy).changes.granted == []
+    assert scheduling.reap(st, WINDOW, policy).changes.granted == []
     st.queue[("bob", "k")].last_polled_at = WINDOW  # bob's client long-polls meanwhile
-    reaped = core.reap(st, WINDOW + 1, policy)
+    reaped = scheduling.reap(st, WINDOW + 1, policy)
     assert [g.lease.user for g in reaped.changes.granted] == ["bob"]
     assert st.find_lease(squat.lease.id) is not None  # the squatter is not punished
 
@@ -619,7 +624,7 @@ def test_two_requests_granted_in_one_pass_still_see_each_others_claims():
     for t, (who, uid) in enumerate([("ann", ANN), ("bob", BOB)], 1):
         assert isinstance(acquire(st, Ask(who, "k", 100_000, mps_uid=uid), now=t), Queued)
     later = 10 * WINDOW
-    changes = core.end(st, [(hog.lease, "released", None)], later, policy)
+    changes = scheduling.end(st, [(hog.lease, "released", None)], later, policy)
     assert [g.lease.user for g in changes.granted] == ["ann"]
 
 

@@ -7,10 +7,10 @@ drain leaves no waiting head that could have been placed; and, with MPS kernels
 (``mps_uid``, honest or made up), agents' reports of whom each GPU's MPS server serves and
 their proofs of kernels' uids, that no GPU holds MPS leases of two uids that count (proven,
 or claimed within the claim window: one would hang) and none is placed where another uid
-is served; a made-up claim stops counting after the window (issue 36: the reaper's drain
+is served; a made-up claim stops counting after the window (the reaper's drain
 then places the head it kept out, ``drain_is_complete``).
 
-Parking (issue 28): the reaper parks idle victims where a random ``can_park`` allows,
+Parking: the reaper parks idle victims where a random ``can_park`` allows,
 the agent's reports (park done/failed, resume done/failed), the parking timeout, the
 owners' resumes, releases, renewals and expiry of parked leases, and acquires of
 kernels whose lease is parked are interleaved too; parked leases never hold capacity,
@@ -25,10 +25,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from provisioner.broker import admission, node_rules
-from provisioner.broker import scheduling as core
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.scheduling import Existing, Grant, Queued
+from provisioner.broker.rules import admission, node_rules, scheduling
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.rules.scheduling import Existing, Grant, Queued
 from provisioner.errors import GPULeaseError
 from provisioner.model import GPU, Changes, PoolState, Quota, QuotaBook
 
@@ -53,7 +52,7 @@ GROUPS = {
 }
 #: each user's Unix uid, which an MPS kernel's provisioner reports
 UIDS = {user: 1000 + i for i, user in enumerate(USERS)}
-#: a uid a student makes up (issue 36): no account, nothing ever runs as it
+#: a uid a student makes up: no account, nothing ever runs as it
 MADE_UP_UID = 4242
 #: every user's MPS kernel of this name claims :data:`MADE_UP_UID` (each repeat alike)
 LYING_KERNEL = "k3"
@@ -88,7 +87,9 @@ class Broker(RuleBasedStateMachine):
         before = self._snapshot()
         was = self.state.lease_for_kernel(user, kernel)
         try:
-            d, changes = core.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+            d, changes = scheduling.acquire(
+                self.state, ask, quota, self.now, self.policy, self.new_id
+            )
         except GPULeaseError:
             # a refusal changes nothing
             assert before == self._snapshot()
@@ -101,7 +102,9 @@ class Broker(RuleBasedStateMachine):
             owners = owners[d.outcome.lease.gpu_uuid]
             assert owners == {uid}, owners
         # idempotency: asking again at once yields the same lease or the same queue place
-        again = core.decide_acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+        again = scheduling.decide_acquire(
+            self.state, ask, quota, self.now, self.policy, self.new_id
+        )
         assert again.grants == []
         if isinstance(d.outcome, (Grant, Existing)):
             assert (
@@ -135,7 +138,7 @@ class Broker(RuleBasedStateMachine):
     def release(self, data):
         lease_id = data.draw(st.sampled_from(self._live()))
         lease = self.state.find_lease(lease_id)
-        changes = core.end(self.state, [(lease, "released", None)], self.now, self.policy)
+        changes = scheduling.end(self.state, [(lease, "released", None)], self.now, self.policy)
         assert [x.id for x, _, _ in changes.ended] == [lease_id]
         assert self.state.find_lease(lease_id) is None
         assert not [r for r in self.state.queue.values() if r.resume_of == lease_id]
@@ -147,7 +150,7 @@ class Broker(RuleBasedStateMachine):
         lease = self.state.find_lease(lease_id)
         state = "busy" if busy else "idle"
         self.state.update_lease(
-            core.renewed(
+            scheduling.renewed(
                 lease, self.now, self.policy, execution_state=state, last_activity=self.now
             )
         )
@@ -160,27 +163,27 @@ class Broker(RuleBasedStateMachine):
         lease = self.state.leases[lease_id]
         held = self.state.allocated[lease.gpu_uuid]
         if done:
-            changes = core.park_done(self.state, lease_id, self.now, self.policy)
+            changes = scheduling.park_done(self.state, lease_id, self.now, self.policy)
             assert self.state.parked[lease_id].park == "parked"
             assert changes.parks[0].id == lease_id
         else:
-            changes = core.park_failed(self.state, lease_id, "no", self.now, self.policy)
+            changes = scheduling.park_failed(self.state, lease_id, "no", self.now, self.policy)
             assert [(x.id, how) for x, how, _ in changes.ended] == [(lease_id, "revoked")]
         # its share is freed, and the queue may have taken it at once
         regranted = [g.lease for g in changes.granted] + [x for _, x in changes.resumed]
         taken = sum(x.fraction_ppm for x in regranted if x.gpu_uuid == lease.gpu_uuid)
         assert self.state.allocated[lease.gpu_uuid] == held - lease.fraction_ppm + taken
         # a repeated report changes nothing
-        assert not core.park_done(self.state, lease_id, self.now, self.policy)
-        assert not core.park_failed(self.state, lease_id, "again", self.now, self.policy)
+        assert not scheduling.park_done(self.state, lease_id, self.now, self.policy)
+        assert not scheduling.park_failed(self.state, lease_id, "again", self.now, self.policy)
 
     @precondition(lambda self: any(x.park == "parking" for x in self.state.leases.values()))
     @rule(timeout=st.sampled_from([0.0, 50.0, 500.0]))
     def parking_timeout(self, timeout):
         """The service gives up on leases parking longer than its ``park_timeout``."""
-        for lease in core.parking_overdue(self.state, self.now, timeout):
+        for lease in scheduling.parking_overdue(self.state, self.now, timeout):
             assert self.now - lease.parked_at > timeout
-            core.park_failed(self.state, lease.id, "it did not finish", self.now, self.policy)
+            scheduling.park_failed(self.state, lease.id, "it did not finish", self.now, self.policy)
 
     @precondition(lambda self: self.state.leases or self.state.parked)
     @rule(data=st.data())
@@ -190,7 +193,7 @@ class Broker(RuleBasedStateMachine):
         pick = parked if parked and data.draw(st.booleans()) else self._live()
         lease_id = data.draw(st.sampled_from(pick))
         was = self.state.find_lease(lease_id)
-        d, changes = core.resume(self.state, lease_id, self.now, self.policy, self.new_id)
+        d, changes = scheduling.resume(self.state, lease_id, self.now, self.policy, self.new_id)
         assert d.lease is self.state.find_lease(lease_id)
         if was.park != "parked":
             assert d.state == (was.park or "active") and not changes
@@ -204,7 +207,7 @@ class Broker(RuleBasedStateMachine):
             assert lease_id in self.state.leases and d.position is None
             assert any(x.id == lease_id for _, x in changes.resumed)
         assert not changes.granted or all(g.request is not None for g in changes.granted)
-        again, more = core.resume(self.state, lease_id, self.now, self.policy, self.new_id)
+        again, more = scheduling.resume(self.state, lease_id, self.now, self.policy, self.new_id)
         assert again.state == d.state and not more.queued  # idempotent
 
     @precondition(lambda self: any(x.park == "resuming" for x in self.state.leases.values()))
@@ -213,13 +216,13 @@ class Broker(RuleBasedStateMachine):
         """The node agent reports a restore done (active again) or failed (revoked)."""
         lease_id = data.draw(st.sampled_from(self._in("resuming")))
         if done:
-            core.resume_done(self.state, lease_id, self.now)
+            scheduling.resume_done(self.state, lease_id, self.now)
             assert self.state.leases[lease_id].park is None
         else:
-            changes = core.resume_failed(self.state, lease_id, "no", self.now, self.policy)
+            changes = scheduling.resume_failed(self.state, lease_id, "no", self.now, self.policy)
             assert changes.ended[0][0].id == lease_id
-        assert not core.resume_done(self.state, lease_id, self.now)
-        assert not core.resume_failed(self.state, lease_id, "again", self.now, self.policy)
+        assert not scheduling.resume_done(self.state, lease_id, self.now)
+        assert not scheduling.resume_failed(self.state, lease_id, "again", self.now, self.policy)
 
     @rule(gpu=st.sampled_from([g.uuid for g in GPUS]), user=st.sampled_from([None, *USERS]))
     def mps_report(self, gpu, user):
@@ -231,7 +234,7 @@ class Broker(RuleBasedStateMachine):
         else:
             self.state.mps_uid[gpu] = UIDS[user]
         if self.state.mps_uid != before:
-            core.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
+            scheduling.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
 
     @rule(
         dt=st.sampled_from([1.0, 10.0, 45.0, 100.0, 400.0]),
@@ -247,7 +250,7 @@ class Broker(RuleBasedStateMachine):
         self.now += dt
         if kept:
             for lease in [*self.state.leases.values(), *self.state.parked.values()]:
-                self.state.update_lease(core.renewed(lease, self.now, self.policy))
+                self.state.update_lease(scheduling.renewed(lease, self.now, self.policy))
             for req in self.state.queue.values():
                 req.last_polled_at = self.now
         can_park = {
@@ -257,7 +260,7 @@ class Broker(RuleBasedStateMachine):
             "some": lambda lease: None if lease.fraction_ppm <= 250_000 else "too big",
         }[parking]
         before = {i for i, x in self.state.leases.items() if x.park is not None}
-        reaped = core.reap(self.state, self.now, self.policy, can_park=can_park)
+        reaped = scheduling.reap(self.state, self.now, self.policy, can_park=can_park)
         if reaped.revoked or reaped.parking:
             assert self.state.queue or reaped.changes.granted or reaped.changes.resumed, (
                 "idle leases reclaimed while nobody waited"
@@ -268,11 +271,11 @@ class Broker(RuleBasedStateMachine):
             assert self.state.leases[lease.id].parked_at == self.now
         for lease in reaped.revoked:
             assert lease.id not in before, "a lease being parked or resumed was revoked as idle"
-        assert not core.expired(self.state, self.now)
+        assert not scheduling.expired(self.state, self.now)
 
     @invariant()
     def capacity_and_bookkeeping(self):
-        core.check_invariants(self.state, self.policy)
+        scheduling.check_invariants(self.state, self.policy)
 
     @invariant()
     def quotas_hold(self):
@@ -292,15 +295,17 @@ class Broker(RuleBasedStateMachine):
     @invariant()
     def drain_is_complete(self):
         """After every step, the head of the queue cannot be placed (else it would have been)."""
-        order = core.queue_order(self.state, self.now, self.policy)
+        order = scheduling.queue_order(self.state, self.now, self.policy)
         if order:
             head = order[0]
-            ok = core.usable_gpus(
+            ok = scheduling.usable_gpus(
                 self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
             )
             owners = node_rules.mps_owners(self.state, self.now, self.policy)
             blocked = node_rules.mps_blocked(owners, head.mps_uid)
-            placed = core.place(ok, self.state.allocated, head.fraction_ppm, self.policy, blocked)
+            placed = scheduling.place(
+                ok, self.state.allocated, head.fraction_ppm, self.policy, blocked
+            )
             assert placed is None
 
     @invariant()
@@ -331,13 +336,13 @@ class Broker(RuleBasedStateMachine):
             return
         lease = self.state.leases[data.draw(st.sampled_from(fresh))]
         self.state.mps_proven[lease.id] = UIDS[lease.user]
-        core.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
+        scheduling.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
 
     @invariant()
     def one_mps_uid_per_gpu(self):
         """No GPU holds MPS leases of two uids that count (proven, or claimed within the
         claim window): a client of the second would hang. A claim past its window counts
-        for nobody (issue 36)."""
+        for nobody."""
         window = node_rules.mps_claim_window(self.policy)
         uids: dict[str, set[int]] = {}
         for lease in self.state.leases.values():
@@ -381,7 +386,7 @@ class CrowdedBroker(Broker):
         for lease in list(self.state.leases.values()):
             since = self.now - 2 * (self.policy.idle_reclaim_after or 0)
             self.state.update_lease(
-                core.renewed(
+                scheduling.renewed(
                     lease, self.now, self.policy, execution_state="idle", last_activity=since
                 )
             )
@@ -395,10 +400,10 @@ class CrowdedBroker(Broker):
         the agents report the checkpoints done (a path to parked leases in few steps)."""
         self.everyone_idle()
         self.acquire(user, kernel, ppm, None)
-        reaped = core.reap(self.state, self.now, self.policy, can_park=lambda lease: None)
+        reaped = scheduling.reap(self.state, self.now, self.policy, can_park=lambda lease: None)
         assert not reaped.revoked
         for lease in reaped.parking:
-            core.park_done(self.state, lease.id, self.now, self.policy)
+            scheduling.park_done(self.state, lease.id, self.now, self.policy)
             assert lease.id in self.state.parked
 
 
@@ -431,6 +436,6 @@ def test_no_starvation_every_waiting_request_is_served_as_leases_end():
         if served == set(waiting):
             break
         oldest = min(m.state.leases.values(), key=lambda x: x.created_at)
-        core.end(m.state, [(oldest, "released", None)], m.now, m.policy)
-        core.check_invariants(m.state, m.policy)
+        scheduling.end(m.state, [(oldest, "released", None)], m.now, m.policy)
+        scheduling.check_invariants(m.state, m.policy)
     assert served == set(waiting)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from provisioner.broker.policy import Policy
+from provisioner.broker.rules.policy import Policy
 from provisioner.devtools.simulate import (
     SCHEMES,
     PoolSpec,

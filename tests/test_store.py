@@ -1,4 +1,4 @@
-"""Tests of provisioner.broker.store against real databases: an SQLite file and PostgreSQL.
+"""Tests of provisioner.broker.store.store against real databases: an SQLite file and PostgreSQL.
 
 Every test that takes ``store`` (or ``db_url``) runs twice: on a fresh SQLite file and
 on a fresh, uniquely named PostgreSQL schema of the ``test`` database (skipped, with
@@ -26,9 +26,9 @@ import pytest
 import sqlalchemy as sa
 
 import provisioner
-from provisioner.broker import scheduling as core
-from provisioner.broker.policy import Ask, Policy
-from provisioner.broker.store import (
+from provisioner.broker.rules import scheduling
+from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.store.store import (
     MIGRATIONS,
     Fence,
     Migration,
@@ -796,7 +796,7 @@ def _same(store: Store, st: PoolState) -> None:
     """The database holds what memory holds: live leases with their park states, parked
     ones apart, the queue with its resume requests, the same capacity."""
     back = _memory_of(store, list(st.gpus.values()))
-    core.check_invariants(back, PARK_POLICY)
+    scheduling.check_invariants(back, PARK_POLICY)
 
     def parks(leases: dict[str, Lease]) -> dict[str, tuple[str | None, float | None]]:
         return {i: (x.park, x.parked_at) for i, x in leases.items()}
@@ -825,37 +825,37 @@ def test_parking_round_trips_through_the_database(store: Store) -> None:
         _same(store, st)
 
     for user, now in (("ann", 0.0), ("bob", 1.0), ("cyd", 900.0)):
-        _, ch = core.acquire(st, Ask(user, "k", 500_000), Quota(), now, PARK_POLICY, new_id)
+        _, ch = scheduling.acquire(st, Ask(user, "k", 500_000), Quota(), now, PARK_POLICY, new_id)
         write(ch)
     ann = st.lease_for_kernel("ann", "k")
     bob = st.lease_for_kernel("bob", "k")
     assert ann is not None and bob is not None and ("cyd", "k") in st.queue
     st.update_lease(replace(bob, execution_state="busy"))
-    reaped = core.reap(st, 1000.0, PARK_POLICY, can_park=lambda lease: None)
+    reaped = scheduling.reap(st, 1000.0, PARK_POLICY, can_park=lambda lease: None)
     assert [x.id for x in reaped.parking] == [ann.id]
     write(reaped.changes)  # parking: it still holds its share in the database
     assert store.get_lease(ann.id).park == "parking"  # type: ignore[union-attr]
     assert store.counts()["parking"] == 1
-    write(core.park_done(st, ann.id, 1005.0, PARK_POLICY))  # parked; cyd granted its share
+    write(scheduling.park_done(st, ann.id, 1005.0, PARK_POLICY))  # parked; cyd granted its share
     assert st.lease_for_kernel("cyd", "k") is not None
     got = store.get_lease(ann.id)
     assert got is not None and (got.state, got.park, got.parked_at) == ("active", "parked", 1000.0)
     assert got.wire_state == "parked"
     assert store.counts()["parked"] == 1 and store.counts()["active"] == 2
-    decision, ch = core.resume(st, ann.id, 1100.0, PARK_POLICY, new_id)
+    decision, ch = scheduling.resume(st, ann.id, 1100.0, PARK_POLICY, new_id)
     assert decision.state == "parked"
     write(ch)  # the resume request waits, keeping the place of the moment it was parked
     (req,) = store.load_active()[1]
     assert (req.resume_of, req.arrived_at, req.gpu_uuids) == (ann.id, 1000.0, ("GPU-0",))
     cyd = st.lease_for_kernel("cyd", "k")
     assert cyd is not None
-    ch = core.end(st, [(cyd, "released", None)], 1200.0, PARK_POLICY)
+    ch = scheduling.end(st, [(cyd, "released", None)], 1200.0, PARK_POLICY)
     assert ch.resumed and not ch.granted
     write(ch)  # resuming: the share taken again, the request left as granted, no new lease
     assert len(store.list_leases()) == 3
     _, log = store.history(0, 2000)
     assert ("granted", 1200.0) in {(q.outcome, q.left_at) for q in log if q.id == req.id}
-    write(core.resume_done(st, ann.id, 1300.0))
+    write(scheduling.resume_done(st, ann.id, 1300.0))
     got = store.get_lease(ann.id)
     assert got is not None and (got.park, got.parked_at, got.wire_state) == (None, None, "active")
 
@@ -905,14 +905,16 @@ def test_a_restarted_kernel_of_a_parked_lease_waits_anew_in_one_batch(store: Sto
     store.insert_lease(replace(ann, park=None, parked_at=None), PPM)
     batch = [Changes(10.0, parks=[ann])]
     st._add_parked(ann)
-    _, ch = core.acquire(st, Ask("bob", "k", PPM), Quota(), 11.0, PARK_POLICY, lambda: next(ids))
+    _, ch = scheduling.acquire(
+        st, Ask("bob", "k", PPM), Quota(), 11.0, PARK_POLICY, lambda: next(ids)
+    )
     batch.append(ch)
-    _, ch = core.resume(st, "L", 12.0, PARK_POLICY, lambda: next(ids))
+    _, ch = scheduling.resume(st, "L", 12.0, PARK_POLICY, lambda: next(ids))
     batch.append(ch)
     assert ("ann", "k") in st.queue and ch.queued
     store.write_changes(batch, PPM)
     _same(store, st)
-    _, ch = core.acquire(
+    _, ch = scheduling.acquire(
         st, Ask("ann", "k", 200_000), Quota(), 13.0, PARK_POLICY, lambda: next(ids)
     )
     assert ch.ended and ch.dropped and ch.queued
@@ -1151,7 +1153,7 @@ def test_processes_racing_never_overallocate(store: Store, db_url: str) -> None:
 _CRASH_CHILD = """
 import sys, time
 from provisioner.model import Lease
-from provisioner.broker.store import Store
+from provisioner.broker.store.store import Store
 store = Store(sys.argv[1])
 store.open()
 i = 0
@@ -1348,11 +1350,11 @@ def test_leadership_needs_postgres(tmp_path: Path) -> None:
 
 
 def test_usage_reads_through_the_indexes_not_every_lease(tmp_path: Path) -> None:
-    """``usage?by=group`` (any student's, issue 36) reads the leases active now or ended in
+    """``usage?by=group`` (any student's) reads the leases active now or ended in
     the window through ``ix_leases_state`` and ``ix_leases_ended``: no scan of the table."""
     import sqlalchemy as sa
 
-    from provisioner.broker import store_schema
+    from provisioner.broker.store import schema as store_schema
 
     url = f"sqlite:///{tmp_path / 'plan.sqlite'}"
     Store(url).upgrade()

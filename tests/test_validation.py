@@ -1,4 +1,4 @@
-"""Table tests of provisioner.broker.validation (pure: no broker, no HTTP)."""
+"""Table tests of provisioner.broker.web.validation (pure: no broker, no HTTP)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker.validation import (
+from provisioner.broker.web.validation import (
     parse_acquire,
     parse_duration,
     parse_flag,
@@ -340,7 +340,7 @@ def test_messages_never_echo_huge_values() -> None:
     assert json.dumps(info.value.to_json())
 
 
-# -- MPS uids (issue 26) -----------------------------------------------------------------
+# -- MPS uids -----------------------------------------------------------------
 
 
 def test_acquire_carries_an_mps_kernels_uid_as_a_hint() -> None:

@@ -4,7 +4,7 @@ Every option is a trait (``c.GPULeaseBroker.<name>`` in a config file given with
 ``--config FILE``, or on the command line; ``--generate-config`` prints them all); the
 traits, their help, defaults and checks are :class:`~.options.BrokerOptions`, which
 :class:`GPULeaseBroker` inherits. :meth:`GPULeaseBroker.serve` passes the values into
-plain objects and the plain functions of :mod:`.serving` — ``Store``,
+plain objects and the plain functions of :mod:`.startup` — ``Store``,
 ``inventory.load_gpus``, ``Policy``, the authenticator, ``BrokerService``,
 ``BrokerMetrics`` and :func:`routes.make_app` — so tests and benchmarks build the same
 pieces without the Application.
@@ -46,16 +46,16 @@ from .._version import __version__
 from ..errors import GPULeaseError
 from ..inventory import load_gpus
 from ..model import GPU
-from . import serving
-from .auth import AUTHENTICATORS, Authenticator
-from .fronts import FRONT_ENV, Fronts
-from .handlers import normalize_base_url
-from .leadership import Leadership
-from .metrics import BrokerMetrics
+from . import startup
+from .fronts.processes import FRONT_ENV, Fronts
 from .options import BrokerOptions
-from .routes import make_app
-from .service import BrokerService
-from .store import Store
+from .services.broker_service import BrokerService
+from .store.leadership import Leadership
+from .store.store import Store
+from .web.auth import AUTHENTICATORS, Authenticator
+from .web.handlers import normalize_base_url
+from .web.metrics import BrokerMetrics
+from .web.routes import make_app
 
 log = logging.getLogger("gpu_lease.broker.app")
 
@@ -256,7 +256,7 @@ class GPULeaseBroker(BrokerOptions, Application):
             gpus = self.load_inventory()
             authenticator = self.make_authenticator()
             quota_entries = self.quota_entries()
-            store = serving.open_store(
+            store = startup.open_store(
                 self.db_url,
                 sqlite_synchronous=self.sqlite_synchronous,
                 sqlite_busy_timeout=self.sqlite_busy_timeout,
@@ -267,7 +267,7 @@ class GPULeaseBroker(BrokerOptions, Application):
         except GPULeaseError as exc:
             self.log.critical("%s", exc.message)
             return 2
-        service, metrics = serving.build_service(
+        service, metrics = startup.build_service(
             store,
             gpus,
             self.policy(),
@@ -277,8 +277,8 @@ class GPULeaseBroker(BrokerOptions, Application):
         )
         leadership: Leadership | None = None
         if self.ha_lock:
-            serving.collect_from_now_on()  # a standby may wait for hours before it leads
-            leadership = await serving.stand_by(store, self.leadership_ttl, self.log)
+            startup.collect_from_now_on()  # a standby may wait for hours before it leads
+            leadership = await startup.stand_by(store, self.leadership_ttl, self.log)
             if leadership is None:
                 store.close()
                 return 0 if store.fencing.supported else 2
@@ -299,7 +299,7 @@ class GPULeaseBroker(BrokerOptions, Application):
 
         server: HTTPServer | Fronts | None
         if self.http_processes:
-            server = await serving.start_fronts(
+            server = await startup.start_fronts(
                 self.http_processes,
                 list(self.argv),
                 self.ip,
@@ -312,33 +312,33 @@ class GPULeaseBroker(BrokerOptions, Application):
             )
         else:
             app = self.make_web_app(service, authenticator, metrics)
-            server = serving.listen(app, self.ip, self.port, self.log)
+            server = startup.listen(app, self.ip, self.port, self.log)
         if server is None:
             if leadership is not None:
                 leadership.release()
             service.close()
             return 2
-        serving.collect_from_now_on()
-        reaper = serving.start_reaper(service, self.reap_interval, self.log)
+        startup.collect_from_now_on()
+        reaper = startup.start_reaper(service, self.reap_interval, self.log)
         keeper = self.keep_leadership(leadership, service, stop) if leadership else None
-        with serving.stop_on_signals(stop):
+        with startup.stop_on_signals(stop):
             self.log_listening(gpus, store, authenticator)
             await stop.wait()
         if self.failed:
             self.log.critical("Cannot serve: %s", self.failed)
-        await serving.shut_down(server, reaper, service, self.log, leadership, keeper)
+        await startup.shut_down(server, reaper, service, self.log, leadership, keeper)
         return 1 if self.lost_leadership or self.failed else 0
 
     async def serve_front(self, service_socket: str, fds: list[int]) -> int:
         """An HTTP process of ``--http-processes`` (``fronts.py`` starts it): the API on
         the inherited sockets ``fds``, the service over ``service_socket``
-        (:func:`.serving.serve_front`); exits when its broker process is gone."""
+        (:func:`.startup.serve_front`); exits when its broker process is gone."""
         try:
             authenticator = self.make_authenticator()
         except GPULeaseError as exc:
             self.log.critical("%s", exc.message)
             return 2
-        return await serving.serve_front(
+        return await startup.serve_front(
             service_socket, fds, authenticator, self.log, **self.web_options()
         )
 

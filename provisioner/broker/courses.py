@@ -6,7 +6,7 @@ Admins edit one file (``hub_config/courses.toml``); two readers use it:
   (``c.JupyterHub.load_groups``), the ``instructors`` into holders of the
   ``custom:gpu-lease:admin`` scope and ``admins`` into hub admins;
 - the broker (``gpu-lease broker --quotas-file FILE``) applies the quotas at every
-  start (:meth:`~provisioner.broker.quotas.QuotaService.apply_quotas`).
+  start (:meth:`~provisioner.broker.services.quotas.QuotaService.apply_quotas`).
 
 Shape (every quota table takes the fields of ``PUT /api/v1/quotas/...``:
 ``max_fraction``, ``max_leases``, ``max_lease_fraction``, ``budget_fraction_hours``,
@@ -39,7 +39,7 @@ from typing import Any
 
 from ..errors import CoursesFileError, GPULeaseError
 from ..model import Quota
-from .validation import parse_quota
+from .web.validation import parse_quota
 
 try:  # Python 3.11+
     import tomllib

@@ -5,7 +5,7 @@
 (``--GPULeaseBroker.x``, the aliases) and ``--generate-config`` still name
 ``GPULeaseBroker``. ``BrokerOptions`` is not a ``Configurable``: it never becomes a
 section of its own. A default lives in one place: the policy knobs' in
-:class:`~provisioner.broker.policy.Policy`, the others in the trait or in the constant of
+:class:`~provisioner.broker.rules.policy.Policy`, the others in the trait or in the constant of
 the module that uses it.
 """
 
@@ -28,16 +28,16 @@ from traitlets import (
 )
 
 from ..model import fraction_to_ppm, ppm_to_fraction
-from .auth import AUTHENTICATORS, HUB_CACHE_MAX_AGE, Authenticator
-from .handlers import MAX_BODY_BYTES
-from .policy import Policy
-from .service import REAP_INTERVAL, ParkSettings
-from .store import (
+from .rules.policy import Policy
+from .services.broker_service import REAP_INTERVAL, ParkSettings
+from .store.store import (
     DEFAULT_PG_TIMEOUT,
     DEFAULT_SQLITE_BUSY_TIMEOUT,
     DEFAULT_SQLITE_SYNCHRONOUS,
     SQLITE_SYNCHRONOUS,
 )
+from .web.auth import AUTHENTICATORS, HUB_CACHE_MAX_AGE, Authenticator
+from .web.handlers import MAX_BODY_BYTES
 
 #: where the broker listens unless JUPYTERHUB_SERVICE_URL (or --ip/--port) says otherwise
 DEFAULT_IP = "127.0.0.1"
@@ -64,7 +64,7 @@ class OptionalType(Type):
 
 class BrokerOptions(HasTraits):
     """The broker's configurable traits (``c.GPULeaseBroker.<name>``), and the
-    :class:`~provisioner.broker.policy.Policy` they make."""
+    :class:`~provisioner.broker.rules.policy.Policy` they make."""
 
     generate_config = Bool(
         False,
@@ -239,7 +239,7 @@ class BrokerOptions(HasTraits):
         klass=Authenticator,
         allow_none=True,
         help="""The class that identifies callers: a subclass of
-        provisioner.broker.auth.Authenticator, or its import name; its own options are
+        provisioner.broker.web.auth.Authenticator, or its import name; its own options are
         c.<ClassName>.*. Default: None, the class --auth names (HubTokens for 'hub',
         StaticTokens for 'static').""",
     ).tag(config=True)
@@ -337,7 +337,7 @@ class BrokerOptions(HasTraits):
         f"Default: {REAP_INTERVAL:g}.",
     ).tag(config=True)
 
-    # -- parking (issue 28) ------------------------------------------------------
+    # -- parking ------------------------------------------------------
     park_idle = Bool(
         ParkSettings.idle,
         help="""Park an idle kernel instead of revoking its lease when idle reclaim picks it

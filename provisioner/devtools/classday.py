@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from ..broker.policy import Ask, Policy
-from ..broker.service import BrokerService
-from ..broker.store import Store
+from ..broker.rules.policy import Ask, Policy
+from ..broker.services.broker_service import BrokerService
+from ..broker.store.store import Store
 from ..inventory import parse_gpu_spec
 from ..model import Identity, fraction_to_ppm
 from .testing import BrokerProcess

@@ -1,7 +1,7 @@
 """``GrantedLease``: a lease as the broker granted it, typed for the kernel side (pure, no I/O).
 
 The broker answers an acquire or a renewal with a lease object (the ``Lease`` schema of
-:mod:`provisioner.broker.openapi`). :meth:`GrantedLease.from_json` reads it once, where
+:mod:`provisioner.broker.web.openapi`). :meth:`GrantedLease.from_json` reads it once, where
 the client's answer enters the kernel side (``LeaseKeeper``); from there on the keeper,
 the state file and the environment builder (:func:`.env.lease_environment`) read typed
 fields, never keys.

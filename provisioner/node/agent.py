@@ -59,11 +59,11 @@ log = logging.getLogger("gpu_lease.agent")
 Sample = list[tuple[int, str, int]]
 #: seconds between two registration attempts while the broker cannot be reached
 REGISTER_RETRY = 2.0
-#: the heartbeat fields of parking (issue 28); a broker older than parking refuses them
+#: the heartbeat fields of parking; a broker older than parking refuses them
 PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
 #: seconds before a broker that refused them is offered the parking fields again
 PARK_FIELDS_RETRY = 600.0
-#: the heartbeat fields of proven claims (issue 36); a broker older than them refuses them
+#: the heartbeat fields of proven claims; a broker older than them refuses them
 PROOF_FIELDS = frozenset({"refused", "lease_id", "uid", "cgroup", "escaped"})
 #: the kernels' field of processes outside MPS; a broker that proves claims but is older
 #: than it refuses it, and is then told them as ``escaped`` (over the cap all the same)
@@ -297,8 +297,8 @@ async def run_agent(
     :meth:`~provisioner.node.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
     serves, so that the broker places no MPS kernel where it would hang; with
     ``mps_limits`` (its :meth:`~provisioner.node.mps.MPSSupervisor.apply_limits`), each
-    answer's leases set the MPS daemons' own memory limits, which a kernel cannot lift
-    (issue 36). With ``limits``
+    answer's leases set the MPS daemons' own memory limits, which a kernel cannot lift.
+    With ``limits``
     (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
     (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says
     which hold. With ``parker`` (:mod:`provisioner.node.parking`), each heartbeat says
@@ -308,7 +308,7 @@ async def run_agent(
     parking refuses those fields once, and is then sent none of them for
     ``PARK_FIELDS_RETRY`` seconds (it may be upgraded meanwhile).
 
-    Proof (issue 36): every kernel the answer names is a *claim*; ``prover``
+    Proof: every kernel the answer names is a *claim*; ``prover``
     (:class:`~provisioner.node.proof.Prover`) checks it, and only proven kernels count:
     usage, kills, the unleased exemption, driver limits (on the cgroup read from the
     proven process) and park/resume orders. The heartbeat reports the proven kernels

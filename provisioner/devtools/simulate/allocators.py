@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ...broker.policy import Ask, Policy
-from ...broker.scheduling import (
+from ...broker.rules.policy import Ask, Policy
+from ...broker.rules.scheduling import (
     Grant,
     apply_grants,
     check_invariants,
@@ -23,7 +23,7 @@ from ...broker.scheduling import (
     reap,
     usable_gpus,
 )
-from ...broker.scheduling import acquire as core_acquire
+from ...broker.rules.scheduling import acquire as core_acquire
 from ...model import GPU, Changes, PoolState, Quota, Request
 
 #: a kernel's request and lease in the simulation: (user, "SESSION.ATTEMPT")

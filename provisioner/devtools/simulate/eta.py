@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...broker.estimates import HoldTimes, estimate_waits
-from ...broker.policy import Policy
-from ...broker.scheduling import expired
+from ...broker.rules.estimates import HoldTimes, estimate_waits
+from ...broker.rules.policy import Policy
+from ...broker.rules.scheduling import expired
 from ...model import GPU
 from .allocators import CoreAllocator, Key
 from .measures import percentile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...broker.policy import Policy
+from ...broker.rules.policy import Policy
 
 # -- schemes -------------------------------------------------------------------------
 
@@ -72,7 +72,7 @@ OURS: tuple[Scheme, ...] = (
         note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
     ),
 )
-#: parking instead of reclaim (issue 28): the same victims, their state kept
+#: parking instead of reclaim: the same victims, their state kept
 PARKING: tuple[Scheme, ...] = (
     Scheme(
         "park",

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ...broker.policy import Policy
+from ...broker.rules.policy import Policy
 from ...errors import GPULeaseError
 from ...model import PPM, fraction_to_ppm
 from .allocators import Allocator, ClairvoyantAllocator, CoreAllocator, FluidAllocator, Key

@@ -1,0 +1,825 @@
+"""Request validation: raw HTTP bodies and query values -> plain, checked values.
+
+Pure functions, no I/O: the handlers (``handlers.py``) call them on every request
+that carries a body or a query value, before anything reaches ``BrokerService``.
+Each rejection is an :class:`~provisioner.errors.InvalidRequest` (400) or
+:class:`~provisioner.errors.BodyTooLarge` (413) whose message is a sentence that
+says what to fix. Nothing here looks at the pool: whether a fraction can ever fit
+(422) is the core's decision (``scheduling.check_can_ever_fit``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from datetime import datetime, timezone
+from typing import Any
+
+from ...errors import BodyTooLarge, InvalidRequest
+from ...model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
+from ...model import brief as _show
+from ...wire import (
+    CGROUP_PATTERN,
+    DEFAULT_ENFORCE_MODE,
+    ENFORCE_MODES,
+    MAX_BUDGET_FRACTION_HOURS,
+    MAX_CGROUP_CHARS,
+    MAX_EXECUTION_STATE_CHARS,
+    MAX_GPU_INDEX,
+    MAX_GPU_MEMORY_MB,
+    MAX_GPU_UUIDS,
+    MAX_ID_CHARS,
+    MAX_KERNEL_PID,
+    MAX_NODE_GPUS,
+    MAX_PID,
+    MAX_PID_NS,
+    MAX_QUOTA_FRACTION,
+    MAX_QUOTA_LEASES,
+    MAX_REASON_CHARS,
+    MAX_REFUSAL_CHARS,
+    MAX_TIME,
+    MAX_UID,
+    MAX_USAGE_SAMPLES,
+    MAX_UUID_CHARS,
+    MAX_VERSION_CHARS,
+    MAX_WAIT,
+    MAX_WINDOW_S,
+    MPS_STATES,
+    PARK_ACTIONS,
+    PARK_OUTCOMES,
+    PRIORITY_RANGE,
+    PROOF_PATTERN,
+    fraction_to_ppm,
+)
+from ..rules.policy import Ask
+from ..rules.reports import NodeParkReport, NodeProofs, ParkOutcome, ProvenKernel
+
+#: kernel execution states as jupyter_client reports them (others are accepted too)
+EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", "dead", "unknown")
+#: the default look-back of ``GET /api/v1/usage``
+DEFAULT_USAGE_WINDOW_S = 7 * 86400
+
+ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
+HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup", "proof")
+_PROOF = re.compile(PROOF_PATTERN)
+_CGROUP_PATH = re.compile(CGROUP_PATTERN)
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_STATE_CHARS = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+# -- the body ------------------------------------------------------------------
+
+
+def _refuse_constant(name: str) -> Any:
+    raise InvalidRequest(
+        f"The request body contains {name}, which is not valid JSON; send a finite number."
+    )
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest(
+            f"The number {text[:40]} in the request body is too large; send a finite number."
+        )
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidRequest(
+                f"The request body names the field {key[:64]!r} twice; send each field once."
+            )
+        out[key] = value
+    return out
+
+
+def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; an empty body is ``{}``.
+
+    Refuses bodies above ``max_bytes`` (413), bytes that are not UTF-8, malformed
+    JSON, ``NaN``/``Infinity`` (which Python's json would accept), numbers too large
+    for a float or an int, duplicate keys, and anything but an object (400).
+    """
+    if len(raw) > max_bytes:
+        raise BodyTooLarge(
+            f"The request body has {len(raw)} bytes, more than the broker accepts "
+            f"({max_bytes} bytes); send a smaller JSON object.",
+            max_bytes=max_bytes,
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("The request body is not UTF-8 text; send a JSON object.") from exc
+    if not text.strip():
+        return {}
+    try:
+        body = json.loads(
+            text,
+            parse_constant=_refuse_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique_keys,
+        )
+    except InvalidRequest:
+        raise
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"The request body is not valid JSON ({exc.msg} at line {exc.lineno} column "
+            f"{exc.colno}); send a JSON object such as "
+            '{"kernel_id": "...", "fraction": 0.02}.'
+        ) from exc
+    except (ValueError, RecursionError) as exc:
+        # ints above sys.get_int_max_str_digits(), or absurd nesting
+        raise InvalidRequest(
+            "The request body contains a number that is too large or nesting that is too "
+            "deep; send a plain JSON object with ordinary numbers."
+        ) from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest(
+            f"The request body must be a JSON object, not a JSON {_json_type(body)}; "
+            'send e.g. {"kernel_id": "...", "fraction": 0.02}.'
+        )
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def check_fields(body: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
+    """400 naming every field of ``body`` that is not in ``allowed``."""
+    unknown = sorted(k for k in body if k not in allowed)
+    if unknown:
+        names = ", ".join(repr(k[:64]) for k in unknown[:10])
+        raise InvalidRequest(
+            f"Unknown field(s) in the {what}: {names}. Allowed fields are "
+            f"{', '.join(allowed)}; remove the others.",
+            fields=[k[:64] for k in unknown[:10]],
+        )
+
+
+# -- single values -------------------------------------------------------------
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value: Any, name: str, *, max_chars: int = MAX_ID_CHARS) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(
+            f"{name!r} must be a string, not a JSON {_json_type(value)}; send it in quotes."
+        )
+    if not value:
+        raise InvalidRequest(f"{name!r} must not be empty.")
+    if len(value) > max_chars:
+        raise InvalidRequest(
+            f"{name!r} has {len(value)} characters; send at most {max_chars}.",
+        )
+    if not value.isprintable():
+        raise InvalidRequest(
+            f"{name!r} contains control or other unprintable characters; send printable text only."
+        )
+    return value
+
+
+def _optional_text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    return None if value is None else _text(value, name)
+
+
+def parse_fraction(value: Any, name: str = "fraction", *, upper: float = 1.0) -> int:
+    """A JSON number in ``(0, upper]`` -> ppm: ``model.validate_fraction``'s rule, no strings."""
+    if not _is_number(value):
+        hint = " (without quotes)" if isinstance(value, str) else ""
+        raise InvalidRequest(
+            f"{name!r} must be a number such as 0.02{hint}, not a JSON {_json_type(value)}."
+        )
+    return fraction_to_ppm(validate_fraction(value, repr(name), upper=upper))
+
+
+def _int(value: Any, name: str, *, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, float) and value.is_integer() and low <= value <= high:
+            return int(value)
+        raise InvalidRequest(
+            f"{name!r} must be a whole number, not a JSON {_json_type(value)} ({_show(value)})."
+        )
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be between {low} and {high}, not {_show(value)}.")
+    return value
+
+
+def _number(value: Any, name: str, *, low: float, high: float) -> float:
+    if not _is_number(value):
+        raise InvalidRequest(f"{name!r} must be a number, not a JSON {_json_type(value)}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name!r} must be a finite number.")
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name!r} must be between {low:g} and {high:g}, not {_show(value)}.")
+    return float(value)
+
+
+# -- acquire ---------------------------------------------------------------------
+
+
+def parse_acquire(body: dict[str, Any], ident: Identity) -> tuple[Ask, float]:
+    """``POST /api/v1/leases`` body -> (the ``Ask`` with the caller's verified identity, wait s).
+
+    Fields: ``kernel_id`` (1..256 printable characters), ``fraction`` (a JSON number,
+    ``0 < f <= 1``), optional ``node``, ``gpu_uuids`` (at most 64 strings),
+    ``group``, ``wait`` (long-poll seconds, 0..300, default 0) and ``mps_uid`` (an
+    ``enforcement=mps`` kernel's Unix uid, 0..2**32-2: a claim, see
+    ``node_rules.mps_owners_of``).
+    """
+    check_fields(body, ACQUIRE_FIELDS, "acquire request")
+    if "kernel_id" not in body:
+        raise InvalidRequest("The acquire request needs a 'kernel_id' (the kernel's id, a string).")
+    if "fraction" not in body:
+        raise InvalidRequest(
+            "The acquire request needs a 'fraction' (the share of one GPU, e.g. 0.02)."
+        )
+    kernel_id = _text(body["kernel_id"], "kernel_id")
+    ppm = parse_fraction(body["fraction"])
+    node = _optional_text(body, "node")
+    group = _optional_text(body, "group")
+    uuids: tuple[str, ...] | None = None
+    raw_uuids = body.get("gpu_uuids")
+    if raw_uuids is not None:
+        if not isinstance(raw_uuids, list):
+            raise InvalidRequest(
+                f"'gpu_uuids' must be a list of GPU UUID strings, not a JSON {_json_type(raw_uuids)}."
+            )
+        if len(raw_uuids) > MAX_GPU_UUIDS:
+            raise InvalidRequest(
+                f"'gpu_uuids' lists {len(raw_uuids)} GPUs; send at most {MAX_GPU_UUIDS}."
+            )
+        uuids = tuple(dict.fromkeys(_text(u, "gpu_uuids item") for u in raw_uuids))
+    wait = 0.0
+    if body.get("wait") is not None:
+        wait = _number(body["wait"], "wait", low=0.0, high=MAX_WAIT)
+    mps_uid = None
+    if body.get("mps_uid") is not None:
+        mps_uid = _int(body["mps_uid"], "mps_uid", low=0, high=MAX_UID)
+    ask = Ask(
+        user=ident.user,
+        kernel_id=kernel_id,
+        fraction_ppm=ppm,
+        groups=ident.groups,
+        admin=ident.admin,
+        node=node,
+        gpu_uuids=uuids,
+        group=group,
+        mps_uid=mps_uid,
+    )
+    return ask, wait
+
+
+# -- heartbeat -------------------------------------------------------------------
+
+
+def parse_revoke(body: dict[str, Any]) -> str:
+    """``POST /api/v1/leases/{id}/revoke`` body ``{"reason": TEXT}`` -> the reason."""
+    check_fields(body, ("reason",), "revoke request")
+    if body.get("reason") is None:
+        raise InvalidRequest(
+            'Say why the lease is revoked: send {"reason": "..."}; the student sees it.'
+        )
+    return _text(body["reason"], "reason", max_chars=MAX_REASON_CHARS).strip() or "revoked"
+
+
+def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``LeaseService.renew``.
+
+    ``pid`` (an int > 0), ``execution_state`` (a kernel state such as ``idle`` or
+    ``busy``: letters, digits, ``_`` and ``-``, at most 32) and ``last_activity``
+    (POSIX seconds), each optional.
+    """
+    check_fields(body, HEARTBEAT_FIELDS, "renew request")
+    out: dict[str, Any] = {"pid": None, "execution_state": None, "last_activity": None}
+    if body.get("pid") is not None:
+        out["pid"] = _int(body["pid"], "pid", low=1, high=MAX_KERNEL_PID)
+    state = body.get("execution_state")
+    if state is not None:
+        text = _text(state, "execution_state", max_chars=MAX_EXECUTION_STATE_CHARS)
+        if not _STATE_CHARS.match(text):
+            raise InvalidRequest(
+                f"'execution_state' must be a kernel state such as {', '.join(EXECUTION_STATES)}."
+            )
+        out["execution_state"] = text.lower()
+    if body.get("last_activity") is not None:
+        out["last_activity"] = _number(
+            body["last_activity"], "last_activity", low=0.0, high=MAX_TIME
+        )
+    # pid namespaces and cgroups (claims the node agent checks): only when reported
+    if body.get("pid_ns") is not None:
+        out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+    if body.get("cgroup") is not None:
+        out["cgroup"] = parse_cgroup(body["cgroup"])
+    if body.get("proof") is not None:  # the digest of the kernel's secret
+        proof = _text(body["proof"], "proof", max_chars=64)
+        if not _PROOF.match(proof):
+            raise InvalidRequest(
+                "'proof' must be the hex sha256 of the kernel's secret: 64 lowercase hex "
+                "digits (the provisioner sends it; leave it out rather than guess)."
+            )
+        out["proof"] = proof
+    return out
+
+
+def parse_cgroup(value: Any) -> str:
+    """A kernel's cgroup v2 path from the hierarchy's root, e.g. ``/gpu-lease/k-1f2e``."""
+    text = _text(value, "cgroup", max_chars=MAX_CGROUP_CHARS)
+    if not _CGROUP_PATH.match(text) or any(part in (".", "..") for part in text.split("/")):
+        raise InvalidRequest(
+            "'cgroup' must be the kernel's cgroup v2 path from the hierarchy's root, such as "
+            "/gpu-lease/kernel-1f2e (letters, digits and ._@:+=,- between slashes)."
+        )
+    return text
+
+
+# -- quotas ----------------------------------------------------------------------
+
+
+def parse_duration(value: Any, name: str = "budget_window") -> int:
+    """Seconds as a whole number (``604800``) or a string such as ``"7d"``, ``"12h"``, ``"30m"``."""
+    if isinstance(value, str):
+        if value.strip().isdigit():
+            seconds = int(value.strip())
+        else:
+            m = _DURATION.match(value)
+            if m is None:
+                raise InvalidRequest(
+                    f'{name!r} must be seconds or a duration such as "7d", "12h" or '
+                    f'"30m", not {_show(value)}.'
+                )
+            seconds = int(round(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+    elif _is_number(value):
+        seconds = _int(value, name, low=1, high=MAX_WINDOW_S)
+    else:
+        raise InvalidRequest(
+            f'{name!r} must be seconds or a duration such as "7d", not a JSON {_json_type(value)}.'
+        )
+    if not 1 <= seconds <= MAX_WINDOW_S:
+        raise InvalidRequest(f"{name!r} must be between 1 second and 10 years.")
+    return seconds
+
+
+def parse_quota(body: dict[str, Any]) -> Quota:
+    """``PUT /api/v1/quotas/...`` body -> ``Quota``; a missing or null field is "not set here".
+
+    ``max_fraction`` (the most a user holds at once, summed over GPUs, >= 0),
+    ``max_lease_fraction`` (one kernel, in (0, 1]), ``max_leases`` (an int >= 0),
+    ``budget_fraction_hours`` (>= 0) per ``budget_window`` (seconds or ``"7d"``),
+    ``priority`` (an int, -1000..1000; groups only).
+    """
+    check_fields(body, QUOTA_FIELDS, "quota")
+    values: dict[str, Any] = {}
+    if body.get("max_fraction") is not None:
+        v = body["max_fraction"]
+        if _is_number(v) and v == 0:
+            values["max_fraction_ppm"] = 0
+        else:
+            values["max_fraction_ppm"] = parse_fraction(v, "max_fraction", upper=MAX_QUOTA_FRACTION)
+    if body.get("max_lease_fraction") is not None:
+        values["max_lease_fraction_ppm"] = parse_fraction(
+            body["max_lease_fraction"], "max_lease_fraction"
+        )
+    if body.get("max_leases") is not None:
+        values["max_leases"] = _int(body["max_leases"], "max_leases", low=0, high=MAX_QUOTA_LEASES)
+    if body.get("budget_fraction_hours") is not None:
+        values["budget_fraction_hours"] = _number(
+            body["budget_fraction_hours"],
+            "budget_fraction_hours",
+            low=0.0,
+            high=MAX_BUDGET_FRACTION_HOURS,
+        )
+    if body.get("budget_window") is not None:
+        values["budget_window_s"] = parse_duration(body["budget_window"])
+    if body.get("priority") is not None:
+        values["priority"] = _int(
+            body["priority"], "priority", low=PRIORITY_RANGE[0], high=PRIORITY_RANGE[1]
+        )
+    if "budget_fraction_hours" in values and "budget_window_s" not in values:
+        values["budget_window_s"] = DEFAULT_USAGE_WINDOW_S
+    return Quota(**values)
+
+
+# -- query values ----------------------------------------------------------------
+
+
+def parse_since(value: str | None, now: float) -> float:
+    """``?since=``: ISO 8601 (``2024-09-01``, ``2024-09-01T08:00:00Z``), POSIX seconds, or a
+    relative duration (``7d``, ``24h``, ``30m``: that long before ``now``). Default: 7 days ago.
+
+    A date or time without a zone is UTC.
+    """
+    if value is None or not value.strip():
+        return now - DEFAULT_USAGE_WINDOW_S
+    text = value.strip()
+    m = _DURATION.match(text)
+    if m is not None:
+        return now - float(m.group(1)) * _UNITS[m.group(2).lower()]
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidRequest("'since' must be a finite, non-negative number of POSIX seconds.")
+        return seconds
+    iso = text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text
+    try:
+        when = datetime.fromisoformat(iso)
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"'since' must be an ISO 8601 date or time (2024-09-01T08:00:00Z), POSIX seconds, "
+            f"or a duration such as 7d or 24h, not {_show(text)}."
+        ) from exc
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
+#: ``GET /api/v1/history``: the default period, and the default step's bucket count
+DEFAULT_HISTORY_WINDOW = "24h"
+DEFAULT_HISTORY_POINTS = 120
+
+
+def parse_step(value: str | None, span: float) -> int:
+    """``?step=``: whole seconds or a duration (``5m``, ``1h``); default: ``span`` in about
+    120 buckets (at least a minute)."""
+    if value is None or not value.strip():
+        return max(60, math.ceil(span / DEFAULT_HISTORY_POINTS))
+    return parse_duration(value, "step")
+
+
+def parse_path_arg(value: str) -> str:
+    """A lease id, user or group name from the URL path: printable text, at most 255 characters.
+
+    Called by the handlers for every path argument, so that no id or name the store
+    cannot hold (a NUL, 300 characters) ever reaches it.
+    """
+    if not value or len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidRequest(
+            "A lease id, user or group name in the URL must be printable text of 1 to "
+            f"{MAX_ID_CHARS} characters; check the URL."
+        )
+    return value
+
+
+def parse_query_text(value: str, name: str) -> str:
+    """A query value: printable text (no NUL or other control characters)."""
+    if not value.isprintable():
+        raise InvalidRequest(
+            f"The query value {name!r} contains control or other unprintable characters; "
+            "send printable text only."
+        )
+    return value
+
+
+def parse_flag(value: str | None, name: str) -> bool:
+    """``?all=1`` style flags: 1/true/yes/on or 0/false/no/off (absent: false)."""
+    if value is None:
+        return False
+    text = value.strip().lower()
+    if text in ("", "1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise InvalidRequest(f"{name!r} must be 1 or 0 (true or false), not {_show(value)}.")
+
+
+__all__ = [
+    "check_fields",
+    "parse_acquire",
+    "parse_duration",
+    "parse_flag",
+    "parse_path_arg",
+    "parse_query_text",
+    "parse_fraction",
+    "parse_heartbeat",
+    "parse_json_body",
+    "parse_quota",
+    "parse_revoke",
+    "parse_since",
+]
+
+
+# -- node agents -------------------------------------------------------------------
+
+NODE_FIELDS = ("gpus", "agent_version", "enforce")
+NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
+NODE_HEARTBEAT_FIELDS = (
+    "usage",
+    "at",
+    "mps",
+    "mps_uid",
+    "kernels",
+    "driver_limits",
+    "checkpoint",
+    "host_memory_available_mb",
+    "parking",
+    "refused",
+)
+PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb", "seconds")
+#: the largest host memory (MiB) a heartbeat may report: 1 EiB
+MAX_HOST_MEMORY_MB = 2**40
+#: the longest a park or resume may have taken (s), as a heartbeat reports it
+MAX_PARK_SECONDS = 86400.0
+KERNEL_MAP_FIELDS = (
+    "pid",
+    "pid_ns",
+    "host_pid",
+    "lease_id",
+    "uid",
+    "cgroup",
+    "escaped",
+    "left_mps",
+)
+REFUSED_FIELDS = ("lease_id", "reason")
+USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            f"Each entry of {what} must be a JSON object, not a {_json_type(value)}."
+        )
+    return value
+
+
+def _list(body: dict[str, Any], name: str, most: int) -> list[Any]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name!r} must be a JSON array, not a JSON {_json_type(value)}.")
+    if len(value) > most:
+        raise InvalidRequest(f"{name!r} has {len(value)} entries; send at most {most}.")
+    return value
+
+
+def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU], str, str]:
+    """``PUT /api/v1/nodes/{node}`` body -> the node's GPUs, the agent's version, its mode.
+
+    ``gpus``: 0 to 64 ``{uuid, name, memory_mb, index}`` with distinct uuids and indexes;
+    ``enforce`` (optional, default ``report``): off | report | revoke | kill.
+    """
+    check_fields(body, NODE_FIELDS, "node registration")
+    version = _text(body.get("agent_version"), "agent_version", max_chars=MAX_VERSION_CHARS)
+    enforce = body.get("enforce", DEFAULT_ENFORCE_MODE)
+    if enforce not in ENFORCE_MODES:
+        raise InvalidRequest(f"'enforce' must be one of {', '.join(ENFORCE_MODES)}.")
+    out: list[GPU] = []
+    for raw in _list(body, "gpus", MAX_NODE_GPUS):
+        entry = _object(raw, "'gpus'")
+        check_fields(entry, NODE_GPU_FIELDS, "GPU entry")
+        out.append(
+            GPU(
+                uuid=_text(entry.get("uuid"), "uuid", max_chars=MAX_UUID_CHARS),
+                node=node,
+                name=_text(entry.get("name"), "name"),
+                memory_mb=_int(entry.get("memory_mb"), "memory_mb", low=1, high=MAX_GPU_MEMORY_MB),
+                index=_int(entry.get("index"), "index", low=0, high=MAX_GPU_INDEX),
+            )
+        )
+    if len({g.uuid for g in out}) != len(out):
+        raise InvalidRequest("Two GPU entries have the same uuid; list each GPU once.")
+    if len({g.index for g in out}) != len(out):
+        raise InvalidRequest("Two GPU entries have the same index; list each GPU once.")
+    return out, version, str(enforce)
+
+
+def parse_node_heartbeat(
+    body: dict[str, Any],
+) -> tuple[list[tuple[int, str, int]], float | None, dict[str, str] | None]:
+    """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples,
+    ``at``, and the MPS daemons' states (GPU uuid -> running | down; None: no ``--mps``).
+    Its ``mps_uid`` is read by :func:`parse_mps_uids`.
+
+    ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it against
+    the GPU's memory); one sample per ``(pid, gpu_uuid)``.
+    """
+    check_fields(body, NODE_HEARTBEAT_FIELDS, "node heartbeat")
+    at = None
+    if body.get("at") is not None:
+        at = _number(body["at"], "at", low=0.0, high=MAX_TIME)
+    usage: list[tuple[int, str, int]] = []
+    for raw in _list({"usage": body.get("usage", [])}, "usage", MAX_USAGE_SAMPLES):
+        entry = _object(raw, "'usage'")
+        check_fields(entry, USAGE_FIELDS, "usage sample")
+        usage.append(
+            (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _text(entry.get("gpu_uuid"), "gpu_uuid", max_chars=MAX_UUID_CHARS),
+                _int(entry.get("used_mb"), "used_mb", low=0, high=MAX_GPU_MEMORY_MB),
+            )
+        )
+    if len({(p, u) for p, u, _ in usage}) != len(usage):
+        raise InvalidRequest("Two usage samples name the same pid and GPU; send one of each.")
+    mps: dict[str, str] | None = None
+    if body.get("mps") is not None:
+        raw = body["mps"]
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"'mps' must be a JSON object, not a {_json_type(raw)}.")
+        if len(raw) > MAX_NODE_GPUS:
+            raise InvalidRequest(f"'mps' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+        mps = {}
+        for gpu_uuid, state in raw.items():
+            _text(gpu_uuid, "mps key", max_chars=MAX_UUID_CHARS)
+            if state not in MPS_STATES:
+                raise InvalidRequest(
+                    f"'mps' states are {' or '.join(MPS_STATES)}, not {_json_type(state)} "
+                    f"{str(state)[:40]!r}."
+                )
+            mps[gpu_uuid] = state
+    return usage, at, mps
+
+
+def parse_mps_uids(body: dict[str, Any]) -> dict[str, int | None]:
+    """A node heartbeat's ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of
+    (null: no server, or one without clients); ``{}`` when absent (an agent without
+    ``--mps``, or older than this field). The body's other fields are checked by
+    :func:`parse_node_heartbeat`."""
+    raw = body.get("mps_uid")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"'mps_uid' must be a JSON object, not a {_json_type(raw)}.")
+    if len(raw) > MAX_NODE_GPUS:
+        raise InvalidRequest(f"'mps_uid' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+    out: dict[str, int | None] = {}
+    for gpu_uuid, uid in raw.items():
+        _text(gpu_uuid, "mps_uid key", max_chars=MAX_UUID_CHARS)
+        out[gpu_uuid] = None if uid is None else _int(uid, "mps_uid", low=0, high=MAX_UID)
+    return out
+
+
+def parse_node_kernels(
+    body: dict[str, Any],
+) -> tuple[dict[tuple[int, int], int] | None, list[str] | None]:
+    """A heartbeat's pid-namespace map and driver limits (see :mod:`provisioner.node.pidns`).
+
+    ``kernels``: ``[{pid, pid_ns, host_pid}]``, which host pid each namespaced kernel the
+    agent found is -> ``{(pid, pid_ns): host_pid}``; None when absent (an older agent).
+    ``driver_limits``: the kernel cgroups whose driver memory limit is in force; None when
+    absent (no driver limits on that node).
+    """
+    kernels: dict[tuple[int, int], int] | None = None
+    if body.get("kernels") is not None:
+        kernels = {}
+        for raw in _list(body, "kernels", MAX_USAGE_SAMPLES):
+            entry = _object(raw, "'kernels'")
+            check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
+            if entry.get("lease_id") is not None:
+                continue  # a proven kernel: parse_node_proofs
+            key = (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
+            )
+            if key in kernels:
+                raise InvalidRequest("Two 'kernels' entries name the same pid and pid_ns.")
+            kernels[key] = _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID)
+    limits: list[str] | None = None
+    if body.get("driver_limits") is not None:
+        limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
+    return kernels, limits
+
+
+def _pid_list(entry: dict[str, Any], name: str) -> tuple[int, ...]:
+    """A ``kernels`` entry's list of pids ``name`` (absent or null: none)."""
+    pids = entry.get(name) or []
+    if not isinstance(pids, list) or len(pids) > MAX_USAGE_SAMPLES:
+        raise InvalidRequest(f"{name!r} must be a JSON array of pids.")
+    return tuple(_int(p, name, low=1, high=MAX_PID) for p in pids)
+
+
+def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
+    """A heartbeat's proofs: ``kernels`` entries with ``lease_id`` and ``refused``
+    ``[{lease_id, reason}]``; None when ``refused`` is absent (an older agent)."""
+    if body.get("refused") is None:
+        return None
+    proven: dict[str, ProvenKernel] = {}
+    for raw in body.get("kernels") or []:
+        entry = _object(raw, "'kernels'")
+        if entry.get("lease_id") is None:
+            continue
+        lease_id = _text(entry["lease_id"], "lease_id")
+        if lease_id in proven:
+            raise InvalidRequest("Two 'kernels' entries name the same lease_id.")
+        if entry.get("pid_ns") is not None:
+            _int(entry["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+        _int(entry.get("pid"), "pid", low=1, high=MAX_PID)
+        escaped, left_mps = _pid_list(entry, "escaped"), _pid_list(entry, "left_mps")
+        proven[lease_id] = ProvenKernel(
+            lease_id,
+            _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID),
+            _int(entry["uid"], "uid", low=0, high=MAX_UID)
+            if entry.get("uid") is not None
+            else None,
+            parse_cgroup(entry["cgroup"]) if entry.get("cgroup") is not None else None,
+            escaped,
+            left_mps,
+        )
+    refused: dict[str, str] = {}
+    for raw in _list(body, "refused", MAX_USAGE_SAMPLES):
+        entry = _object(raw, "'refused'")
+        check_fields(entry, REFUSED_FIELDS, "refused entry")
+        lease_id = _text(entry.get("lease_id"), "lease_id")
+        refused[lease_id] = _text(entry.get("reason"), "reason", max_chars=MAX_REFUSAL_CHARS)
+    return NodeProofs(proven, refused)
+
+
+# -- parking -------------------------------------------------------------
+
+
+def parse_node_parking(body: dict[str, Any]) -> NodeParkReport:
+    """A node heartbeat's ``checkpoint`` (boolean), ``host_memory_available_mb`` (whole
+    MiB, 0 or more) and ``parking`` (at most one outcome per lease and action:
+    ``{lease_id, action: park|resume, outcome: done|failed|waiting, message?, pids?, mb?,
+    seconds?}``). Any other shape is a 400 naming the field; the body's other fields are
+    checked by :func:`parse_node_heartbeat`."""
+    checkpoint = body.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, bool):
+        raise InvalidRequest(
+            f"'checkpoint' must be true or false, not a JSON {_json_type(checkpoint)}."
+        )
+    host = body.get("host_memory_available_mb")
+    if host is not None:
+        host = _int(host, "host_memory_available_mb", low=0, high=MAX_HOST_MEMORY_MB)
+    outcomes: list[ParkOutcome] = []
+    if body.get("parking") is not None:
+        for raw in _list(body, "parking", MAX_USAGE_SAMPLES):
+            entry = _object(raw, "'parking'")
+            check_fields(entry, PARK_OUTCOME_FIELDS, "parking outcome")
+            action = entry.get("action")
+            if action not in PARK_ACTIONS:
+                raise InvalidRequest(
+                    f"A parking outcome's 'action' is {' or '.join(PARK_ACTIONS)}, "
+                    f"not {_show(action)}."
+                )
+            outcome = entry.get("outcome")
+            if outcome not in PARK_OUTCOMES:
+                raise InvalidRequest(
+                    f"A parking outcome's 'outcome' is {', '.join(PARK_OUTCOMES)}, "
+                    f"not {_show(outcome)}."
+                )
+            message = entry.get("message")
+            if message is not None:
+                message = _text(message, "message", max_chars=MAX_REASON_CHARS)
+            pids = entry.get("pids")
+            if pids is not None:
+                pids = [
+                    _int(p, "pids", low=1, high=MAX_PID)
+                    for p in _list(entry, "pids", MAX_USAGE_SAMPLES)
+                ]
+            mb = entry.get("mb")
+            if mb is not None:
+                mb = _int(mb, "mb", low=0, high=MAX_GPU_MEMORY_MB)
+            seconds = entry.get("seconds")
+            if seconds is not None:
+                seconds = _number(seconds, "seconds", low=0.0, high=MAX_PARK_SECONDS)
+            outcomes.append(
+                ParkOutcome(
+                    lease_id=_text(entry.get("lease_id"), "lease_id"),
+                    action=str(action),
+                    outcome=str(outcome),
+                    message=message,
+                    pids=tuple(pids or ()),
+                    mb=mb,
+                    seconds=seconds,
+                )
+            )
+    if len({(o.lease_id, o.action) for o in outcomes}) != len(outcomes):
+        raise InvalidRequest(
+            "Two parking outcomes name the same lease and action; send one of each."
+        )
+    return NodeParkReport(checkpoint, host, tuple(outcomes))
+
+
+RESUME_FIELDS = ("wait",)
+
+
+def parse_resume(body: dict[str, Any]) -> float:
+    """``POST /api/v1/leases/{id}/resume`` body ``{}`` or ``{"wait": seconds}`` -> the
+    long-poll's seconds (0 to ``MAX_WAIT``, default 0)."""
+    check_fields(body, RESUME_FIELDS, "resume request")
+    if body.get("wait") is None:
+        return 0.0
+    return _number(body["wait"], "wait", low=0.0, high=MAX_WAIT)
