@@ -156,10 +156,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         admin.dispose()
 
 
+#: the PostgreSQL bound of the ``store`` fixture's sessions (s): the broker's 5 s default
+#: ends a transaction idle that long, and on a loaded shared box the test process itself
+#: was paused that long mid-transaction once (the server ended its session: "server closed
+#: the connection unexpectedly"); the tests of the bound set their own
+TEST_PG_TIMEOUT = 60.0
+
+
 @pytest.fixture
 def store(db_url: str) -> Iterator[Store]:
     """An opened store with two GPUs of capacity 1.0."""
-    s = Store(db_url)
+    s = Store(db_url, pg_timeout=TEST_PG_TIMEOUT)
     s.open()
     s.sync_gpus([GPU0, GPU1], PPM)
     try:
