@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
+from provisioner.devtools.testing import wait_for
+
 from .test_browser_hub import KERNEL_MS
 from .test_browser_lab import (
     STATUS,
@@ -265,6 +267,15 @@ def test_a_parked_kernel_says_so_and_resumes_with_its_variables(
             parks = [o for o in agent.orders if o["lease_id"] == mine["id"]]
             assert [o["action"] for o in parks] == ["park"], agent.orders
             assert lease_state(hub, user, mine["id"])["state"] == "parked"
+            # the kernel's keeper learns "parked" at its next renewal (up to TTL/3 after the
+            # broker did; the toast came with "parking"): until then the state file the
+            # cell's hook reads says "parking", and the cell would print that first
+            wait_for(
+                lambda: page.locator(STATUS).get_attribute("data-state") == "parked",
+                timeout=30,
+                what="the kernel's own view of its lease to say parked",
+                interval=0.25,
+            )
             # student03 holds the GPU now
             theirs = waiter.granted(timeout=30)
             assert lease_state(hub, "student03", theirs["id"])["state"] == "active"

@@ -20,6 +20,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,12 +31,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
+from tornado.httpserver import HTTPServer
 
 from provisioner.broker.rules.policy import Ask, Policy
 from provisioner.broker.services.broker_service import BrokerService
 from provisioner.broker.store.store import Store
+from provisioner.broker.web.auth import StaticTokens
+from provisioner.broker.web.routes import make_app
 from provisioner.client import BrokerClient
-from provisioner.devtools.testing import wait_for_async
+from provisioner.devtools.testing import free_port, wait_for_async
 from provisioner.errors import LeaseExpired
 from provisioner.inventory import parse_gpu_spec
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
@@ -292,6 +296,83 @@ async def test_clock_jump_is_no_mass_expiry(tmp_path: Path, jump: float) -> None
         with pytest.raises(LeaseExpired):
             await svc.leases.renew(Identity("u00"), dead)
     finally:
+        svc.close()
+
+
+async def test_a_caller_that_goes_away_does_not_cancel_the_reload_others_wait_for(
+    tmp_path: Path,
+) -> None:
+    """After a refused batch every request reloads memory first, one reload for all. The
+    caller that started it may go away (its client hung up: the handler cancels its work);
+    the others, still waiting for the same reload, get it, not a ``CancelledError`` (which
+    tornado answers with a 500: seen once when a broker lost its database session)."""
+    svc = service(tmp_path, Clock(), ttl=90.0, reap_interval=5.0)
+    try:
+        (lease_id,) = await take(svc, 1)
+        core = svc.core
+        core.stale = True
+        gate = threading.Event()  # holds the writer's thread: the reload waits behind it
+        held = asyncio.ensure_future(core.writer.call(lambda: gate.wait(10), read=True))
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(core.reconcile())
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(svc.leases.renew(Identity("u00"), lease_id))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the caller that started the reload goes away
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        fresh = await asyncio.wait_for(second, 10)
+        assert fresh.id == lease_id and not core.stale
+    finally:
+        svc.close()
+
+
+async def test_a_request_still_running_when_the_broker_exits_is_told_to_retry(
+    tmp_path: Path,
+) -> None:
+    """A broker that shuts down (SIGTERM, or a lost leadership) closes its connections for
+    half a second at most; ``asyncio.run`` then cancels the request handlers still running,
+    and tornado answers each such handler with a bare 500 "so the connection is not left
+    hanging" (seen once in a failover run). The broker answers them 503 "not_active"
+    instead, which clients retry on the active broker, as the requests refused while it
+    shut down."""
+    svc = service(tmp_path, Clock(), ttl=90.0, reap_interval=5.0)
+    token = "tok-alice-" + "7" * 32
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps({token: {"user": "alice"}}))
+    server = HTTPServer(make_app(svc, StaticTokens(str(tokens))))
+    port = free_port()
+    server.listen(port, "127.0.0.1")
+    try:
+        full = await svc.leases.acquire(Identity("bob"), Ask("bob", "k-bob", 1_000_000))
+        assert full.outcome == "granted"
+        async with httpx.AsyncClient(timeout=30) as http:
+            poll = asyncio.ensure_future(
+                http.post(
+                    f"http://127.0.0.1:{port}/api/v1/leases",
+                    headers={"Authorization": f"token {token}"},
+                    json={"kernel_id": "k-alice", "fraction": 0.5, "wait": 20},
+                )
+            )
+
+            def handlers() -> list[asyncio.Task[Any]]:
+                return [
+                    t
+                    for t in asyncio.all_tasks()
+                    if getattr(t.get_coro(), "__qualname__", "") == "RequestHandler._execute"
+                ]
+
+            (waiting,) = await wait_for_async(handlers, 10, "the long-poll's handler")
+            await wait_for_async(lambda: svc.state.queue, 10, "the request to be queued")
+            waiting.cancel()  # as asyncio.run does with the tasks left when the broker exits
+            r = await poll
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == "not_active", r.text
+        assert r.headers["Retry-After"]
+    finally:
+        server.stop()
+        await server.close_all_connections()
         svc.close()
 
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -49,6 +50,22 @@ def magic(monkeypatch: pytest.MonkeyPatch) -> Any:
         if key.startswith("GPU_LEASE_"):
             monkeypatch.delenv(key)
     return load_startup("gpu_lease_magic")
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` in this process while the test runs, as in a
+    kernel running a cell (ipykernel installs ``default_int_handler`` around each one).
+
+    ``_thread.interrupt_main`` does nothing where SIGINT is ignored, and a process started
+    as a non-interactive shell's background job (``pytest ... &``, a CI step's) starts
+    with it ignored: Python then keeps ``SIG_IGN``, and the wait these tests interrupt
+    would never end."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def write_state(path: Path, **fields: Any) -> None:
@@ -134,7 +151,9 @@ def test_a_lease_that_ends_while_the_cell_waits_says_why(
     assert hook.visit("next cell") == "next cell"
 
 
-def test_interrupting_the_kernel_stops_the_wait(magic: Any, tmp_path: Path) -> None:
+def test_interrupting_the_kernel_stops_the_wait(
+    magic: Any, tmp_path: Path, sigint_raises: None
+) -> None:
     path = tmp_path / "gpu-lease-k.json"
     write_state(path, state="parked")
     lines: list[str] = []
@@ -185,7 +204,7 @@ def test_gpu_magic_shows_the_parked_state_and_since_when(magic: Any) -> None:
 
 
 def test_the_hook_in_an_ipython_shell(
-    magic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    magic: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sigint_raises: None
 ) -> None:
     """Loaded as the kernel loads it: a parked cell runs after the resume; %gpu does not wait;
     an interrupted wait skips the cell."""

@@ -9,6 +9,7 @@ real processes racing on one database, and the crash test kills a writer with SI
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -28,10 +29,12 @@ import sqlalchemy as sa
 import provisioner
 from provisioner.broker.rules import scheduling
 from provisioner.broker.rules.policy import Ask, Policy
+from provisioner.broker.store import schema as store_schema
+from provisioner.broker.store.legacy import LEGACY_MIGRATIONS, upgrade_legacy
+from provisioner.broker.store.migrate import VERSION_TABLE, alembic_config, stored_revision
 from provisioner.broker.store.store import (
-    MIGRATIONS,
+    HEAD,
     Fence,
-    Migration,
     Store,
     upgrade_schema,
 )
@@ -55,6 +58,8 @@ from provisioner.model import (
     QuotaBook,
     Request,
 )
+
+from .conftest import postgres_schema
 
 PG_URL = os.environ.get("GPU_LEASE_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REPO_ROOT = Path(provisioner.__file__).resolve().parent.parent
@@ -151,10 +156,17 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         admin.dispose()
 
 
+#: the PostgreSQL bound of the ``store`` fixture's sessions (s): the broker's 5 s default
+#: ends a transaction idle that long, and on a loaded shared box the test process itself
+#: was paused that long mid-transaction once (the server ended its session: "server closed
+#: the connection unexpectedly"); the tests of the bound set their own
+TEST_PG_TIMEOUT = 60.0
+
+
 @pytest.fixture
 def store(db_url: str) -> Iterator[Store]:
     """An opened store with two GPUs of capacity 1.0."""
-    s = Store(db_url)
+    s = Store(db_url, pg_timeout=TEST_PG_TIMEOUT)
     s.open()
     s.sync_gpus([GPU0, GPU1], PPM)
     try:
@@ -171,16 +183,20 @@ def test_open_is_idempotent_and_records_the_version(db_url: str) -> None:
     try:
         s.open()
         s.open()
-        assert s.upgrade() == MIGRATIONS[-1].version
-        assert Store(db_url).upgrade() == MIGRATIONS[-1].version  # a second process, same DB
+        assert s.upgrade() == HEAD
+        assert Store(db_url).upgrade() == HEAD  # a second process, same DB
     finally:
         s.close()
     eng = _raw_engine(db_url)
     with eng.connect() as conn:
         rows = conn.exec_driver_sql("SELECT version, description FROM schema_version").all()
+        revisions = conn.exec_driver_sql("SELECT version_num FROM gpu_lease_alembic_version")
+        assert revisions.scalars().all() == [HEAD]
     eng.dispose()
-    assert [tuple(r) for r in rows] == [(m.version, m.description) for m in MIGRATIONS]
+    # the versions before Alembic, for a broker of a version before it
+    assert [tuple(r) for r in rows] == [(m.version, m.description) for m in LEGACY_MIGRATIONS]
     assert tuple(rows[0]) == (1, "initial schema")
+    assert tuple(rows[-1]) == (7, "parked leases and resume requests")
 
 
 @pytest.mark.parametrize(
@@ -928,14 +944,24 @@ def test_a_restarted_kernel_of_a_parked_lease_waits_anew_in_one_batch(store: Sto
 # --------------------------------------------------------------------------- migrations
 
 
-def _add_note_column(conn: sa.Connection) -> None:
-    conn.exec_driver_sql("ALTER TABLE leases ADD COLUMN note VARCHAR(64)")
-    conn.exec_driver_sql("UPDATE leases SET note = 'migrated'")
+def _revision(where: Path, name: str, upgrade: str) -> Path:
+    """A directory holding one Alembic revision after ours, named ``t_<name>``, whose
+    ``upgrade()`` runs the SQL statements in ``upgrade`` (separated by ``;``)."""
+    where.mkdir()
+    statements = [s.strip() for s in upgrade.split(";") if s.strip()]
+    (where / f"t_{name}.py").write_text(
+        "from alembic import op\n"
+        f"revision = 't_{name}'\n"
+        f"down_revision = {HEAD!r}\n"
+        "branch_labels = depends_on = None\n"
+        "def upgrade():\n"
+        + "".join(f"    op.get_bind().exec_driver_sql({s!r})\n" for s in statements)
+    )
+    return where
 
 
-def _broken_migration(conn: sa.Connection) -> None:
-    conn.exec_driver_sql("ALTER TABLE leases ADD COLUMN note VARCHAR(64)")
-    conn.exec_driver_sql("SELECT no_such_column FROM leases")
+_ADD_NOTE = "ALTER TABLE leases ADD COLUMN note VARCHAR(64); UPDATE leases SET note = 'migrated'"
+_BROKEN = "ALTER TABLE leases ADD COLUMN note VARCHAR(64); SELECT no_such_column FROM leases"
 
 
 def _columns(db_url: str) -> set[str]:
@@ -945,20 +971,27 @@ def _columns(db_url: str) -> set[str]:
     return cols
 
 
-LATEST = MIGRATIONS[-1].version
-NEXT = LATEST + 1  # a version this code does not know
+def _legacy_database(db_url: str, version: int) -> Store:
+    """A database as jupyter-gpu-lease built it before Alembic, at schema ``version``
+    (its frozen steps), and a store on it that is not opened (``open`` would upgrade)."""
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:
+        assert upgrade_legacy(conn, LEGACY_MIGRATIONS[:version]) == version
+    eng.dispose()
+    return Store(db_url)
 
 
-def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str) -> None:
+def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str, tmp_path: Path) -> None:
     store.insert_leases([_lease("a"), _lease("b", user="bob")], PPM, [])
     store.end_leases([("b", "released", 1010.0, None)])
     store.put_quota("group", "ml101", Quota(max_leases=4))
     store.insert_request(_request("r1"))
     before = (store.list_leases(), store.load_quotas(), store.load_active())
-    v2 = (*MIGRATIONS, Migration(NEXT, "lease notes", _add_note_column))
-    assert store.upgrade(v2) == NEXT
-    assert store.upgrade(v2) == NEXT  # safe to repeat
+    notes = _revision(tmp_path / "notes 100%", "notes", _ADD_NOTE)  # a space, a %
+    assert store.upgrade([notes]) == "t_notes"
+    assert store.upgrade([notes]) == "t_notes"  # safe to repeat
     assert "note" in _columns(db_url)
+    # rows map to objects by column name: a column they do not know changes nothing
     assert (store.list_leases(), store.load_quotas(), store.load_active()) == before
     eng = _raw_engine(db_url)
     with eng.connect() as conn:
@@ -966,16 +999,15 @@ def test_upgrade_keeps_leases_and_quotas(store: Store, db_url: str) -> None:
             "migrated"
         ]
     with eng.begin() as conn:  # the module-level function works in a caller's transaction
-        assert upgrade_schema(conn, v2) == NEXT
+        assert upgrade_schema(conn, [notes]) == "t_notes"
     eng.dispose()
-    # code that knows only the older versions refuses a newer database rather than damage it
-    with pytest.raises(StoreError, match="newer"):
+    # code that knows only the older revisions refuses a newer database rather than damage it
+    with pytest.raises(StoreError, match="'t_notes'.*newer"):
         store.upgrade()
 
 
 def test_version_1_database_upgrades_and_old_leases_have_no_groups(db_url: str) -> None:
-    old = Store(db_url)
-    assert old.upgrade(MIGRATIONS[:1]) == 1
+    old = _legacy_database(db_url, 1)
     old.sync_gpus([GPU0], PPM)
     assert "user_groups" not in _columns(db_url)
     eng = _raw_engine(db_url)
@@ -993,7 +1025,7 @@ def test_version_1_database_upgrades_and_old_leases_have_no_groups(db_url: str) 
     store = Store(db_url)
     store.open()
     try:
-        assert store.upgrade() == LATEST
+        assert store.upgrade() == HEAD
         assert "user_groups" in _columns(db_url)
         lease = store.get_lease("v1")
         assert lease is not None and lease.groups == () and lease.user == "dan"
@@ -1002,11 +1034,11 @@ def test_version_1_database_upgrades_and_old_leases_have_no_groups(db_url: str) 
         assert store.usage(0, 3600, by="group") == pytest.approx({"": 0.5, "ml101": 0.02})
     finally:
         store.close()
+    assert _schema_diff(db_url) == []
 
 
 def test_version_2_database_logs_the_requests_waiting_at_the_upgrade(db_url: str) -> None:
-    old = Store(db_url)
-    assert old.upgrade(MIGRATIONS[:2]) == 2
+    old = _legacy_database(db_url, 2)
     eng = _raw_engine(db_url)
     with eng.begin() as conn:  # a request waiting, as version 2 wrote it
         conn.execute(
@@ -1021,7 +1053,7 @@ def test_version_2_database_logs_the_requests_waiting_at_the_upgrade(db_url: str
     store = Store(db_url)
     store.open()
     try:
-        assert store.upgrade() == LATEST
+        assert store.upgrade() == HEAD
         (rec,) = store.history(0, 200)[1]
         assert (rec.id, rec.user, rec.arrived_at, rec.groups) == ("w", "dan", 100, ("ml101",))
         assert rec.left_at is None and rec.outcome is None
@@ -1034,8 +1066,7 @@ def test_version_2_database_logs_the_requests_waiting_at_the_upgrade(db_url: str
 def test_version_6_database_upgrades_to_parking(db_url: str) -> None:
     """Version 7 adds the park columns: a lease and a request written by version 6 load
     unparked, and the new columns work after the upgrade."""
-    old = Store(db_url)
-    assert old.upgrade(MIGRATIONS[:6]) == 6
+    old = _legacy_database(db_url, 6)
     old.sync_gpus([GPU0], PPM)
     assert "park_state" not in _columns(db_url)
     eng = _raw_engine(db_url)
@@ -1060,7 +1091,7 @@ def test_version_6_database_upgrades_to_parking(db_url: str) -> None:
     store = Store(db_url)
     store.open()
     try:
-        assert store.upgrade() == LATEST >= 7
+        assert store.upgrade() == HEAD
         assert {"park_state", "parked_at"} <= _columns(db_url)
         (lease,), (req,) = store.load_active()
         assert (lease.id, lease.park, lease.parked_at) == ("v6", None, None)
@@ -1073,13 +1104,329 @@ def test_version_6_database_upgrades_to_parking(db_url: str) -> None:
         store.close()
 
 
-def test_failed_migration_changes_nothing(store: Store, db_url: str) -> None:
+def test_failed_migration_changes_nothing(store: Store, db_url: str, tmp_path: Path) -> None:
     store.insert_lease(_lease("a"), PPM)
     with pytest.raises(StoreError, match="schema up to date"):
-        store.upgrade((*MIGRATIONS, Migration(NEXT, "broken", _broken_migration)))
-    assert store.upgrade() == LATEST
+        store.upgrade([_revision(tmp_path / "broken", "broken", _BROKEN)])
+    assert store.upgrade() == HEAD
     assert "note" not in _columns(db_url)  # DDL rolled back with the transaction
     assert store.get_lease("a") == _lease("a")
+
+
+def _schema_diff(db_url: str) -> list[Any]:
+    """What Alembic's autogenerate finds between the database and ``schema.py``'s tables."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    eng = _raw_engine(db_url)
+    try:
+        with eng.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"version_table": VERSION_TABLE, "compare_type": True}
+            )
+            return list(compare_metadata(context, store_schema.complete_metadata()))
+    finally:
+        eng.dispose()
+
+
+def test_a_fresh_database_is_at_head_with_the_tables_of_schema_py(db_url: str) -> None:
+    store = Store(db_url)
+    store.open()
+    store.close()
+    eng = _raw_engine(db_url)
+    with eng.connect() as conn:
+        assert stored_revision(conn) == HEAD
+    eng.dispose()
+    assert _schema_diff(db_url) == []
+
+
+def _facts(url: str) -> dict[str, Any]:
+    """Everything about a database's schema and its seeded rows, in a comparable form:
+    columns, keys, constraints, each index's definition (partial ones with their WHERE)."""
+    eng = _raw_engine(url)
+    try:
+        with eng.connect() as conn:
+            inspector = sa.inspect(conn)
+            tables = sorted(inspector.get_table_names())
+            facts: dict[str, Any] = {
+                t: (
+                    sorted(
+                        (c["name"], str(c["type"]), c["nullable"]) for c in inspector.get_columns(t)
+                    ),
+                    inspector.get_pk_constraint(t)["constrained_columns"],
+                    sorted((c["name"], c["sqltext"]) for c in inspector.get_check_constraints(t)),
+                    sorted(
+                        (c["name"], c["column_names"]) for c in inspector.get_unique_constraints(t)
+                    ),
+                )
+                for t in tables
+            }
+            if conn.dialect.name == "sqlite":
+                sql = "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            else:
+                sql = (
+                    "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+                )
+            facts["indexes"] = sorted(
+                (
+                    name,
+                    " ".join(
+                        d.replace('"', "")
+                        .replace(f"{conn.dialect.default_schema_name}.", "")
+                        .split()
+                    ),
+                )
+                for name, d in conn.exec_driver_sql(sql)
+            )
+            facts["rows"] = (
+                conn.exec_driver_sql(
+                    "SELECT version, description FROM schema_version ORDER BY 1"
+                ).all(),
+                conn.exec_driver_sql("SELECT id, holder, epoch, expires_at FROM leadership").all(),
+                conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").all(),
+            )
+            return facts
+    finally:
+        eng.dispose()
+
+
+def test_a_fresh_database_built_from_the_tables_equals_one_built_by_the_revisions(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A fresh database is built at head from schema.py's tables (no Alembic); the same
+    database built by running the revisions (the old steps) from nothing is identical."""
+    Store(db_url).upgrade()
+    with contextlib.ExitStack() as stack:
+        if db_url.startswith("sqlite"):
+            other = f"sqlite:///{tmp_path / 'by-revisions.sqlite'}"
+        else:
+            other = stack.enter_context(postgres_schema())
+        eng = _raw_engine(other)
+        with eng.begin() as conn:  # another revision directory: through Alembic
+            assert upgrade_schema(conn, [tmp_path]) == HEAD
+        eng.dispose()
+        built, migrated = _facts(db_url), _facts(other)
+    assert built == migrated
+    partial = {n for n, d in built["indexes"] if "WHERE" in d and "active" in d}
+    assert partial == {"ix_leases_active_gpu", "uq_leases_active_kernel"}
+
+
+def test_the_schema_check_sees_what_the_revisions_and_schema_py_disagree_on(
+    db_url: str,
+) -> None:
+    """The check above can fail: an index of schema.py the database lacks, and a column of
+    the database schema.py lacks, are both found."""
+    Store(db_url).upgrade()
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:
+        conn.exec_driver_sql("DROP INDEX ix_leases_ended")
+        conn.exec_driver_sql("ALTER TABLE nodes ADD COLUMN note VARCHAR(64)")
+    eng.dispose()
+    found = []
+    for d in _schema_diff(db_url):
+        for change in d if isinstance(d, list) else [d]:
+            found.append((change[0], change[-1].name))
+    assert sorted(found) == [("add_index", "ix_leases_ended"), ("remove_column", "note")]
+
+
+def test_the_revisions_have_one_head_and_it_is_head() -> None:
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config())
+    assert script.get_heads() == [HEAD]
+    assert [r.revision for r in script.walk_revisions()][-1] == "v7_baseline"
+
+
+_V7_ROWS = (
+    "INSERT INTO gpus (uuid, node, name, memory_mb, idx, capacity_ppm) VALUES "
+    "('GPU-0', 'node-a', 'H100', 81559, 0, 1000000), ('GPU-1', 'node-a', 'H100', 81559, 1, "
+    "1000000)",
+    'INSERT INTO leases (id, "user", kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb, '
+    "state, grp, created_at, renewed_at, expires_at, ended_at, reason, pid, execution_state, "
+    "last_activity, user_groups, park_state, parked_at) VALUES "
+    "('live', 'ann', 'k1', 'GPU-0', 250000, 20000, 'active', 'ml101', 100, 150, 250, NULL, "
+    """NULL, 4242, 'idle', 140, '["ml101"]', NULL, NULL), """
+    "('parked', 'bob', 'k2', 'GPU-1', 500000, 40000, 'active', NULL, 110, 160, 260, NULL, "
+    """NULL, NULL, NULL, NULL, '[]', 'parked', 155), """
+    "('gone', 'ann', 'k0', 'GPU-0', 100000, 8000, 'released', NULL, 10, 20, 90, 50, 'done', "
+    "NULL, NULL, NULL, NULL, NULL, NULL)",
+    'INSERT INTO requests (id, "user", kernel_id, fraction_ppm, groups, grp, node, gpu_uuids, '
+    "priority, arrived_at, last_polled_at, resume_of) VALUES "
+    """('r1', 'cy', 'k3', 750000, '["ml101","stats"]', 'ml101', 'node-a', '["GPU-1"]', 2, """
+    "120, 170, NULL)",
+    'INSERT INTO queue_log (id, "user", kernel_id, fraction_ppm, grp, user_groups, arrived_at, '
+    "left_at, outcome) VALUES ('r1', 'cy', 'k3', 750000, 'ml101', '[\"ml101\",\"stats\"]', "
+    "120, NULL, NULL), ('r0', 'ann', 'k1', 250000, 'ml101', '[\"ml101\"]', 90, 100, 'granted')",
+    "INSERT INTO quotas (level, name, max_fraction_ppm, max_leases, max_lease_fraction_ppm, "
+    "budget_fraction_hours, budget_window_s, priority) VALUES "
+    "('default', '', 1000000, 2, NULL, NULL, NULL, NULL), "
+    "('group', 'ml101', NULL, 4, 500000, 10.5, 604800, 3)",
+    "INSERT INTO nodes (name, gpus, agent_version, registered_at, drained, enforce) VALUES "
+    """('node-a', '[{"uuid": "GPU-0", "name": "H100", "memory_mb": 81559, "index": 0}]', """
+    "'0.1.0', 80, false, 'mps')",
+)
+
+
+def test_a_version_7_database_made_before_alembic_is_adopted_with_its_data(db_url: str) -> None:
+    """A database built by the last version before Alembic (its exact DDL, in
+    tests/store_v7/) with leases, a parked one, the queue, its log, quotas and a node: the
+    broker stamps it at head, changes no table, and reads every row back."""
+    dialect = "sqlite" if db_url.startswith("sqlite") else "postgresql"
+    ddl = (Path(__file__).parent / "store_v7" / f"{dialect}.sql").read_text()
+    statements = [s for s in ddl.split(";\n") if s.strip().strip("-").strip()]
+    eng = _raw_engine(db_url)
+    with eng.begin() as conn:
+        for stmt in [*statements, *_V7_ROWS]:
+            conn.exec_driver_sql("\n".join(x for x in stmt.splitlines() if not x.startswith("--")))
+    eng.dispose()
+    store = Store(db_url)
+    store.open()
+    try:
+        assert store.upgrade() == HEAD
+        active, queued = store.load_active()
+        assert [(x.id, x.park, x.parked_at, x.groups) for x in active] == [
+            ("live", None, None, ("ml101",)),
+            ("parked", "parked", 155, ()),
+        ]
+        live = active[0]
+        assert (live.user, live.kernel_id, live.gpu_uuid, live.fraction_ppm) == (
+            "ann",
+            "k1",
+            "GPU-0",
+            250_000,
+        )
+        assert (live.group, live.pid, live.execution_state, live.last_activity) == (
+            "ml101",
+            4242,
+            "idle",
+            140,
+        )
+        gone = store.get_lease("gone")
+        assert gone is not None and (gone.state, gone.ended_at, gone.reason) == (
+            "released",
+            50,
+            "done",
+        )
+        (req,) = queued
+        assert (req.id, req.groups, req.group, req.node, req.gpu_uuids, req.priority) == (
+            "r1",
+            frozenset({"ml101", "stats"}),
+            "ml101",
+            "node-a",
+            ("GPU-1",),
+            2,
+        )
+        book = store.load_quotas()
+        assert book.default == Quota(max_fraction_ppm=PPM, max_leases=2)
+        assert book.groups == {
+            "ml101": Quota(
+                max_leases=4,
+                max_lease_fraction_ppm=500_000,
+                budget_fraction_hours=10.5,
+                budget_window_s=604800,
+                priority=3,
+            )
+        }
+        records = sorted(store.history(0, 1000)[1], key=lambda r: r.id)
+        assert [(r.id, r.groups, r.left_at, r.outcome) for r in records] == [
+            ("r0", ("ml101",), 100, "granted"),
+            ("r1", ("ml101", "stats"), None, None),
+        ]
+        (node,) = store.load_nodes(seen_at=500.0)
+        assert (node.name, node.enforce, node.drained, [g.uuid for g in node.gpus]) == (
+            "node-a",
+            "mps",
+            False,
+            ["GPU-0"],
+        )
+        # and it keeps working: a grant on the GPU the parked lease left free
+        store.insert_lease(_lease("new", user="dan", kernel="k9", ppm=PPM, gpu="GPU-1"), PPM)
+    finally:
+        store.close()
+    eng = _raw_engine(db_url)
+    with eng.connect() as conn:
+        assert conn.exec_driver_sql("SELECT max(version) FROM schema_version").scalar() == 7
+    eng.dispose()
+    assert _schema_diff(db_url) == []
+
+
+def test_rows_map_every_stored_column_by_name() -> None:
+    """Every column of leases, requests and queue_log has its field (a new column needs
+    one), and every Lease field but the in-memory ``mps_uid`` is stored."""
+    json_columns = {"user_groups", "groups", "gpu_uuids"}
+    lease_cols = set(store_schema._LEASE_FIELD_OF) | {"user_groups"}
+    assert lease_cols == set(store_schema.leases.c.keys())
+    request_cols = set(store_schema._REQUEST_FIELD_OF) | {"groups", "gpu_uuids"}
+    assert request_cols == set(store_schema.requests.c.keys())
+    log_cols = set(store_schema._QUEUE_RECORD_FIELD_OF) | {"user_groups"}
+    assert log_cols == set(store_schema.queue_log.c.keys())
+    stored = set(store_schema._LEASE_FIELD_OF.values()) | {"groups"}
+    assert stored == {f.name for f in dataclasses.fields(Lease)} - {"mps_uid"}
+    assert json_columns.isdisjoint(store_schema._LEASE_FIELD_OF)
+
+
+@pytest.mark.slow
+def test_only_a_database_to_migrate_imports_alembic(tmp_path: Path) -> None:
+    """A broker's start reads the revision with one query, and builds a fresh database
+    from the tables; Alembic (a quarter of a second or more to import) is loaded only when
+    there are revisions to run."""
+    probe = (
+        "import sys; from provisioner.broker.store.store import Store; s = Store(sys.argv[1]); "
+        "s.open(); s.close(); print('alembic' in sys.modules)"
+    )
+
+    def imports_alembic(url: str) -> bool:
+        run = subprocess.run(
+            [sys.executable, "-c", probe, url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip() == "True"
+
+    fresh, old = (f"sqlite:///{tmp_path / name}.sqlite" for name in ("fresh", "v6"))
+    assert not imports_alembic(fresh)
+    assert not imports_alembic(fresh)  # at head
+    _legacy_database(old, 6).close()
+    assert imports_alembic(old)  # migrated by the baseline revision
+    assert not imports_alembic(old)
+
+
+def _open_worker(url: str, barrier: Any, out: Any) -> None:
+    """Child process: open (and so migrate) the database when every other one does."""
+    try:
+        barrier.wait(timeout=60)
+        store = Store(url)
+        store.open()
+        store.close()
+        out.put("ok")
+    except BaseException as exc:
+        barrier.abort()
+        out.put(repr(exc))
+        raise
+
+
+@pytest.mark.slow
+def test_brokers_starting_at_once_migrate_once(db_url: str) -> None:
+    """Four processes open one fresh database at the same moment: each waits for the one
+    migrating (SQLite's write lock, PostgreSQL's advisory lock), then finds it at head."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_open_worker, args=(db_url, barrier, out)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert results == ["ok"] * 4
+    eng = _raw_engine(db_url)
+    with eng.connect() as conn:
+        assert stored_revision(conn) == HEAD
+        versions = conn.exec_driver_sql("SELECT version FROM schema_version ORDER BY version")
+        assert versions.scalars().all() == list(range(1, 8))
+    eng.dispose()
 
 
 # --------------------------------------------------------------------------- processes

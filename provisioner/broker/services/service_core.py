@@ -388,7 +388,8 @@ class ServiceCore:
 
         One reload at a time: callers that arrive meanwhile wait for it. Raises
         ``StoreError`` if the database cannot be read (memory stays stale: the next
-        request tries again).
+        request tries again). The reload is a task of its own: a caller that goes away
+        (its client hung up) does not cancel it under the others waiting for it.
         """
         if self._reconciling is not None:
             await asyncio.shield(self._reconciling)
@@ -396,8 +397,12 @@ class ServiceCore:
                 return
         if not (self.stale or self.writer.poisoned or force):
             return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._reconciling = done
+        reload = asyncio.ensure_future(self._reload())
+        reload.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
+        self._reconciling = reload
+        await asyncio.shield(reload)
+
+    async def _reload(self) -> None:
         try:
             polled = {r.id: r.last_polled_at for r in self.state.queue.values()}
             pool = self.pool() + [self.state.gpus[u] for u in self.vanished if u in self.state.gpus]
@@ -406,17 +411,8 @@ class ServiceCore:
             self._install(now, polled, pool, leases, queue)
             self.stale = False
             self.polls.wake_all()
-            done.set_result(None)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                done.cancel()
-            else:
-                done.set_exception(exc)
-            raise
         finally:
             self._reconciling = None
-            if done.done() and not done.cancelled():
-                done.exception()  # retrieved: the waiters re-raise it themselves
 
     def _fetch(self, now: float, pool: list[GPU]) -> tuple[list[Lease], list[Request]]:
         """(writer's thread) The database's active leases on ``pool`` and its queue.

@@ -14,6 +14,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,11 +27,7 @@ from ...errors import (
     StoreError,
 )
 from .fencing import Fencing
-from .schema import (
-    MIGRATIONS,
-    Migration,
-    upgrade_schema,
-)
+from .migrate import upgrade_schema
 
 SQLITE_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
 #: the store's defaults (the broker's traits of the same names start from these)
@@ -299,10 +296,11 @@ class Database:
             raise StoreError(f"Closing the lease database failed: {exc}") from exc
         self._opened = False
 
-    def upgrade(self, migrations: Sequence[Migration] | None = None) -> int:
-        """Apply missing schema migrations in one transaction; returns the version now."""
+    def upgrade(self, version_locations: Sequence[str | Path] = ()) -> str:
+        """Bring the schema to Alembic's head in one transaction (``migrate.py``); returns
+        the revision now. ``version_locations``: directories of revisions besides ours."""
         with self._tx("open it and bring its schema up to date") as conn:
-            return upgrade_schema(conn, MIGRATIONS if migrations is None else migrations)
+            return upgrade_schema(conn, version_locations)
 
 
 __all__ = [

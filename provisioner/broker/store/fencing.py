@@ -34,7 +34,9 @@ _TAKE_LEADERSHIP = sa.text(
     f"renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + :ttl "
     f"WHERE id = 1 AND (holder IS NULL OR expires_at <= {_DB_NOW}) RETURNING epoch"
 )
-_LEADER = sa.text(f"SELECT holder, epoch, expires_at - {_DB_NOW} FROM leadership WHERE id = 1")
+_LEADER = sa.text(
+    f"SELECT holder, epoch, expires_at - {_DB_NOW} AS remaining FROM leadership WHERE id = 1"
+)
 _RENEW_LEADERSHIP = sa.text(
     f"UPDATE leadership SET renewed_at = {_DB_NOW}, expires_at = {_DB_NOW} + :ttl "
     "WHERE id = 1 AND holder = :holder AND epoch = :epoch"
@@ -45,8 +47,8 @@ _RELEASE_LEADERSHIP = sa.text(
 )
 # the fence: first statement of every write transaction of an active broker
 _FENCE = sa.text(
-    f"SELECT holder, epoch, expires_at > {_DB_NOW}, "
-    "set_config('gpu_lease.epoch', CAST(epoch AS TEXT), true) "
+    f"SELECT holder, epoch, expires_at > {_DB_NOW} AS live, "
+    "set_config('gpu_lease.epoch', CAST(epoch AS TEXT), true) AS epoch_set "
     "FROM leadership WHERE id = 1 FOR SHARE"
 )
 
@@ -112,12 +114,12 @@ class Fencing:
             with self._tx("take the broker leadership", fenced=False) as conn:
                 conn.execute(sa.text(f"SET LOCAL lock_timeout = {max(1, int(lock_wait * 1000))}"))
                 epoch = conn.execute(_TAKE_LEADERSHIP, {"holder": holder, "ttl": ttl}).scalar()
-                now_holder, _, remaining = conn.execute(_LEADER).one()
+                now = conn.execute(_LEADER).one()
         except StoreError as exc:
             if getattr(getattr(exc.__cause__, "orig", None), "pgcode", "") == _LOCK_NOT_AVAILABLE:
                 return None, None, lock_wait  # a write in flight: try again soon
             raise
-        return (None if epoch is None else int(epoch)), now_holder, max(0.0, float(remaining))
+        return (None if epoch is None else int(epoch)), now.holder, max(0.0, float(now.remaining))
 
     def renew(self, holder: str, epoch: int, ttl: float) -> bool:
         """Extend this broker's leadership to ``ttl`` s from now (database clock).
@@ -142,8 +144,8 @@ class Fencing:
         """``(holder, epoch, seconds until it expires)`` as the database has it now."""
         self._require_pg()
         with self._tx("read the broker leadership", write=False) as conn:
-            holder, epoch, remaining = conn.execute(_LEADER).one()
-        return holder, int(epoch), float(remaining)
+            row = conn.execute(_LEADER).one()
+        return row.holder, int(row.epoch), float(row.remaining)
 
     def set(self, fence: Fence | None, on_refused: FenceRefused | None = None) -> None:
         """From now on every write transaction checks ``fence`` first (``None``: stop).
@@ -158,11 +160,11 @@ class Fencing:
     def check(self, conn: Connection, fence: Fence) -> None:
         """(in a write transaction) :class:`NotActive` unless ``fence`` still holds."""
         row = conn.execute(_FENCE).first()
-        if row is None or row[0] != fence.holder or int(row[1]) != fence.epoch:
-            who = "nobody" if row is None or row[0] is None else "another broker"
+        if row is None or row.holder != fence.holder or int(row.epoch) != fence.epoch:
+            who = "nobody" if row is None or row.holder is None else "another broker"
             why = f"{who} holds the leadership now (this broker had epoch {fence.epoch})"
             deposed = True
-        elif not row[2]:
+        elif not row.live:
             why = "its leadership expired before it could renew it"
             deposed = False
         else:

@@ -13,9 +13,10 @@ fractions on each GPU plus the new ones fit, and that the kernel holds no other
 active lease, all in the transaction that inserts. Two broker processes writing at
 once therefore cannot over-allocate a GPU.
 
-Tables (schema version 7)::
+Tables (Alembic revision ``migrate.HEAD``; the revisions in ``migrations/versions/``)::
 
-    schema_version  version PK, description, applied_at
+    gpu_lease_alembic_version  version_num (Alembic's: the revision the database is at)
+    schema_version  version PK, description, applied_at (versions 1-7, before Alembic)
     gpus            uuid PK, node, name, memory_mb, idx, capacity_ppm
     leases          id PK, user, kernel_id, gpu_uuid, fraction_ppm, memory_limit_mb,
                     state, grp, created_at, renewed_at, expires_at, ended_at, reason,
@@ -50,7 +51,8 @@ Fenced leadership (PostgreSQL, ``--ha-lock``): ``store.fencing``
 gives up the ``leadership`` row, and once its fence is set every write transaction first
 checks it: a deposed broker can never commit.
 
-The parts: ``store_schema.py`` (tables, migrations, statements), ``store_engine.py``
+The parts: ``schema.py`` (tables, statements, rows to objects by column name),
+``migrate.py`` (Alembic at open; ``legacy.py``: the steps before it), ``engine.py``
 (connections and transactions: :class:`~provisioner.broker.store.engine.Database`),
 ``store_writes.py`` (grants and the group commit: :class:`~provisioner.broker.store.writes.LeaseWrites`),
 and this module's :class:`Store`, the one class its callers use.
@@ -96,6 +98,7 @@ from .engine import (
     SQLITE_SYNCHRONOUS,
 )
 from .fencing import Fence
+from .migrate import HEAD, upgrade_schema
 from .schema import (
     _COUNTS,
     _DELETE_REQUEST,
@@ -103,9 +106,6 @@ from .schema import (
     _GET_LEASE,
     _LEAVE_QUEUE,
     _PPM_HOURS,
-    _QUEUE_LOG_COLS,
-    _QUOTA_COLS,
-    _REQUEST_COLS,
     _SELECT_ACTIVE,
     _SELECT_LEASES,
     _SELECT_REQUESTS,
@@ -115,11 +115,11 @@ from .schema import (
     _USAGE_BY_GROUP,
     _USAGE_BY_USER,
     _USER_USAGE,
-    MIGRATIONS,
-    Migration,
     _gpu_table,
     _lease_from_row,
     _queue_log_row,
+    _queue_record_from_row,
+    _quota_from_row,
     _request_from_row,
     _request_row,
     gpus,
@@ -128,7 +128,6 @@ from .schema import (
     queue_log,
     quotas,
     requests,
-    upgrade_schema,
 )
 from .writes import LeaseWrites
 
@@ -137,10 +136,9 @@ __all__ = [
     "DEFAULT_SQLITE_BUSY_TIMEOUT",
     "DEFAULT_SQLITE_CHECKPOINT_INTERVAL",
     "DEFAULT_SQLITE_SYNCHRONOUS",
-    "MIGRATIONS",
+    "HEAD",
     "SQLITE_SYNCHRONOUS",
     "Fence",
-    "Migration",
     "Store",
     "upgrade_schema",
 ]
@@ -278,7 +276,7 @@ class Store(LeaseWrites):
 
     def get_request(self, request_id: str) -> Request | None:
         """One queued request by id, or ``None``."""
-        stmt = sa.select(*_REQUEST_COLS).where(requests.c.id == request_id)
+        stmt = sa.select(requests).where(requests.c.id == request_id)
         with self._tx("read a queued request", write=False) as conn:
             row = conn.execute(stmt).first()
         return None if row is None else _request_from_row(row)
@@ -286,11 +284,10 @@ class Store(LeaseWrites):
     def load_quotas(self) -> QuotaBook:
         """Every quota: the default, per group and per user."""
         book = QuotaBook()
-        stmt = sa.select(quotas.c.level, quotas.c.name, *_QUOTA_COLS)
         with self._tx("load the quotas", write=False) as conn:
-            rows = conn.execute(stmt).all()
-        for level, name, *values in rows:
-            quota = Quota(*values)
+            rows = conn.execute(sa.select(quotas)).all()
+        for row in rows:
+            level, name, quota = row.level, row.name, _quota_from_row(row)
             if level == "default":
                 book.default = quota
             elif level == "group":
@@ -366,7 +363,7 @@ class Store(LeaseWrites):
             leases.c.created_at < until,
             sa.or_(leases.c.state == "active", leases.c.ended_at >= since),
         )
-        qstmt = sa.select(*_QUEUE_LOG_COLS).where(
+        qstmt = sa.select(queue_log).where(
             queue_log.c.arrived_at < until,
             sa.or_(queue_log.c.left_at.is_(None), queue_log.c.left_at >= since),
         )
@@ -375,10 +372,7 @@ class Store(LeaseWrites):
             qstmt = qstmt.where(queue_log.c.user == user)
         with self._tx("read the history", write=False) as conn:
             held = [_lease_from_row(row) for row in conn.execute(stmt)]
-            queued = [
-                QueueRecord(rid, u, k, ppm, arrived, grp, tuple(json.loads(ug)), left, outcome)
-                for (rid, u, k, ppm, arrived, grp, ug, left, outcome) in conn.execute(qstmt)
-            ]
+            queued = [_queue_record_from_row(row) for row in conn.execute(qstmt)]
         return held, queued
 
     def counts(self) -> dict[str, int]:
@@ -416,28 +410,21 @@ class Store(LeaseWrites):
 
     def load_nodes(self, seen_at: float) -> list[Node]:
         """The registered nodes, each seen at ``seen_at`` (a restart gives agents a grace)."""
-        stmt = sa.select(
-            nodes.c.name,
-            nodes.c.gpus,
-            nodes.c.agent_version,
-            nodes.c.registered_at,
-            nodes.c.drained,
-            nodes.c.enforce,
-        ).order_by(nodes.c.name)
+        stmt = sa.select(nodes).order_by(nodes.c.name)
         with self._tx("load the nodes", write=False) as conn:
             rows = list(conn.execute(stmt))
         return [
             Node(
-                name=name,
+                name=row.name,
                 gpus=[
-                    GPU(g["uuid"], name, g["name"], int(g["memory_mb"]), int(g["index"]))
-                    for g in json.loads(gpus_json)
+                    GPU(g["uuid"], row.name, g["name"], int(g["memory_mb"]), int(g["index"]))
+                    for g in json.loads(row.gpus)
                 ],
-                agent_version=version,
-                registered_at=float(registered),
+                agent_version=row.agent_version,
+                registered_at=float(row.registered_at),
                 last_seen=seen_at,
-                drained=bool(drained),
-                enforce=enforce or "report",
+                drained=bool(row.drained),
+                enforce=row.enforce or "report",
             )
-            for name, gpus_json, version, registered, drained, enforce in rows
+            for row in rows
         ]

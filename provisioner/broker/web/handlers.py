@@ -402,6 +402,14 @@ class APIHandler(web.RequestHandler):
 
     def send_error(self, status_code: int = 500, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
+        task = asyncio.current_task()
+        if exc is None and task is not None and task.cancelling():
+            # tornado answers a handler whose own task is cancelled with a bare 500: that
+            # is this process exiting (asyncio.run cancels what runs still), so say retry
+            exc = NotActive(
+                "This broker is shutting down; retry, and the active broker will answer."
+            )
+            kwargs["exc_info"] = (NotActive, exc, None)
         if isinstance(exc, GPULeaseError):
             status_code = exc.status if 400 <= exc.status < 600 else 500
         super().send_error(status_code, **kwargs)

@@ -1,0 +1,1 @@
+"""Alembic's environment (``env.py``) and the schema's revisions (``versions/``)."""

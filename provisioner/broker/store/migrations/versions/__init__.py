@@ -1,0 +1,1 @@
+"""The schema's Alembic revisions, one file each (Alembic skips this file)."""
