@@ -169,8 +169,8 @@ def test_the_broker_keeps_only_what_a_proving_agent_proved() -> None:
     the lease's memory; what the agent proved (uid, cgroup) replaces the claim; a refusal
     is new once; ``proven_uids`` names only proven kernels (the MPS owners' source)."""
     from provisioner.broker.rules.kernel_places import KernelPlaces
-    from provisioner.broker.rules.reports import NodeProofs, ProvenKernel
     from provisioner.model import Lease
+    from provisioner.node_report import NodeProofs, ProvenKernel
 
     def lease(i: str, mps_uid: int | None = None) -> Lease:
         return Lease(

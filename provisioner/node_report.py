@@ -1,0 +1,514 @@
+"""A node agent's heartbeat, typed: one set of values the agent builds, its client sends
+(:meth:`NodeReport.to_json`), the broker's validation parses (:meth:`NodeReport.from_json`,
+every check and its message here) and the broker's node service reads.
+
+The report is the core (``usage``, ``at``) and one *part* per node feature: MPS daemons
+(:class:`MPSReport`), proven kernels and refused claims (:class:`KernelReport`), driver
+memory limits (:class:`DriverLimitsReport`) and parking (:class:`NodeParkReport`). Each part
+names its fields (``FIELDS``), parses them (``from_json``: None when the body carries none
+of them, an agent without the feature or older than it) and writes them (``to_json``:
+only what it holds, so that a broker older than a feature never sees its fields). A new
+feature adds its part here and to :data:`PARTS` (docs/developers.md, "Add a node feature").
+
+The wire stays as it was: the same fields, the same values, the same refusals.
+Pure, nothing happens at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from .errors import InvalidRequest
+from .json_checks import cgroup, check_fields, json_list, json_object, json_type, number, show
+from .json_checks import text as _text
+from .json_checks import whole as _int
+from .wire import (
+    MAX_GPU_MEMORY_MB,
+    MAX_NODE_GPUS,
+    MAX_PID,
+    MAX_PID_NS,
+    MAX_REASON_CHARS,
+    MAX_REFUSAL_CHARS,
+    MAX_TIME,
+    MAX_UID,
+    MAX_USAGE_SAMPLES,
+    MAX_UUID_CHARS,
+    MPS_STATES,
+    PARK_ACTIONS,
+    PARK_OUTCOMES,
+)
+
+#: the largest host memory (MiB) a heartbeat may report: 1 EiB
+MAX_HOST_MEMORY_MB = 2**40
+#: the longest a park or resume may have taken (s), as a heartbeat reports it
+MAX_PARK_SECONDS = 86400.0
+USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
+KERNEL_MAP_FIELDS = (
+    "pid",
+    "pid_ns",
+    "host_pid",
+    "lease_id",
+    "uid",
+    "cgroup",
+    "escaped",
+    "left_mps",
+)
+REFUSED_FIELDS = ("lease_id", "reason")
+PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb", "seconds")
+
+#: one usage sample: ``(pid, gpu_uuid, used_mb)``
+Usage = tuple[int, str, int]
+
+
+class ReportPart:
+    """One node feature's fields of a heartbeat (subclasses are frozen dataclasses)."""
+
+    #: the body's fields this part reads and writes
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ReportPart | None:
+        """This part of a heartbeat body (None: none of its fields); raises InvalidRequest."""
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        """This part's fields of a heartbeat body (only those it holds)."""
+        raise NotImplementedError
+
+
+P = TypeVar("P", bound=ReportPart)
+
+
+# -- MPS ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MPSReport(ReportPart):
+    """``mps``: GPU uuid -> ``running`` | ``down`` of the agent's MPS daemons (``--mps``);
+    ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of (None: none, or no
+    client). Either is None when the agent does not send it."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("mps", "mps_uid")
+
+    states: dict[str, str] | None = None
+    uids: dict[str, int | None] | None = None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> MPSReport | None:
+        states = cls._states(body.get("mps"))
+        uids = cls._uids(body.get("mps_uid"))
+        return None if states is None and uids is None else cls(states, uids)
+
+    @staticmethod
+    def _states(raw: Any) -> dict[str, str] | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"'mps' must be a JSON object, not a {json_type(raw)}.")
+        if len(raw) > MAX_NODE_GPUS:
+            raise InvalidRequest(f"'mps' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+        states: dict[str, str] = {}
+        for gpu_uuid, state in raw.items():
+            _text(gpu_uuid, "mps key", max_chars=MAX_UUID_CHARS)
+            if state not in MPS_STATES:
+                raise InvalidRequest(
+                    f"'mps' states are {' or '.join(MPS_STATES)}, not {json_type(state)} "
+                    f"{str(state)[:40]!r}."
+                )
+            states[gpu_uuid] = state
+        return states
+
+    @staticmethod
+    def _uids(raw: Any) -> dict[str, int | None] | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"'mps_uid' must be a JSON object, not a {json_type(raw)}.")
+        if len(raw) > MAX_NODE_GPUS:
+            raise InvalidRequest(f"'mps_uid' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
+        out: dict[str, int | None] = {}
+        for gpu_uuid, uid in raw.items():
+            _text(gpu_uuid, "mps_uid key", max_chars=MAX_UUID_CHARS)
+            out[gpu_uuid] = None if uid is None else _int(uid, "mps_uid", low=0, high=MAX_UID)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.states is not None:
+            out["mps"] = self.states
+        if self.uids is not None:
+            out["mps_uid"] = self.uids
+        return out
+
+
+# -- kernels: pid namespaces, proofs (cgroups) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProvenKernel:
+    """A kernel a node agent proved to be its lease's (heartbeat ``kernels`` entry with
+    ``lease_id``): its host pid, real uid, accepted cgroup, GPU processes outside it, and
+    (an MPS lease's) GPU processes that are no client of their GPU's MPS server; ``pid``
+    and ``pid_ns``: the claim's kernel as its provisioner sees it."""
+
+    lease_id: str
+    host_pid: int
+    uid: int | None = None
+    cgroup: str | None = None
+    escaped: tuple[int, ...] = ()
+    left_mps: tuple[int, ...] = ()
+    pid: int | None = None
+    pid_ns: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Its ``kernels`` entry (``left_mps`` only when some: a broker older than that
+        field refuses it)."""
+        entry: dict[str, Any] = {
+            "pid": self.pid,
+            "pid_ns": self.pid_ns,
+            "host_pid": self.host_pid,
+            "lease_id": self.lease_id,
+            "uid": self.uid,
+            "cgroup": self.cgroup,
+            "escaped": sorted(self.escaped),
+        }
+        if self.left_mps:
+            entry["left_mps"] = sorted(self.left_mps)
+        return entry
+
+
+@dataclass(frozen=True)
+class NodeProofs:
+    """An agent's proven kernels and refused claims; a heartbeat without ``refused``
+    comes from an agent older than proofs (no :class:`NodeProofs` then)."""
+
+    proven: dict[str, ProvenKernel]
+    refused: dict[str, str]
+
+
+def _pid_list(entry: dict[str, Any], name: str) -> tuple[int, ...]:
+    """A ``kernels`` entry's list of pids ``name`` (absent or null: none)."""
+    pids = entry.get(name) or []
+    if not isinstance(pids, list) or len(pids) > MAX_USAGE_SAMPLES:
+        raise InvalidRequest(f"{name!r} must be a JSON array of pids.")
+    return tuple(_int(p, name, low=1, high=MAX_PID) for p in pids)
+
+
+@dataclass(frozen=True)
+class KernelReport(ReportPart):
+    """``kernels`` and ``refused``. ``namespaced``: which host pid each namespaced kernel
+    the agent found is, ``{(pid, pid_ns): host_pid}`` (entries without ``lease_id``; None:
+    no ``kernels``); ``proofs``: the proven kernels (entries with ``lease_id``) and the
+    refused claims, None from an agent older than proofs (no ``refused``)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("kernels", "refused")
+
+    namespaced: dict[tuple[int, int], int] | None = None
+    proofs: NodeProofs | None = None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> KernelReport | None:
+        namespaced = cls._namespaced(body)
+        proofs = cls._proofs(body)
+        return None if namespaced is None and proofs is None else cls(namespaced, proofs)
+
+    @staticmethod
+    def _namespaced(body: dict[str, Any]) -> dict[tuple[int, int], int] | None:
+        if body.get("kernels") is None:
+            return None
+        kernels: dict[tuple[int, int], int] = {}
+        for raw in json_list(body, "kernels", MAX_USAGE_SAMPLES):
+            entry = json_object(raw, "'kernels'")
+            check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
+            if entry.get("lease_id") is not None:
+                continue  # a proven kernel: _proofs
+            key = (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
+            )
+            if key in kernels:
+                raise InvalidRequest("Two 'kernels' entries name the same pid and pid_ns.")
+            kernels[key] = _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID)
+        return kernels
+
+    @staticmethod
+    def _proofs(body: dict[str, Any]) -> NodeProofs | None:
+        if body.get("refused") is None:
+            return None
+        proven: dict[str, ProvenKernel] = {}
+        for raw in body.get("kernels") or []:
+            entry = json_object(raw, "'kernels'")
+            if entry.get("lease_id") is None:
+                continue
+            lease_id = _text(entry["lease_id"], "lease_id")
+            if lease_id in proven:
+                raise InvalidRequest("Two 'kernels' entries name the same lease_id.")
+            pid_ns = None
+            if entry.get("pid_ns") is not None:
+                pid_ns = _int(entry["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
+            pid = _int(entry.get("pid"), "pid", low=1, high=MAX_PID)
+            escaped, left_mps = _pid_list(entry, "escaped"), _pid_list(entry, "left_mps")
+            proven[lease_id] = ProvenKernel(
+                lease_id,
+                _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID),
+                _int(entry["uid"], "uid", low=0, high=MAX_UID)
+                if entry.get("uid") is not None
+                else None,
+                cgroup(entry["cgroup"]) if entry.get("cgroup") is not None else None,
+                escaped,
+                left_mps,
+                pid,
+                pid_ns,
+            )
+        refused: dict[str, str] = {}
+        for raw in json_list(body, "refused", MAX_USAGE_SAMPLES):
+            entry = json_object(raw, "'refused'")
+            check_fields(entry, REFUSED_FIELDS, "refused entry")
+            lease_id = _text(entry.get("lease_id"), "lease_id")
+            refused[lease_id] = _text(entry.get("reason"), "reason", max_chars=MAX_REFUSAL_CHARS)
+        return NodeProofs(proven, refused)
+
+    def to_json(self) -> dict[str, Any]:
+        kernels: list[dict[str, Any]] = [
+            {"pid": pid, "pid_ns": pid_ns, "host_pid": host}
+            for (pid, pid_ns), host in (self.namespaced or {}).items()
+        ]
+        if self.proofs is not None:
+            kernels += [p.to_json() for p in self.proofs.proven.values()]
+        out: dict[str, Any] = {}
+        if kernels:
+            out["kernels"] = kernels
+        if self.proofs is not None:
+            out["refused"] = [{"lease_id": k, "reason": v} for k, v in self.proofs.refused.items()]
+        return out
+
+
+# -- driver memory limits -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DriverLimitsReport(ReportPart):
+    """``driver_limits``: the kernel cgroups whose driver memory limit is in force (sent,
+    even empty, by an agent whose driver offers them)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("driver_limits",)
+
+    cgroups: tuple[str, ...] = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> DriverLimitsReport | None:
+        if body.get("driver_limits") is None:
+            return None
+        return cls(tuple(cgroup(x) for x in json_list(body, "driver_limits", MAX_USAGE_SAMPLES)))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"driver_limits": list(self.cgroups)}
+
+
+# -- parking ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParkOutcome:
+    """One outcome of a park or resume order, as a node heartbeat's ``parking`` reports it."""
+
+    lease_id: str
+    action: str  # park | resume (wire.PARK_ACTIONS)
+    outcome: str  # done | failed | waiting (wire.PARK_OUTCOMES)
+    message: str | None = None
+    pids: tuple[int, ...] = ()
+    mb: int | None = None
+    seconds: float | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any) -> ParkOutcome:
+        entry = json_object(raw, "'parking'")
+        check_fields(entry, PARK_OUTCOME_FIELDS, "parking outcome")
+        action = entry.get("action")
+        if action not in PARK_ACTIONS:
+            raise InvalidRequest(
+                f"A parking outcome's 'action' is {' or '.join(PARK_ACTIONS)}, not {show(action)}."
+            )
+        outcome = entry.get("outcome")
+        if outcome not in PARK_OUTCOMES:
+            raise InvalidRequest(
+                f"A parking outcome's 'outcome' is {', '.join(PARK_OUTCOMES)}, not {show(outcome)}."
+            )
+        message = entry.get("message")
+        if message is not None:
+            message = _text(message, "message", max_chars=MAX_REASON_CHARS)
+        pids = entry.get("pids")
+        if pids is not None:
+            pids = [
+                _int(p, "pids", low=1, high=MAX_PID)
+                for p in json_list(entry, "pids", MAX_USAGE_SAMPLES)
+            ]
+        mb = entry.get("mb")
+        if mb is not None:
+            mb = _int(mb, "mb", low=0, high=MAX_GPU_MEMORY_MB)
+        seconds = entry.get("seconds")
+        if seconds is not None:
+            seconds = number(seconds, "seconds", low=0.0, high=MAX_PARK_SECONDS)
+        return cls(
+            lease_id=_text(entry.get("lease_id"), "lease_id"),
+            action=str(action),
+            outcome=str(outcome),
+            message=message,
+            pids=tuple(pids or ()),
+            mb=mb,
+            seconds=seconds,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "lease_id": self.lease_id,
+            "action": self.action,
+            "outcome": self.outcome,
+            "pids": list(self.pids),
+        }
+        if self.mb is not None:
+            out["mb"] = self.mb
+        if self.seconds is not None:
+            out["seconds"] = self.seconds
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(frozen=True)
+class NodeParkReport(ReportPart):
+    """``checkpoint`` (whether the node's driver can checkpoint kernels) and
+    ``host_memory_available_mb`` (MemAvailable in MiB; either None: absent, an agent older
+    than parking) and ``parking``, the outcomes of park/resume orders not yet delivered
+    (at most one per lease and action)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "host_memory_available_mb", "parking")
+
+    checkpoint: bool | None = None
+    host_memory_available_mb: int | None = None
+    outcomes: tuple[ParkOutcome, ...] = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> NodeParkReport | None:
+        if all(body.get(f) is None for f in cls.FIELDS):
+            return None
+        checkpoint = body.get("checkpoint")
+        if checkpoint is not None and not isinstance(checkpoint, bool):
+            raise InvalidRequest(
+                f"'checkpoint' must be true or false, not a JSON {json_type(checkpoint)}."
+            )
+        host = body.get("host_memory_available_mb")
+        if host is not None:
+            host = _int(host, "host_memory_available_mb", low=0, high=MAX_HOST_MEMORY_MB)
+        outcomes: list[ParkOutcome] = []
+        if body.get("parking") is not None:
+            outcomes = [
+                ParkOutcome.from_json(raw) for raw in json_list(body, "parking", MAX_USAGE_SAMPLES)
+            ]
+        if len({(o.lease_id, o.action) for o in outcomes}) != len(outcomes):
+            raise InvalidRequest(
+                "Two parking outcomes name the same lease and action; send one of each."
+            )
+        return cls(checkpoint, host, tuple(outcomes))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.checkpoint is not None:
+            out["checkpoint"] = self.checkpoint
+        if self.host_memory_available_mb is not None:
+            out["host_memory_available_mb"] = self.host_memory_available_mb
+        if self.outcomes:
+            out["parking"] = [o.to_json() for o in self.outcomes]
+        return out
+
+
+# -- the report ------------------------------------------------------------------------------
+
+#: every node feature's part, in the order the broker parses them
+PARTS: tuple[type[ReportPart], ...] = (MPSReport, KernelReport, DriverLimitsReport, NodeParkReport)
+#: the fields of a heartbeat: the core's, then each part's
+FIELDS: tuple[str, ...] = ("usage", "at", *(f for kind in PARTS for f in kind.FIELDS))
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """One heartbeat: the per-process ``usage`` samples, ``at`` (the agent's clock), and
+    the parts of the node features that have something to say."""
+
+    usage: tuple[Usage, ...] = ()
+    at: float | None = None
+    parts: tuple[ReportPart, ...] = field(default=())
+
+    def part(self, kind: type[P]) -> P | None:
+        """The part of ``kind``, None when the heartbeat carries none."""
+        for p in self.parts:
+            if isinstance(p, kind):
+                return p
+        return None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> NodeReport:
+        """``POST /api/v1/nodes/{node}/heartbeat`` body -> the report; raises InvalidRequest.
+
+        ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it
+        against the GPU's memory); one sample per ``(pid, gpu_uuid)``.
+        """
+        check_fields(body, FIELDS, "node heartbeat")
+        at, usage = parse_core(body)
+        parts = tuple(p for kind in PARTS if (p := kind.from_json(body)) is not None)
+        return cls(usage, at, parts)
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "usage": [{"pid": p, "gpu_uuid": u, "used_mb": m} for p, u, m in self.usage]
+        }
+        if self.at is not None:
+            body["at"] = self.at
+        for p in sorted(self.parts, key=_wire_order):
+            body.update(p.to_json())
+        return body
+
+
+def _wire_order(part: ReportPart) -> int:
+    """Where a part's fields go in a body: in :data:`PARTS`' order (the order of old)."""
+    kind = type(part)
+    return PARTS.index(kind) if kind in PARTS else len(PARTS)
+
+
+def parse_core(body: dict[str, Any]) -> tuple[float | None, tuple[Usage, ...]]:
+    """A heartbeat's ``at`` and ``usage`` (the fields every agent sends)."""
+    at = None
+    if body.get("at") is not None:
+        at = number(body["at"], "at", low=0.0, high=MAX_TIME)
+    usage: list[Usage] = []
+    for raw in json_list({"usage": body.get("usage", [])}, "usage", MAX_USAGE_SAMPLES):
+        entry = json_object(raw, "'usage'")
+        check_fields(entry, USAGE_FIELDS, "usage sample")
+        usage.append(
+            (
+                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
+                _text(entry.get("gpu_uuid"), "gpu_uuid", max_chars=MAX_UUID_CHARS),
+                _int(entry.get("used_mb"), "used_mb", low=0, high=MAX_GPU_MEMORY_MB),
+            )
+        )
+    if len({(p, u) for p, u, _ in usage}) != len(usage):
+        raise InvalidRequest("Two usage samples name the same pid and GPU; send one of each.")
+    return at, tuple(usage)
+
+
+__all__ = [
+    "FIELDS",
+    "PARTS",
+    "DriverLimitsReport",
+    "KernelReport",
+    "MPSReport",
+    "NodeParkReport",
+    "NodeProofs",
+    "NodeReport",
+    "ParkOutcome",
+    "ProvenKernel",
+    "ReportPart",
+    "Usage",
+    "parse_core",
+]
