@@ -203,8 +203,7 @@ def test_park_orders_run_only_for_proven_kernels_and_fail_at_once_for_refused_on
     """A park order names the kernel by its claim; the agent runs it on the proven host pid,
     and settles one for a refused claim as failed at once (the broker reclaims the lease
     instead of waiting for its park_timeout); nothing is checkpointed for it."""
-    from provisioner.node.agent import proven_orders
-    from provisioner.node.parking import Parker
+    from provisioner.node.parking import Parker, proven_orders
 
     good = Claim("lease-1", 7, 4026531001, PROOF, "", "k1", "GPU-1", 900)
     proven = {"lease-1": proof.Proven(good, 30001, 1000, None, False)}
