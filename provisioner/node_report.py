@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from . import wire
 from .errors import InvalidRequest
 from .json_checks import cgroup, check_fields, json_list, json_object, json_type, number, show
 from .json_checks import text as _text
@@ -37,6 +38,7 @@ from .wire import (
     MPS_STATES,
     PARK_ACTIONS,
     PARK_OUTCOMES,
+    enum_schema,
 )
 
 #: the largest host memory (MiB) a heartbeat may report: 1 EiB
@@ -60,12 +62,51 @@ PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb",
 #: one usage sample: ``(pid, gpu_uuid, used_mb)``
 Usage = tuple[int, str, int]
 
+# -- the OpenAPI schemas' building blocks (``broker/web/openapi.py`` serves each part's) ----
+
+
+def nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` that also takes ``null`` (OAS 3.0)."""
+    return {**schema, "nullable": True}
+
+
+#: a Unix uid (``wire.MAX_UID``: uid_t is 32 bits; (uid_t)-1 means "none")
+UID_SCHEMA: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": wire.MAX_UID}
+PID_SCHEMA: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID}
+#: a pid namespace's inode number (a renewal's and a heartbeat's ``pid_ns``)
+PID_NS_SCHEMA: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID_NS}
+#: a kernel's cgroup v2 path from the hierarchy's root
+CGROUP_SCHEMA: dict[str, Any] = {
+    "type": "string",
+    "maxLength": wire.MAX_CGROUP_CHARS,
+    "pattern": wire.CGROUP_PATTERN,
+}
+MPS_STATES_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "maxProperties": wire.MAX_NODE_GPUS,
+    "additionalProperties": enum_schema(wire.MPS_STATES),
+    "description": "GPU uuid -> state of its MPS control daemon (agents with --mps).",
+}
+MPS_UIDS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "maxProperties": wire.MAX_NODE_GPUS,
+    "additionalProperties": nullable(UID_SCHEMA),
+    "description": "GPU uuid -> the Unix uid its MPS server serves clients of now (null: no "
+    "server, or one without clients; agents with --mps). MPS serves one uid per GPU at a "
+    "time: the broker places an enforcement=mps kernel only where it serves the kernel's "
+    "uid or none.",
+}
+
 
 class ReportPart:
     """One node feature's fields of a heartbeat (subclasses are frozen dataclasses)."""
 
     #: the body's fields this part reads and writes
     FIELDS: ClassVar[tuple[str, ...]] = ()
+    #: the OpenAPI schema of each of its fields (``NodeHeartbeat``'s properties)
+    SCHEMA: ClassVar[dict[str, Any]] = {}
+    #: the OpenAPI schema of each field its feature adds to the answer (``NodeBeat``'s)
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ReportPart | None:
@@ -90,6 +131,29 @@ class MPSReport(ReportPart):
     client). Either is None when the agent does not send it."""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("mps", "mps_uid")
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "mps": MPS_STATES_SCHEMA,
+        "mps_uid": MPS_UIDS_SCHEMA,
+    }
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
+        "leases": {
+            "type": "array",
+            "description": "Every active lease of the node from its grant on, whether "
+            "or not its kernel has reported a pid: what the agent's MPS daemons bound "
+            "each new client by (the largest lease of the client's user on the GPU).",
+            "items": {
+                "type": "object",
+                "required": ["lease_id", "user", "gpu_uuid", "memory_mb", "enforcement"],
+                "properties": {
+                    "lease_id": {"type": "string"},
+                    "user": {"type": "string"},
+                    "gpu_uuid": {"type": "string"},
+                    "memory_mb": {"type": "integer", "minimum": 0},
+                    "enforcement": enum_schema(wire.ENFORCEMENTS),
+                },
+            },
+        },
+    }
 
     states: dict[str, str] | None = None
     uids: dict[str, int | None] | None = None
@@ -203,6 +267,99 @@ class KernelReport(ReportPart):
     refused claims, None from an agent older than proofs (no ``refused``)."""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("kernels", "refused")
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "kernels": {
+            "type": "array",
+            "maxItems": wire.MAX_USAGE_SAMPLES,
+            "description": "Which host pid each lease kernel of another pid namespace "
+            "is (found through /proc/<pid>/status NSpid); `usage` names host pids. An "
+            "agent that proves claims (it sends `refused`) lists each proven kernel, "
+            "with its lease, real uid, cgroup, its GPU processes that left it and those "
+            "outside MPS.",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["pid", "pid_ns", "host_pid"],
+                "properties": {
+                    "pid": PID_SCHEMA,
+                    "pid_ns": nullable(PID_NS_SCHEMA),
+                    "host_pid": PID_SCHEMA,
+                    "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
+                    "uid": {**UID_SCHEMA, "description": "The proven process's real uid."},
+                    "cgroup": nullable(
+                        {
+                            **CGROUP_SCHEMA,
+                            "description": "The proven process's cgroup (from "
+                            "/proc/<pid>/cgroup), where the agent accepts it as a "
+                            "kernel cgroup; null otherwise.",
+                        }
+                    ),
+                    "escaped": {
+                        "type": "array",
+                        "maxItems": wire.MAX_USAGE_SAMPLES,
+                        "items": PID_SCHEMA,
+                        "description": "The kernel's GPU processes outside its cgroup "
+                        "while a driver limit holds on it: the lease counts as over "
+                        "its cap.",
+                    },
+                    "left_mps": {
+                        "type": "array",
+                        "maxItems": wire.MAX_USAGE_SAMPLES,
+                        "items": PID_SCHEMA,
+                        "description": "An MPS lease's kernel processes that use a GPU "
+                        "without being clients of its MPS server (in two consecutive "
+                        "samples), so outside any MPS memory limit: the lease counts as "
+                        "over its cap. Absent: none.",
+                    },
+                },
+            },
+        },
+        "refused": {
+            "type": "array",
+            "maxItems": wire.MAX_USAGE_SAMPLES,
+            "description": "The kernels the answer named that the agent did not prove "
+            "to be their lease's (it does not act on them), with the reason. Sent, even "
+            "empty, by every agent that proves claims.",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["lease_id", "reason"],
+                "properties": {
+                    "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
+                    "reason": {"type": "string", "maxLength": wire.MAX_REFUSAL_CHARS},
+                },
+            },
+        },
+    }
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
+        "kernels": {
+            "type": "array",
+            "description": "The node's lease kernels as their provisioners CLAIM them "
+            "(`pid_ns` null means a host pid): the agent acts on one only once it has "
+            "proven it (the kernel secret whose sha256 is `proof` in the process's "
+            "environment; the user's account's uid where there is one).",
+            "items": {
+                "type": "object",
+                "required": ["pid", "pid_ns"],
+                "properties": {
+                    "pid": {"type": "integer", "minimum": 1},
+                    "pid_ns": nullable(PID_NS_SCHEMA),
+                    "lease_id": {"type": "string"},
+                    "user": {"type": "string"},
+                    "kernel_id": {"type": "string"},
+                    "proof": nullable({"type": "string", "pattern": wire.PROOF_PATTERN}),
+                    "gpu_uuid": {"type": "string"},
+                    "memory_mb": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "The lease's memory (cap + context): the driver "
+                        "limit on the proven kernel's cgroup.",
+                    },
+                    "enforcement": enum_schema(wire.ENFORCEMENTS),
+                },
+            },
+        },
+    }
 
     namespaced: dict[tuple[int, int], int] | None = None
     proofs: NodeProofs | None = None
@@ -293,6 +450,32 @@ class DriverLimitsReport(ReportPart):
     even empty, by an agent whose driver offers them)."""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("driver_limits",)
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "driver_limits": {
+            "type": "array",
+            "maxItems": wire.MAX_USAGE_SAMPLES,
+            "items": CGROUP_SCHEMA,
+            "description": "The kernel cgroups whose driver memory limit "
+            "(nvmlDeviceSetMemoryLimits_v1) is in force.",
+        },
+    }
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
+        "limits": {
+            "type": "array",
+            "description": "Deprecated, always empty since issue 36 (an agent sets "
+            "driver limits only on the cgroups of the kernels it proves): an older agent "
+            "sets none.",
+            "items": {
+                "type": "object",
+                "required": ["cgroup", "gpu_uuid", "memory_mb"],
+                "properties": {
+                    "cgroup": CGROUP_SCHEMA,
+                    "gpu_uuid": {"type": "string"},
+                    "memory_mb": {"type": "integer", "minimum": 0},
+                },
+            },
+        },
+    }
 
     cgroups: tuple[str, ...] = ()
 
@@ -312,6 +495,42 @@ class DriverLimitsReport(ReportPart):
 @dataclass(frozen=True)
 class ParkOutcome:
     """One outcome of a park or resume order, as a node heartbeat's ``parking`` reports it."""
+
+    #: its OpenAPI schema (the component ``ParkOutcome``)
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lease_id", "action", "outcome"],
+        "properties": {
+            "lease_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
+            "action": enum_schema(wire.PARK_ACTIONS),
+            "outcome": enum_schema(
+                wire.PARK_OUTCOMES,
+                description="done: parked (GPU memory in host RAM) or restored; failed: "
+                "could not (the broker revokes the lease, with `message` in its reason); "
+                "waiting (resume only): the GPU lacks free memory for the restore yet.",
+            ),
+            "message": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_REASON_CHARS,
+                "description": "Why it failed or waits.",
+            },
+            "pids": {
+                "type": "array",
+                "maxItems": wire.MAX_USAGE_SAMPLES,
+                "items": PID_SCHEMA,
+                "description": "The host pids acted on.",
+            },
+            "mb": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": wire.MAX_GPU_MEMORY_MB,
+                "description": "GPU MiB moved.",
+            },
+            "seconds": {"type": "number", "minimum": 0, "description": "How long it took."},
+        },
+    }
 
     lease_id: str
     action: str  # park | resume (wire.PARK_ACTIONS)
@@ -384,6 +603,49 @@ class NodeParkReport(ReportPart):
     (at most one per lease and action)."""
 
     FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "host_memory_available_mb", "parking")
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "checkpoint": {
+            "type": "boolean",
+            "description": "The node's CUDA driver offers the checkpoint API: its "
+            "kernels can be parked (absent: no).",
+        },
+        "host_memory_available_mb": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "MemAvailable of the node's host (/proc/meminfo), MiB.",
+        },
+        "parking": {
+            "type": "array",
+            "maxItems": wire.MAX_USAGE_SAMPLES,
+            "items": {"$ref": "#/components/schemas/ParkOutcome"},
+            "description": "Outcomes of the park and resume orders since the last "
+            "heartbeat (resent until delivered); applied before the answer.",
+        },
+    }
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
+        "orders": {
+            "type": "array",
+            "description": "Kernels to park (checkpoint their GPU memory into host RAM) "
+            "or resume (restore it), repeated in every answer until an outcome in "
+            "`parking` settles each.",
+            "items": {
+                "type": "object",
+                "required": ["lease_id", "action", "pid", "pid_ns", "gpu_uuid", "memory_mb"],
+                "properties": {
+                    "lease_id": {"type": "string"},
+                    "action": enum_schema(wire.PARK_ACTIONS),
+                    "pid": nullable({"type": "integer", "minimum": 1}),
+                    "pid_ns": nullable(PID_NS_SCHEMA),
+                    "gpu_uuid": {"type": "string"},
+                    "memory_mb": {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "The memory the lease reserves on the GPU.",
+                    },
+                },
+            },
+        },
+    }
 
     checkpoint: bool | None = None
     host_memory_available_mb: int | None = None
@@ -470,6 +732,16 @@ class NodeReport:
         return body
 
 
+def heartbeat_schema() -> dict[str, Any]:
+    """The OpenAPI properties of every part's fields (a heartbeat's, beside the core's)."""
+    return {name: schema for kind in PARTS for name, schema in kind.SCHEMA.items()}
+
+
+def answer_schema() -> dict[str, Any]:
+    """The OpenAPI properties of every feature's fields of the heartbeat's answer."""
+    return {name: schema for kind in PARTS for name, schema in kind.ANSWER_SCHEMA.items()}
+
+
 def _wire_order(part: ReportPart) -> int:
     """Where a part's fields go in a body: in :data:`PARTS`' order (the order of old)."""
     kind = type(part)
@@ -510,5 +782,7 @@ __all__ = [
     "ProvenKernel",
     "ReportPart",
     "Usage",
+    "answer_schema",
+    "heartbeat_schema",
     "parse_core",
 ]
