@@ -1,13 +1,13 @@
-"""What proving the claimed kernels costs the node agent per heartbeat (issue 36).
+"""What proving the claimed kernels costs the node agent per heartbeat.
 
 A node with ``--kernels`` (default 100) kernels: real sleeping processes, each started as a
 provisioner starts a kernel (its own lease secret in its environment), each "using" GPU
-memory in the sample. Per heartbeat the agent attributes the sample to kernels; since
-issue 36 it first proves each claim (resolves ``(pid, pid_ns)`` through ``/proc``, reads
+memory in the sample. Per heartbeat the agent attributes the sample to kernels; now
+it first proves each claim (resolves ``(pid, pid_ns)`` through ``/proc``, reads
 ``/proc/<pid>/environ``, hashes the secret, checks the uid, reads the cgroup). Measured in
 the same run, on the same processes:
 
-- **before**: the attribution of issue 26 (the claims believed: a ``KernelFinder`` over
+- **before**: the attribution that believed the claims (a ``KernelFinder`` over
   ``(pid, pid_ns)``, then ``attribute`` and ``merge_samples``);
 - **cold**: a fresh ``Prover`` (the first heartbeat after the agent starts) + the
   attribution over the proven kernels;

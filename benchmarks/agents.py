@@ -50,7 +50,7 @@ GPUS_PER_NODE = 8
 GPU_MB = 81920
 CLIENTS = 64
 FRACTION = 0.05
-#: the aims of issue 14
+#: the aims: acquire p99 with agents at most 1.1x without, the agent under 1 % of a core
 AIM_P99_RATIO = 1.1
 AIM_AGENT_CPU_SHARE = 0.01
 

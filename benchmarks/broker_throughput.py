@@ -26,8 +26,8 @@ What it measures (each part can be chosen with ``--only``):
                 batches of 50, so bursts of other load hit every pool size alike.
 ``limits``      the same pair of operations below the broker, on SQLite with the store's
                 durability settings (WAL, synchronous=NORMAL, busy_timeout, BEGIN IMMEDIATE):
-                raw ``sqlite3`` INSERT+DELETE (one transaction each: the floor the issue
-                names), raw ``sqlite3`` with the broker's own statements, the ``Store``
+                raw ``sqlite3`` INSERT+DELETE (one transaction each: the floor
+                of any store), raw ``sqlite3`` with the broker's own statements, the ``Store``
                 (SQLAlchemy Core), and ``BrokerService`` in process (no HTTP, no auth,
                 no log lines): one caller, and 64 at once with the CPU its event loop's
                 thread spends per pair (the broker's own work beside the HTTP).

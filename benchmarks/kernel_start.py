@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE))
 
 from provisioner.devtools.testing import BrokerProcess, cpu_seconds  # noqa: E402
 
-AIM_RATIO = 1.02  # issue 16: kernel start with a lease within 2 % of LocalProvisioner
+AIM_RATIO = 1.02  # the aim: kernel start with a lease within 2 % of LocalProvisioner
 FRACTION = 0.02
 PLAIN, GPU = "bench-plain", "bench-gpu"
 

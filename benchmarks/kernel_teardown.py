@@ -12,7 +12,7 @@ either of its two managers:
            of jupyter_server's own tests): each kernel's blocking ``KernelManager`` runs its
            calls on a runner loop, and a call inside it on a nested runner loop while the
            outer one waits (``jupyter_core.utils.run_sync``). The release of the lease
-           used to wait 10 s there for the outer loop (issue 25).
+           used to wait 10 s there for the outer loop.
 ``async``  ``AsyncMappingKernelManager`` (jupyter_server's default).
 
 Two kernelspecs in a temporary ``JUPYTER_PATH`` with the same argv: ``bench-plain``

@@ -1,4 +1,4 @@
-"""What issue 36's MPS rules cost: the broker's owners of each GPU (``node_rules.mps_owners``,
+"""What the MPS ownership rules cost: the broker's owners of each GPU (``node_rules.mps_owners``,
 run by every placement of an MPS kernel) and the agent's daemon-side limits from one
 heartbeat answer (``node.mps.mps_leases`` + ``pinned_limit_mb``, with a ``getpwnam`` per
 user), on a node of 8 GPUs with 100 MPS kernels (half of them proven).

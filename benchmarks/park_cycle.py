@@ -1,4 +1,4 @@
-"""What parking costs and saves on the control plane, on this machine's stand-ins (issue 28).
+"""What parking costs and saves on the control plane, on this machine's stand-ins.
 
     python benchmarks/park_cycle.py                  # 12 interleaved rounds (~4 min on 2 cores)
     python benchmarks/park_cycle.py --quick          # 3 rounds, 40 cells per hook block

@@ -80,7 +80,7 @@ def ratios(rows: list[Metrics]) -> str:
 
 
 def parking(rows: list[Metrics]) -> str:
-    """Reclaim against parking (issue 28): work lost, and who waits how long."""
+    """Reclaim against parking: work lost, and who waits how long."""
     by = {m.scheme: m for m in rows}
     names = [n for n in ("ours", "park", "park-arrival") if n in by]
     if len(names) < 2:

@@ -18,7 +18,7 @@ INFO logging to its log file as in production) is filled through the API with
 Reported per database: acquire and renew latency p50/p99/max (from the instant a
 request was sent to its answer), how late renewals were sent (the load generator's own
 lag, which would hide broker slowness if large), errors, the broker's CPU share, and
-the group commit's batches (from ``/metrics``). The aims (issue 16): acquire p99 <
+the group commit's batches (from ``/metrics``). The aims: acquire p99 <
 100 ms, renew p99 < 50 ms, zero errors, on both databases.
 
 The load generator is ``broker_throughput.py``'s: raw asyncio HTTP/1.1 keep-alive

@@ -534,7 +534,7 @@ c.Spawner.args.append(f"--LabApp.app_settings_dir={LAB_SETTINGS}")
 # f"http://<hub-host>:{HUB_PORT}/services/gpu-lease".
 server_env: dict[str, Any] = {"GPU_LEASE_URL": f"http://127.0.0.1:{BROKER_PORT}/services/{SERVICE}"}
 # ... and the account it listens as: a server sends its token to no other account's listener
-# on that port (a student's process that took the port while the broker restarted; issue 36)
+# on that port (a student's process that took the port while the broker restarted)
 server_env["GPU_LEASE_BROKER_UID"] = str(
     _account(broker_service["user"]).pw_uid if "user" in broker_service else os.getuid()
 )

@@ -158,7 +158,7 @@ class LeaseCalls:
 
         ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
         kernel's cgroup v2 path (from the v2 root) for a driver memory limit; ``proof``: the
-        hex sha256 of the kernel's secret (issue 36), which the node agent checks.
+        hex sha256 of the kernel's secret, which the node agent checks.
         Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired` (410) when
         the lease has ended; ``details['reason']`` says why.
         """

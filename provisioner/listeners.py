@@ -2,8 +2,8 @@
 
 The broker of a one-machine hub listens on ``127.0.0.1:10101``. Any account may bind a
 free port, so a student's process that binds it while the broker is down (a restart, an
-upgrade, a crash) would receive every server's ``Authorization: token ...`` (issue 36,
-item 4). :class:`BrokerClient <provisioner.client.BrokerClient>` therefore checks each
+upgrade, a crash) would receive every server's ``Authorization: token ...``.
+:class:`BrokerClient <provisioner.client.BrokerClient>` therefore checks each
 new connection, after it is made and before a byte is sent on it: where the server's end
 of the connection is in this machine's network namespace (always so for a loopback
 address), its owner (an accepted socket keeps its listener's uid) must be one the client

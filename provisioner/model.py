@@ -253,7 +253,7 @@ class Lease:
     #: the grant (``node_rules.mps_owners``).
     #: Kept in memory only (a restarted broker learns it again from the agents' reports)
     mps_uid: int | None = None
-    #: parking (issue 28): None, or "parking" (the broker ordered its kernel's GPU memory
+    #: parking: None, or "parking" (the broker ordered its kernel's GPU memory
     #: into host RAM; the lease still holds its share), "parked" (it holds none: it lives
     #: in :attr:`PoolState.parked`, not :attr:`PoolState.leases`) or "resuming" (its share
     #: re-reserved on the same GPU, the restore ordered). ``state`` stays "active" all along
@@ -548,7 +548,7 @@ class PoolState:
         self.parked[lease.id] = lease
         self._count(lease, +1)
 
-    # -- parking (issue 28; the moves of scheduling.park_done and the resume grants) ----
+    # -- parking (the moves of scheduling.park_done and the resume grants) ----
     def park_lease(self, lease_id: str) -> Lease:
         """Its kernel's GPU memory is in host RAM: move the lease from :attr:`leases` to
         :attr:`parked` with ``park="parked"``, freeing its capacity (it still counts for

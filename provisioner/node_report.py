@@ -462,7 +462,7 @@ class DriverLimitsReport(ReportPart):
     ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
         "limits": {
             "type": "array",
-            "description": "Deprecated, always empty since issue 36 (an agent sets "
+            "description": "Deprecated, always empty since agents prove claims (an agent sets "
             "driver limits only on the cgroups of the kernels it proves): an older agent "
             "sets none.",
             "items": {

@@ -140,8 +140,8 @@ MAX_PID_NS = 2**64 - 1
 MAX_CGROUP_CHARS = 1024
 #: a kernel cgroup v2 path: names of letters, digits and ``._@:+=,-`` between slashes
 CGROUP_PATTERN = r"^(/[A-Za-z0-9._@:+=,-]+)+$"
-#: the environment variable that carries a lease's kernel secret (DESIGN "Accounts and
-#: boundaries"): the provisioner sets it in the kernel's environment, children inherit it,
+#: the environment variable that carries a lease's kernel secret (proof that a process
+#: is its kernel): the provisioner sets it in the kernel's environment, children inherit it,
 #: and the root agent reads it in ``/proc/<pid>/environ``; only its digest goes on the wire
 KERNEL_SECRET_ENV = "GPU_LEASE_KERNEL_SECRET"
 #: a renewal's ``proof``: the hex sha256 of the kernel's secret (64 lowercase hex digits)
@@ -211,7 +211,7 @@ def error_code(status: int) -> str:
 
 # -- browsers ------------------------------------------------------------------------------
 #: headers of every broker answer: no page of another origin may frame the dashboard (a page a
-#: student serves could otherwise drive an instructor's logged-in dashboard; issue 36)
+#: student serves could otherwise drive an instructor's logged-in dashboard)
 NO_FRAMES = {"Content-Security-Policy": "frame-ancestors 'none'", "X-Frame-Options": "DENY"}
 
 

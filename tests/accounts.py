@@ -14,6 +14,7 @@ Nothing outside what the tests make changes mode.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pwd
@@ -38,13 +39,35 @@ def needs_root(*tools: str) -> None:
             pytest.skip(f"needs {tool} (make install installs Debian's packages)")
 
 
+#: tests run on several pytest-xdist workers at once; useradd and userdel each take
+#: /etc/passwd's lock and fail ("cannot lock /etc/passwd") instead of waiting for another's
+ACCOUNTS_LOCK = Path(tempfile.gettempdir()) / "gpu-lease-tests-accounts.lock"
+
+
+@contextlib.contextmanager
+def _accounts_lock() -> Iterator[None]:
+    with open(ACCOUNTS_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def account_command(cmd: list[str], *, check: bool = True) -> None:
+    """Run a ``useradd``/``userdel`` command line under the tests' accounts lock."""
+    with _accounts_lock():
+        subprocess.run(cmd, check=check, capture_output=True)
+
+
 def useradd(name: str, *, system: bool = False) -> pwd.struct_passwd:
     """A new account ``name``: a student's (home 0700, bash), or a service's (``system``)."""
     if system:  # a service account: no home, no login
         cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
     else:  # Debian's useradd makes homes with UMASK's mode (0755) unless told
         cmd = ["useradd", "--create-home", "--shell", "/bin/bash", "-K", "HOME_MODE=0700", name]
-    subprocess.run(cmd, check=True, capture_output=True)
+    with _accounts_lock():
+        subprocess.run(cmd, check=True, capture_output=True)
     return pwd.getpwnam(name)
 
 
@@ -58,7 +81,8 @@ def userdel(name: str) -> None:
         with contextlib.suppress(psutil.Error):
             if proc.info["uids"] and proc.info["uids"].real == uid:
                 proc.kill()
-    subprocess.run(["userdel", "--remove", name], capture_output=True)
+    with _accounts_lock():
+        subprocess.run(["userdel", "--remove", name], capture_output=True)
 
 
 @contextlib.contextmanager

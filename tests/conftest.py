@@ -79,11 +79,26 @@ def _refuse_processes(nodeid: str, mp: pytest.MonkeyPatch) -> None:
 PROCESS_FIXTURES = {"broker", "chromium"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a fixture kept for its whole module (a hub, a Slurm cluster, a
+    browser page): ``make test`` runs tests on several workers (pytest-xdist,
+    ``--dist loadgroup``), and such a module then runs whole on one worker, so its fixture
+    is made once. Every other test goes to whichever worker is free."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(
+        d.scope in ("module", "package") for defs in info.name2fixturedefs.values() for d in defs
+    )
 
 
 @pytest.hookimpl(wrapper=True)

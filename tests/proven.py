@@ -1,4 +1,4 @@
-"""Honest kernels for the tests (issue 36): the root agent acts only on a kernel whose
+"""Honest kernels for the tests: the root agent acts only on a kernel whose
 start environment carries its lease's secret, so a test's stand-in kernel is started as a
 provisioner starts one, with ``GPU_LEASE_KERNEL_SECRET`` set, and its renewals claim it
 with the secret's digest (``proof``), as ``kernel/lease_keeper.py`` does."""

@@ -509,7 +509,7 @@ def test_agent_runs_restarts_and_stops_an_mps_daemon_per_gpu(
 
 
 async def test_the_agent_learns_whom_each_gpus_mps_server_serves(tmp_path: Path) -> None:
-    """issue 26: ``get_server_list``, ``get_client_list PID`` and the server's uid from
+    """``get_server_list``, ``get_client_list PID`` and the server's uid from
     /proc: the uid while the server has clients, None before the first and after the last
     (an idle server gives way to the next uid at once)."""
     daemon = MPSDaemon("GPU-x", str(tmp_path), str(FAKE_MPS))
@@ -540,7 +540,7 @@ async def test_the_agent_learns_whom_each_gpus_mps_server_serves(tmp_path: Path)
     assert daemon.state == "down"
 
 
-# -- MPS: the daemon-side memory limit (issue 36, item 3) ---------------------------------
+# -- MPS: the daemon-side memory limit ---------------------------------
 
 #: a hostile cell: it drops the caps from its environment before CUDA starts, then pins
 #: 6,000 MiB; argv[1]: what it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT to ("" unsets it)
@@ -569,7 +569,7 @@ def test_the_mps_daemon_holds_the_cap_when_a_kernel_unsets_or_raises_its_variabl
     4096 MiB), the default for the next server and the running server's, and re-sets them
     when leases come and go. A kernel that unsets ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` (or
     raises it) before CUDA starts is still held to it by the server (the stand-in applies
-    the lower of the server's and the client's, as MPS does). Before issue 36 the only cap
+    the lower of the server's and the client's, as MPS does). Before daemon-side limits the only cap
     was the variable: the same cell pinned 6,000 MiB ("LIFTED")."""
     mps_dir = tmp_path / "mps"
     agent = Agent(
@@ -664,10 +664,10 @@ def test_the_mps_daemon_holds_the_cap_when_a_kernel_unsets_or_raises_its_variabl
         agent.stop()
 
 
-async def test_the_mps_limits_follow_each_users_leases_in_the_answer_after_issue_36(
+async def test_the_mps_limits_follow_each_users_leases_in_the_answer(
     tmp_path: Path,
 ) -> None:
-    """The heartbeat answer as the broker sends it after issue 36 (each kernel with its
+    """The heartbeat answer as the broker sends it now (each kernel with its
     ``user``, ``gpu_uuid`` and ``memory_mb``), on a stand-in daemon: the next server's
     default is the GPU's largest MPS lease; the running server (serving this test's user)
     gets that user's largest, not ``nobody``'s; when the GPU has no MPS lease any more, both drop

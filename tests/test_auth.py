@@ -180,7 +180,7 @@ def test_hub_tokens_need_the_service_token(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 async def test_hub_tokens_identify_node_agents_from_their_own_file(tmp_path: Path) -> None:
-    """issue 14: agents are not hub users; under --auth hub their tokens come from a tokens
+    """Agents are not hub users; under --auth hub their tokens come from a tokens
     file that may hold nothing else, and are never sent to the hub."""
     path = tmp_path / "agents.json"
     path.write_text(json.dumps({"agent-secret": {"agent": True, "node": "gpu-a"}}))

@@ -60,7 +60,7 @@ PUBLIC = (200,) * 9
 USERS_200 = (401, 401, 401, 200, 200, 200, 200, 200, 200)
 ADMIN_ONLY = (401, 401, 401, 403, 403, 403, 403, 403, 200)
 OWNER = (401, 401, 401, 200, 403, 403, 403, 403, 200)
-#: another user's lease is answered as one that does not exist (DESIGN.md: no oracle)
+#: another user's lease is answered as one that does not exist (no oracle)
 LEASE_OWNER = (401, 401, 401, 200, 404, 404, 404, 404, 200)
 
 #: (method, path template) -> statuses in the order of CALLERS.
@@ -69,7 +69,7 @@ LEASE_OWNER = (401, 401, 401, 200, 404, 404, 404, 404, 200)
 EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("GET", "/api/v1/health"): PUBLIC,
     ("GET", "/api/v1/openapi.json"): PUBLIC,
-    # it names users and lease ids (issue 36): an admin's token, or a metrics token
+    # it names users and lease ids: an admin's token, or a metrics token
     ("GET", "/metrics"): ADMIN_ONLY,
     ("GET", "/api/v1/gpus"): USERS_200,
     ("GET", "/api/v1/leases"): USERS_200,

@@ -516,7 +516,7 @@ async def test_usage_by_group_counts_generic_kernels_for_the_course(broker: Brok
 
 async def test_a_student_asks_usage_of_31_days_at_most(broker: Broker) -> None:
     """``usage?by=group&since=0`` from any student scanned every lease ever recorded on the
-    store's one writer thread (issue 36, item 7): a student reaches back 31 days, or the
+    store's one writer thread: a student reaches back 31 days, or the
     longest budget window; an admin as far as they like."""
     async with broker.client("alice") as alice:
         for since in ("0", "32d", "2020-01-01"):

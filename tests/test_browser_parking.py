@@ -1,4 +1,4 @@
-"""A parked kernel in a real browser, behind a real JupyterHub: what the student sees (issue 28).
+"""A parked kernel in a real browser, behind a real JupyterHub: what the student sees.
 
 Its own hub (``tests.test_hub.Hub``: the demo on free ports, lease TTL 6 s, reaper every
 0.5 s) whose broker reclaims kernels idle for 2 s while someone waits

@@ -173,7 +173,7 @@ def test_format_leases_names_gpus() -> None:
 
 
 def test_parked_leases_say_so_in_top_and_leases() -> None:
-    """Issue 28: a parked lease shows its state, and its place while its resume waits."""
+    """A parked lease shows its state, and its place while its resume waits."""
     leases = [
         lease("alice", "k1", 0.25, state="parked", parked_at=NOW - 60),
         lease("bob", "k2", 0.25, state="parked", resume={"position": 2, "eta_seconds": 40}),
@@ -341,7 +341,7 @@ def test_quota_set_show_list_remove(cli: Any) -> None:
     assert code == 1 and err.startswith("error: Only GPU lease admins")
     code, out, _ = cli("admin", "quota", "remove", "--user", "bob")
     assert (code, out.strip()) == (0, "Removed the quota of user bob.")
-    # issue 13: `quota show --user` of someone without a user quota failed ("No user quota
+    # `quota show --user` of someone without a user quota failed ("No user quota
     # is set"); it shows the effective quota as the broker applies it, with its sources
     code, out, err = cli("admin", "quota", "show", "--user", "bob")
     assert (code, err) == (0, ""), err
@@ -444,7 +444,7 @@ def test_no_url_message(
     assert capsys.readouterr().err.startswith("error: No GPU lease broker URL is set")
 
 
-# -- issue 13: what top/leases print works in revoke; leases as admin; closed pipes ---------------
+# -- what top/leases print works in revoke; leases as admin; closed pipes ---------------
 @pytest.mark.slow
 @pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
 @pytest.mark.broker_args("--gpus", "2x81920:H100")
@@ -522,7 +522,7 @@ def test_a_closed_pipe_ends_quietly(broker: Broker, argv: list[str]) -> None:
 @pytest.mark.slow
 @sqlite_only
 def test_quota_show_user_names_each_values_source(broker: Broker, cli: Any) -> None:
-    """issue 13: `quota set --user student05` then "effective" ignored the course."""
+    """`quota set --user student05`, then "effective" must not ignore the course."""
     assert cli("admin", "quota", "set", "--default", "--max-leases", "1")[0] == 0
     assert cli("admin", "quota", "set", "--group", "ml101", "--max-leases", "2",
                "--max-fraction", "0.1", "--priority", "10")[0] == 0  # fmt: skip

@@ -249,7 +249,7 @@ def test_console_script_and_python_m(tmp_path):
     assert bad.returncode == 2 and "The GPU fraction must be a finite number" in bad.stderr
 
 
-# -- issue 13: no silent overwrite, no kernel that can never fit ---------------------------------
+# -- no silent overwrite, no kernel that can never fit ---------------------------------
 def test_install_refuses_to_overwrite_without_replace(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("GPU_LEASE_URL", raising=False)
     prefix = str(tmp_path / "p")

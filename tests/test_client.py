@@ -145,7 +145,7 @@ async def test_acquire_queue_timeout_raises_no_capacity_and_cancels() -> None:
             )
     exc = info.value
     assert "position 4" in exc.message
-    # the broker's reason is quoted; its message (which repeats the place) is not (issue 13)
+    # the broker's reason is quoted; its message (which repeats the place) is not
     assert "GPU 0 (V100) is 100 percent allocated" in exc.message
     assert "waits at position 4" not in exc.message
     assert exc.details["position"] == 4

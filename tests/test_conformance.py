@@ -2,7 +2,7 @@
 and it refuses the same answers against a document that has drifted from the broker.
 
 Every test with the ``broker`` fixture runs the check at its teardown; this file shows
-the check can fail: the drift issue 25 measured (a lease's ``mps`` declared as
+the check can fail: a drift once found in the document (a lease's ``mps`` declared as
 ``enum: [running, down]`` without ``null``, while every lease answers ``"mps": null``)
 and a lease state missing from the document are each refused, answer by answer.
 """
@@ -51,7 +51,7 @@ async def test_a_drifted_document_is_refused(broker: Broker) -> None:
     await lease_round(broker)
     served = served_document(broker.url)
 
-    # main before issue 25: mps nullable, but null not among its values
+    # the document as it once was: mps nullable, but null not among its values
     drifted = copy.deepcopy(served)
     mps = drifted["components"]["schemas"]["Lease"]["properties"]["mps"]
     assert None in mps["enum"] and mps["nullable"] is True

@@ -69,7 +69,7 @@ def test_page_or_index_by_accept(broker: Broker) -> None:
     assert page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "default-src 'none'" in csp
-    # no page of any origin may frame it (issue 36): nor may any other answer be framed
+    # no page of any origin may frame it (clickjacking): nor may any other answer be framed
     assert "frame-ancestors 'none'" in csp and page.headers["x-frame-options"] == "DENY"
     for other in (f"{broker.url}/api/v1/", f"{broker.url}/nope", f"{broker.url}/api/v1/gpus"):
         r = httpx.get(other, headers=HTML)
@@ -331,7 +331,7 @@ def test_browser_a_page_that_frames_the_dashboard_shows_nothing(
     chromium: Any, broker: Broker, tmp_path: Path
 ) -> None:
     """A page a student serves from their own server frames the dashboard to drive an
-    instructor's session by clicks (issue 36, item 5). Without ``subdomain_host`` the
+    instructor's session by clicks. Without ``subdomain_host`` the
     student's server and the broker share the hub's origin (``/user/s002/`` and
     ``/services/gpu-lease/`` behind one proxy), so the page here is served at the broker's
     origin, as the proxy would serve it: the browser still shows nothing in the frame."""

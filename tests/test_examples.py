@@ -217,7 +217,7 @@ def test_example_script_starts_in_a_clean_install(
     assert "usage:" in out
 
 
-# -- examples/classroom.py: the operator token never on the command line (issue 36) --------
+# -- examples/classroom.py: the operator token never on the command line --------
 def test_classroom_reads_its_token_from_the_environment_or_a_private_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,6 +1,6 @@
-"""Failover (issue 12): fenced leadership, one source of truth, and a chaos run.
+"""Failover: fenced leadership, one source of truth, and a chaos run.
 
-Each finding of the issue is reproduced first, with real broker processes on a real
+Each failure once found is reproduced first, with real broker processes on a real
 database, and each of these tests failed on the broker before fenced leadership:
 
 - a paused (SIGSTOP) active broker was never replaced (``test_a_paused_active_is_replaced``);

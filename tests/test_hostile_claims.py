@@ -1,4 +1,4 @@
-"""A student's renewal claims processes that are not their kernel (issue 36 item 1), with
+"""A student's renewal claims processes that are not their kernel, with
 REAL processes: a broker subprocess with a static token per student (each holds only their
 own), the node agent subprocess with ``--enforce kill`` (stand-in NVML, ``tests/fake_nvml``,
 offering driver memory limits), two Unix accounts made with ``useradd`` (removed after),

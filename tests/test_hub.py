@@ -300,7 +300,7 @@ async def terminal(hub: Hub, user: str, commands: list[str], marker: str) -> str
 
 
 async def test_instructor_publishes_a_kernel_from_a_server_terminal(hub: Hub) -> None:
-    """issue 13: `gpu-lease: command not found` in a hub server's terminal."""
+    """`gpu-lease` works in a hub server's terminal (it was "command not found")."""
     for user in ("instructor", "student01", "guest01"):
         hub.spawn(user)
     prefix = hub.tmp / "prefix"  # in the servers' JUPYTER_PATH (--kernels-prefix)
@@ -365,7 +365,7 @@ def test_students_cannot_see_or_release_anothers_lease(hub: Hub) -> None:
     other = hub.token("student02")
     for method in ("GET", "DELETE"):
         r = hub.req(method, f"{hub.broker}/api/v1/leases/{lease['id']}", other)
-        # as a lease that does not exist: no oracle (DESIGN.md, "Accounts and boundaries")
+        # as a lease that does not exist: no oracle
         assert r.status_code == 404, r.text
         assert r.json()["message"] == f"No GPU lease has the id {lease['id']!r}.", r.text
     r = hub.req("GET", f"{hub.broker}/api/v1/leases", other, params={"all": "1"})

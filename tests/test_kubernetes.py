@@ -1,4 +1,4 @@
-"""deploy/kubernetes without a cluster (issue 15): the manifests validate against the
+"""deploy/kubernetes without a cluster: the manifests validate against the
 Kubernetes API schemas (``kubernetes-validate``, strict: no unknown fields), and KubeSpawner's
 own ``get_pod_manifest()`` with the z2jh fragment's profile yields a pod whose environment
 carries what the provisioner needs."""

@@ -494,7 +494,7 @@ async def test_real_ipykernel_with_gpu_magic(tmp_path):
 def test_magic_says_which_layers_hold_the_cap(
     magic, monkeypatch, tmp_path, enforcement, state, first, more
 ):
-    """issue 14: %gpu names each enforcement layer that holds for this kernel, from what
+    """%gpu names each enforcement layer that holds for this kernel, from what
     the broker said at the last renewal (the state file)."""
     path = tmp_path / "state.json"
     path.write_text(json.dumps({"state": "active", "expires_at": 1090.4, **state}))
@@ -529,7 +529,7 @@ def test_magic_says_which_layers_hold_the_cap(
 def test_magic_says_whom_the_gpus_mps_server_serves(
     magic, monkeypatch, tmp_path, enforcement, state, words
 ):
-    """issue 26: %gpu in an MPS kernel says whose uid the GPU's MPS server serves (the
+    """%gpu in an MPS kernel says whose uid the GPU's MPS server serves (the
     broker's lease answer, through the state file)."""
     path = tmp_path / "state.json"
     path.write_text(json.dumps({"state": "active", "expires_at": 1090.4, **state}))

@@ -1,6 +1,7 @@
 """Where modules live: the runtime package never imports the developer tools, each
 deployable (the broker, the node side, the kernel side, the lab side) imports only the
-shared base and itself, and no module imports itself round a circle.
+shared base and itself, and no module imports itself round a circle. And the repository
+stands alone: nothing in it points a reader at a tracker or a document they do not have.
 
 ``provisioner/devtools/`` (demo, test harness, simulator) may import the runtime; no
 module elsewhere under ``provisioner/`` may import ``devtools`` (docs/developers.md).
@@ -11,6 +12,8 @@ a lazy import hides a circle, it does not break it.
 from __future__ import annotations
 
 import ast
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -181,7 +184,24 @@ def test_every_broker_module_is_in_a_layer() -> None:
     top = {p.stem for p in (PACKAGE / "broker").glob("*.py")}
     # a new module goes into a layer; the top puts them together and reads the site's
     # configuration (the options, the courses file)
-    assert top == {"__init__", "app", "courses", "options", "startup"}, top
+    assert top == {"__init__", "app", "courses", "options", "startup", *BROKER_ALIASES}, top
+
+
+#: old module paths that sites' configurations name, kept as aliases of the moved module
+BROKER_ALIASES = {"auth": "provisioner.broker.web.auth"}
+
+
+def test_the_aliases_are_only_aliases() -> None:
+    import importlib
+
+    for old, new in BROKER_ALIASES.items():
+        alias, real = (
+            importlib.import_module(f"provisioner.broker.{old}"),
+            importlib.import_module(new),
+        )
+        names = set(real.__all__)
+        assert names and all(getattr(alias, n) is getattr(real, n) for n in names)
+        assert imports_of(PACKAGE / "broker" / f"{old}.py") == {new}
 
 
 @pytest.mark.parametrize("path", BROKER_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -362,7 +382,7 @@ def test_no_import_cycles() -> None:
     )
 
 
-#: the house's most lines for one class (issue 25): a class that grows past it does two jobs
+#: the house's most lines for one class: a class that grows past it does two jobs
 MOST_CLASS_LINES = 400
 
 
@@ -394,3 +414,90 @@ def test_no_class_over_the_house_limit() -> None:
         if (long := long_classes(p))
     }
     assert not found, f"classes over {MOST_CLASS_LINES} lines: {found}"
+
+
+# -- the repository stands alone -----------------------------------------------------------
+REPO = PACKAGE.parent
+#: what a reader of a clone reads (CHANGELOG.md keeps its history as it was written)
+STANDALONE = (
+    "provisioner",
+    "tests",
+    "docs",
+    "benchmarks",
+    "examples",
+    "hub_config",
+    "deploy",
+    "src",
+    "test",
+    "README.md",
+)
+#: folders that are built, installed or cached, not written
+NOT_WRITTEN = {"node_modules", "__pycache__", "labextension"}
+#: references that mean nothing to someone who clones the project: the contract document
+#: that lived outside the repository (docs/design.md took its place) and our own issue
+#: numbers (the word and a number, or "#" and a number); an upstream project's issue,
+#: "owner/name#" and its number, may stay
+OUR_REFERENCES = (
+    re.compile(r"\bDESIG[N]\b"),
+    re.compile(r"\b[Ii]ssues?\s+#?\d+"),
+    re.compile(r"(?<![\w/&.-])#\d{1,5}\b"),
+)
+
+
+def our_references(text: str, *, css: bool = False) -> list[str]:
+    """``line: reference`` for each reference in ``text`` that only our tracker could explain.
+
+    ``css``: a style sheet, where ``#`` and digits are a colour, not an issue.
+    """
+    patterns = OUR_REFERENCES[:2] if css else OUR_REFERENCES
+    return [
+        f"{number}: {match.group(0)}"
+        for number, line in enumerate(text.splitlines(), 1)
+        for pattern in patterns
+        for match in pattern.finditer(line)
+    ]
+
+
+def written_files() -> list[Path]:
+    """Every file of :data:`STANDALONE` that people write (no build output, no cache)."""
+    found: list[Path] = []
+    for name in STANDALONE:
+        top = REPO / name
+        if top.is_file():
+            found.append(top)
+            continue
+        for folder, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if d not in NOT_WRITTEN and not d.startswith(".")]
+            found += [Path(folder, f) for f in files if not f.startswith(".")]
+    return sorted(found)
+
+
+def test_the_reference_check_tells_ours_from_upstreams() -> None:
+    # the samples are put together here, so that this file holds none of them
+    n, design = "28", "DESIG" + "N"
+    assert our_references(f"Parking (issue {n}) changes idle reclaim.") == [f"1: issue {n}"]
+    assert our_references(f"ok\nsee Issue #{n}, item 2") == [f"2: Issue #{n}", f"2: #{n}"]
+    assert our_references(f"as {design}.md says, and {design}'s table") == [f"1: {design}"] * 2
+    assert our_references(f"fixed (#{n})") == [f"1: #{n}"]
+    assert our_references(f"issues {n} and 13") == [f"1: issues {n}"]
+    assert our_references(f"its proxy on one (jupyterhub#{n}), jupyterhub/jupyterhub#{n}") == []
+    assert our_references(f"pip's issue tracker; a design; # {n} comment; &#{n};") == []
+    assert our_references(f"color: #{n}{n};", css=True) == []
+    assert our_references(f"color: #{n}{n};") == [f"1: #{n}{n}"]
+
+
+def test_the_repository_stands_alone() -> None:
+    """No file a reader of a clone reads cites our issue numbers or the contract document
+    that lived outside the repository: say what is meant ("parking", "kernel proofs"), and
+    find the contract in docs/design.md."""
+    files = written_files()
+    assert REPO / "docs" / "design.md" in files and REPO / "provisioner" / "wire.py" in files
+    found: dict[str, list[str]] = {}
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # images and other binaries
+            continue
+        if hits := our_references(text, css=path.suffix == ".css"):
+            found[str(path.relative_to(REPO))] = hits
+    assert not found, f"references only our tracker could explain: {found}"

@@ -3,7 +3,7 @@
 Every refusal the broker makes (quota, course, can never fit) and the provisioner's
 queue-timeout sentence, built from plain data with the pure core
 (:mod:`provisioner.broker.rules.scheduling`, :mod:`provisioner.broker.rules.admission`) and :func:`provisioner.client_leases.no_capacity_message`. Each
-row says what the sentence must say and what it must not (issue 13's defects: a remedy
+row says what the sentence must say and what it must not (defects once found: a remedy
 that does not apply, the place in the queue said twice, a GPU named by its UUID).
 """
 
@@ -43,7 +43,7 @@ def refusal(state: PoolState, ask: Ask, quota: Quota = Quota(), used: float = 0.
 @pytest.mark.parametrize(
     "held, ask_ppm, quota, says, never",
     [
-        # max_leases = 0: nothing to shut down, say so (issue 13)
+        # max_leases = 0: nothing to shut down, say so
         ((), 20_000, Quota(max_leases=0), ["allows no GPU kernels", "max_leases is 0",
                                            "kernel without a GPU"], ["Shut down", "0 GPU kernel"]),
         ((), 20_000, Quota(max_fraction_ppm=0), ["allows no GPU kernels", "max_fraction is 0"],
@@ -177,7 +177,7 @@ def test_why_waiting_names_nodes_when_there_are_several() -> None:
 
 
 def test_why_waiting_says_another_node_has_room() -> None:
-    """issue 15: a server's kernels may use only its node's GPUs; when that node is full
+    """A server's kernels may use only its node's GPUs; when that node is full
     while another has room, the student reads that (not just "full")."""
     a = GPU("GPU-a", "node1", "T4", 16384, 0)
     b = GPU("GPU-b", "node2", "T4", 16384, 0)
@@ -225,7 +225,7 @@ def test_queue_timeout_message(
     message = no_capacity_message(fraction, timeout, answer)
     for words in says:
         assert words in message, message
-    assert message.count("position") <= 1, message  # said once (issue 13: twice)
+    assert message.count("position") <= 1, message  # said once, not twice
     assert "The broker said" not in message and "smaller GPU fraction" not in message
 
 
@@ -271,7 +271,7 @@ def test_for_dialog(message: str, shown: str) -> None:
 def test_both_jupyter_server_paths_show_the_dialog_text() -> None:
     """``POST /api/kernels`` reads ``log_message``; ``POST /api/sessions`` (JupyterLab's)
     re-raises ``HTTPError(500, str(exc))``, whose ``log_message`` doubles every ``%`` in
-    tornado 6.5+ (issue 13: "100%% allocated")."""
+    tornado 6.5+ ("100%% allocated")."""
     from tornado.web import HTTPError
 
     from provisioner.errors import NoCapacity

@@ -1,9 +1,9 @@
-"""Issue 36, item 2: an acquire's ``mps_uid`` is a claim, and a made-up one blocks nobody
+"""An acquire's ``mps_uid`` is a claim, and a made-up one blocks nobody
 for longer than the claim window, against a REAL broker subprocess (``conftest.broker``).
 
 The attack as a student mounts it with nothing but their own token: s001 (``alice``) takes
 0.02 on each GPU with ``"mps_uid": 4242`` (no such account runs anything) and keeps
-renewing; s002 (``bob``) then asks for an ``enforcement=mps`` kernel. Before issue 36 the
+renewing; s002 (``bob``) then asks for an ``enforcement=mps`` kernel. Before the claim window the
 broker believed the claim for as long as the leases lived: s002 waited ("The MPS servers of
 GPU 0 (V100) and GPU 1 (V100) are serving another user's kernels") with the pool nearly
 empty. Now a GPU's MPS owners are the uid its agent reports its server serving and the

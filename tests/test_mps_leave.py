@@ -1,4 +1,4 @@
-"""A kernel that leaves MPS is over its cap (issue 36, item 3), with REAL processes: a
+"""A kernel that leaves MPS is over its cap, with REAL processes: a
 broker subprocess, the node agent subprocess with ``--mps --enforce kill`` running the
 stand-in MPS control daemon (``tests/fake_mps``) on a stand-in NVML (``tests/fake_nvml``),
 and an ``enforcement=mps`` kernel started as the provisioner starts one (its lease's secret

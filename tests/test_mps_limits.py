@@ -1,4 +1,4 @@
-"""The MPS daemon-side pinned memory limits the agent sets (issue 36, item 3), as tables:
+"""The MPS daemon-side pinned memory limits the agent sets, as tables:
 which leases a heartbeat answer names (``mps.mps_leases``) and the limit each GPU's server
 gets for the uid it serves (``mps.pinned_limit_mb``). No process here; the daemon and the
 agent that set them are in ``tests/test_agent.py``
@@ -24,7 +24,7 @@ def uid_of_user(name: str) -> int | None:
 
 
 def kernel(user: str, gpu: str, memory: int, enforcement: str | None = None) -> dict[str, Any]:
-    """A heartbeat answer's ``kernels`` entry as the broker sends it after issue 36."""
+    """A heartbeat answer's ``kernels`` entry as the broker sends it now."""
     out = {"pid": 7, "pid_ns": 1, "lease_id": f"L-{user}", "user": user, "proof": "x"}
     out |= {"gpu_uuid": gpu, "memory_mb": memory}
     return out if enforcement is None else {**out, "enforcement": enforcement}
@@ -42,7 +42,7 @@ def kernel(user: str, gpu: str, memory: int, enforcement: str | None = None) -> 
             },
             [MPSLease(G0, 4096)],
         ),
-        # after issue 36: each kernel with its user, GPU and memory (limits then unused)
+        # with proofs: each kernel with its user, GPU and memory (limits then unused)
         (
             {
                 "kernels": [kernel("ann", G0, 4096), kernel("bob", G1, 2048, "mps")],

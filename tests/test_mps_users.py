@@ -1,6 +1,6 @@
 """Two Unix users' ``enforcement=mps`` kernels on a one-GPU node: the second waits in the
 broker's queue with a reason it can read, none hangs in CUDA, and when the first user's
-kernel ends the second is granted (issue 26).
+kernel ends the second is granted.
 
 Real processes throughout: a broker, a node agent with ``--mps`` (the stand-in
 ``nvidia-cuda-mps-control`` of ``tests/fake_mps``, which serves one uid at a time as the
@@ -31,6 +31,7 @@ import pytest
 from provisioner.devtools.testing import wait_for
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 
+from .accounts import account_command
 from .test_agent import FAKE_MPS, Agent, nodes_of
 from .test_nodes import NodeBroker
 
@@ -53,11 +54,11 @@ pytestmark = [
 def account() -> Iterator[pwd.struct_passwd]:
     """A Unix account of its own (no home, no login), removed afterwards."""
     name = f"glmps-{secrets.token_hex(4)}"
-    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    account_command(["useradd", "-M", "-s", "/usr/sbin/nologin", name])
     try:
         yield pwd.getpwnam(name)
     finally:
-        subprocess.run(["userdel", name], check=False)
+        account_command(["userdel", name], check=False)
 
 
 def world_reachable(path: str) -> bool:

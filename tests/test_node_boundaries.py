@@ -1,5 +1,5 @@
 """The node agent across Unix users and pid namespaces, and per-kernel cgroups with a driver
-memory limit (issue 26, DESIGN "Accounts and boundaries"), with REAL processes: a broker
+memory limit (a renewal's pid is a claim), with REAL processes: a broker
 subprocess, the agent subprocess (stand-in NVML: ``tests/fake_nvml``), a Unix account made
 here with ``useradd`` (removed at teardown), and a Jupyter "server" that starts a real
 ipykernel through ``GPULeaseProvisioner`` inside ``unshare --pid --fork`` (its own pid
@@ -27,6 +27,7 @@ from provisioner.devtools.testing import wait_for
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.node import cgroups
 
+from .accounts import account_command
 from .test_agent import ENFORCING, Agent, enforcing_broker, nodes_of
 from .test_nodes import NodeBroker
 
@@ -93,15 +94,11 @@ def alive(pid: int) -> bool:
 def student() -> Iterator[str]:
     """A Unix account of its own (unique name), removed afterwards."""
     name = f"glst{uuid.uuid4().hex[:8]}"
-    subprocess.run(
-        ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-        check=True,
-        capture_output=True,
-    )
+    account_command(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
     try:
         yield name
     finally:
-        subprocess.run(["userdel", name], capture_output=True)
+        account_command(["userdel", name], check=False)
 
 
 @pytest.fixture

@@ -326,7 +326,7 @@ def test_registration_validation_keeps_gpus_distinct_and_positive(
 def test_mps_uids_in_heartbeats_place_mps_kernels_and_a_change_drains_the_queue(
     nb: NodeBroker,
 ) -> None:
-    """issue 26: the agent reports whom each GPU's MPS server serves; an enforcement=mps
+    """The agent reports whom each GPU's MPS server serves; an enforcement=mps
     acquire (``mps_uid``) goes where it serves the same uid or no one, or waits with the
     reason; the report that frees the GPU grants it."""
     a0, a1 = "GPU-gpu-a-0", "GPU-gpu-a-1"
@@ -391,14 +391,14 @@ def test_kernels_of_other_pid_namespaces_are_matched_by_identity_never_by_number
             {"pid_ns": "x"},
             {"cgroup": "../etc"},
             {"cgroup": "/a/../b"},
-            {"proof": "A" * 64},  # issue 36: 64 lowercase hex digits
+            {"proof": "A" * 64},  # 64 lowercase hex digits
             {"proof": "1" * 63},
             {"proof": 7},
         ):
             r = u.post(f"/leases/{ids[0]}/renew", json={"pid": 7, **bad})
             assert r.status_code == 400, bad
         answer = a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()
-        # each claim with what the agent needs to prove it and act on it (issue 36)
+        # each claim with what the agent needs to prove it and act on it
         assert answer["kernels"] == [
             {
                 "pid": 7,
@@ -446,7 +446,7 @@ def test_kernels_of_other_pid_namespaces_are_matched_by_identity_never_by_number
         ):
             r = a.post("/nodes/gpu-a/heartbeat", json={"usage": [], **bad})
             assert r.status_code == 400, bad
-        # an agent that proves claims (it sends ``refused``, issue 36): only the kernels it
+        # an agent that proves claims (it sends ``refused``): only the kernels it
         # proved count, whatever the renewals claim; a refusal shows on the lease
         why = "process 30001 does not carry this lease's kernel secret"
         proving = {

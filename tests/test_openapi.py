@@ -175,7 +175,7 @@ def test_heartbeat_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -
     ],
 )
 def test_node_heartbeat_parking_schema(doc: dict[str, Any], body: dict[str, Any], ok: bool) -> None:
-    """The parking fields of a node heartbeat (issue 28) as ``validation`` takes them."""
+    """The parking fields of a node heartbeat as ``validation`` takes them."""
     assert schema_validator(doc, "NodeHeartbeat").is_valid(body) is ok
     try:
         parse_node_parking(body)

@@ -1,4 +1,4 @@
-"""``benchmarks/park_cycle.py``: its log timeline, and one short real run (issue 28).
+"""``benchmarks/park_cycle.py``: its log timeline, and one short real run.
 
 The benchmark itself runs for minutes (see benchmarks/README.md "Parking's control
 plane"); the slow test runs one round of it with every part real and checks that it

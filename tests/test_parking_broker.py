@@ -1,4 +1,4 @@
-"""Lease parking, the broker's side (issue 28), over a REAL broker subprocess.
+"""Lease parking, the broker's side, over a REAL broker subprocess.
 
 A node agent is played by HTTP calls with its node token (as ``test_nodes.py`` does): it
 registers one 16 GiB GPU, says in its heartbeats whether it can checkpoint and how much

@@ -1,4 +1,4 @@
-"""Table tests of lease parking in the pure core (issue 28; no I/O, ``now`` passed in).
+"""Table tests of lease parking in the pure core (no I/O, ``now`` passed in).
 
 The reaper parks an idle victim instead of revoking it where the service's ``can_park``
 allows; the agent's reports move it on (``park_done``/``park_failed``); its owner's

@@ -1,4 +1,4 @@
-"""Parking end to end, every part real, and what a crash does to it (issue 28).
+"""Parking end to end, every part real, and what a crash does to it.
 
 Each test runs a real broker process (``--gpus agents``, idle reclaim after 1 s, the
 reaper every 0.2 s), a real ``gpu-lease agent`` process (heartbeat every 0.3 s) with the

@@ -1,4 +1,4 @@
-"""Parking on the kernel's side (issue 28): a cell run in a parked kernel waits for its GPU.
+"""Parking on the kernel's side: a cell run in a parked kernel waits for its GPU.
 
 - the ``%gpu`` extension's ``pre_run_cell`` hook (``startup/gpu_lease_magic.py``), run
   against a state file that a thread of the test changes as the lease keeper would: the

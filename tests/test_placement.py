@@ -1,4 +1,4 @@
-"""Where a kernel's lease goes: the node and GPUs from each engine's environment (issue 15).
+"""Where a kernel's lease goes: the node and GPUs from each engine's environment.
 
 Environments as Slurm (a job's ``srun``/``sbatch`` variables with ``--gres=gpu``), Kubernetes
 (the downward API and the NVIDIA device plugin) and an admin set them for a server."""

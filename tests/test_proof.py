@@ -1,4 +1,4 @@
-"""The agent's proof of a claimed kernel (``provisioner/node/proof.py``, issue 36) on a
+"""The agent's proof of a claimed kernel (``provisioner/node/proof.py``) on a
 made-up ``/proc`` tree: the secret in the start environment, the account's uid, a pid
 reused by another process (its start time), the cgroup accepted for a driver limit."""
 
@@ -291,7 +291,7 @@ def test_a_process_outside_mps_counts_only_in_two_consecutive_samples(
 
 
 def test_the_broker_reads_left_mps_and_refuses_a_bad_one() -> None:
-    """The heartbeat's ``left_mps`` (issue 36): pids, like ``escaped``; anything else is
+    """The heartbeat's ``left_mps``: pids, like ``escaped``; anything else is
     refused with a sentence, and an entry without it (an agent older than it) has none."""
     from provisioner.broker.web.validation import parse_node_proofs
     from provisioner.errors import InvalidRequest

@@ -475,7 +475,7 @@ async def test_queue_timeout_says_where_it_waited(
         await km.start_kernel()
     message = str(info.value)
     assert "position 1" in message
-    # the place is said once (issue 13: the broker's message repeated it), the GPU by its
+    # the place is said once (the broker's message says it too), the GPU by its
     # index as `gpu-lease top` names it (not a UUID), and no advice to pick a smaller kernel
     # while nothing smaller could start either (the GPU is fully held)
     assert message.count("position") == 1, message

@@ -457,7 +457,7 @@ def test_a_repeated_poll_says_how_full_the_gpus_are():
     assert "V100" in again.reason and "100% allocated" in again.reason
 
 
-# -- MPS serves one Unix user per GPU at a time (issue 26) ----------------------------------
+# -- MPS serves one Unix user per GPU at a time ----------------------------------
 ANN, BOB = 1000, 1001  # the uids their provisioners report
 
 
@@ -569,7 +569,7 @@ def test_the_reason_names_each_gpu_whose_server_serves_another_user_and_how_full
     assert "GPU 2 (A100) is 100% allocated" in out.reason, out.reason
 
 
-# -- MPS owners from trusted sources only (issue 36, item 2) ------------------------------
+# -- MPS owners from trusted sources only ------------------------------
 MADE_UP = 4242  # a uid a student claims; no account runs anything as it
 WINDOW = node_rules.mps_claim_window(Policy())  # 90/3 + 30 = 60 s
 
@@ -600,7 +600,7 @@ def test_a_gpus_mps_owners_come_from_the_agent_and_proofs_and_a_claim_only_brief
 
 
 def test_a_made_up_mps_uid_keeps_another_users_mps_kernel_waiting_only_for_the_window():
-    """The attack of issue 36: a 0.02 lease claiming a made-up uid on the only GPU. The
+    """The MPS placement squat: a 0.02 lease claiming a made-up uid on the only GPU. The
     victim waits within the window, and the reaper's drain grants it after."""
     st = pool(V100)
     policy = Policy()

@@ -7,10 +7,10 @@ drain leaves no waiting head that could have been placed; and, with MPS kernels
 (``mps_uid``, honest or made up), agents' reports of whom each GPU's MPS server serves and
 their proofs of kernels' uids, that no GPU holds MPS leases of two uids that count (proven,
 or claimed within the claim window: one would hang) and none is placed where another uid
-is served; a made-up claim stops counting after the window (issue 36: the reaper's drain
+is served; a made-up claim stops counting after the window (the reaper's drain
 then places the head it kept out, ``drain_is_complete``).
 
-Parking (issue 28): the reaper parks idle victims where a random ``can_park`` allows,
+Parking: the reaper parks idle victims where a random ``can_park`` allows,
 the agent's reports (park done/failed, resume done/failed), the parking timeout, the
 owners' resumes, releases, renewals and expiry of parked leases, and acquires of
 kernels whose lease is parked are interleaved too; parked leases never hold capacity,
@@ -52,7 +52,7 @@ GROUPS = {
 }
 #: each user's Unix uid, which an MPS kernel's provisioner reports
 UIDS = {user: 1000 + i for i, user in enumerate(USERS)}
-#: a uid a student makes up (issue 36): no account, nothing ever runs as it
+#: a uid a student makes up: no account, nothing ever runs as it
 MADE_UP_UID = 4242
 #: every user's MPS kernel of this name claims :data:`MADE_UP_UID` (each repeat alike)
 LYING_KERNEL = "k3"
@@ -342,7 +342,7 @@ class Broker(RuleBasedStateMachine):
     def one_mps_uid_per_gpu(self):
         """No GPU holds MPS leases of two uids that count (proven, or claimed within the
         claim window): a client of the second would hang. A claim past its window counts
-        for nobody (issue 36)."""
+        for nobody."""
         window = node_rules.mps_claim_window(self.policy)
         uids: dict[str, set[int]] = {}
         for lease in self.state.leases.values():

@@ -1,4 +1,4 @@
-"""The Slurm variant for real (issue 15): a Slurm cluster on this machine (``slurmctld`` and
+"""The Slurm variant for real: a Slurm cluster on this machine (``slurmctld`` and
 two ``slurmd -N node1|node2``, Debian's slurm-wlm), JupyterHub with batchspawner's
 SlurmSpawner (``hub_config`` with ``GPU_LEASE_SPAWNER=slurm``), the broker as hub service
 with the pool the node agents register, and one agent per node with a declared T4.

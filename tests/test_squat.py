@@ -1,4 +1,4 @@
-"""A student's process on the broker's port gets no token (issue 36, item 4), with REAL
+"""A student's process on the broker's port gets no token, with REAL
 processes: a Unix account made here with ``useradd`` (removed at teardown) runs a
 listener on the broker's port while no broker runs, as a student would after a restart
 or a crash, and records every byte it is sent. A ``BrokerClient``, a kernel started

@@ -1350,7 +1350,7 @@ def test_leadership_needs_postgres(tmp_path: Path) -> None:
 
 
 def test_usage_reads_through_the_indexes_not_every_lease(tmp_path: Path) -> None:
-    """``usage?by=group`` (any student's, issue 36) reads the leases active now or ended in
+    """``usage?by=group`` (any student's) reads the leases active now or ended in
     the window through ``ix_leases_state`` and ``ix_leases_ended``: no scan of the table."""
     import sqlalchemy as sa
 

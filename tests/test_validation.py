@@ -340,7 +340,7 @@ def test_messages_never_echo_huge_values() -> None:
     assert json.dumps(info.value.to_json())
 
 
-# -- MPS uids (issue 26) -----------------------------------------------------------------
+# -- MPS uids -----------------------------------------------------------------
 
 
 def test_acquire_carries_an_mps_kernels_uid_as_a_hint() -> None:

@@ -1,4 +1,4 @@
-"""Issue 28's checks on a real GPU: parking a kernel's GPU memory, and density at 0.02.
+"""Parking's checks on a real GPU: parking a kernel's GPU memory, and density at 0.02.
 
 Driven by ``gpu_checks.py --steps park density`` (one device call); each returns a JSON
 record for ``benchmarks/gpu/README.md``:

@@ -337,7 +337,7 @@ class BrokerOptions(HasTraits):
         f"Default: {REAP_INTERVAL:g}.",
     ).tag(config=True)
 
-    # -- parking (issue 28) ------------------------------------------------------
+    # -- parking ------------------------------------------------------
     park_idle = Bool(
         ParkSettings.idle,
         help="""Park an idle kernel instead of revoking its lease when idle reclaim picks it

@@ -178,8 +178,8 @@ def listening_sockets(port: int, ip: str, count: int) -> list[list[socket.socket
 
 
 def cannot_listen(ip: str, port: int, exc: OSError, log: Log) -> None:
-    """Log why the broker cannot listen; for a busy port, whose listener holds it (issue 36:
-    a student's process on the broker's port would be sent every server's token, which
+    """Log why the broker cannot listen; for a busy port, whose listener holds it (a
+    student's process on the broker's port would be sent every server's token, which
     ``BrokerClient`` now refuses, so the admin must free the port)."""
     advice = "Choose another address or port with --ip/--port."
     if exc.errno == errno.EADDRINUSE:

@@ -1,5 +1,5 @@
-"""The secret a lease's kernel carries, which proves the kernel to the node agent (issue 36,
-DESIGN "Accounts and boundaries").
+"""The secret a lease's kernel carries, which proves the kernel to the node agent: a
+renewal's pid is only a claim until the root agent finds this secret in the process.
 
 The provisioner makes one random secret per lease (``secrets.token_urlsafe(32)``), starts
 the kernel with it in ``GPU_LEASE_KERNEL_SECRET`` (its children inherit it; each restart of
@@ -26,7 +26,7 @@ class KernelSecret:
     def __init__(self) -> None:
         self._secret: tuple[str, str] | None = None
         self._proof: tuple[str, str] | None = None
-        #: the broker refused ``proof`` (older than issue 36): renewals leave it out
+        #: the broker refused ``proof`` (older than kernel proofs): renewals leave it out
         self.broker_without_proofs = False
 
     def for_lease(self, lease_id: str) -> str:

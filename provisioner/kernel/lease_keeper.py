@@ -23,7 +23,7 @@ What ends a lease from the broker's side, seen on renewal:
   A parked lease is not taken back that way (a new lease would not restore the parked
   memory): its kernel is shut down as revoked.
 
-Parking (issue 28; ``PARK_STATES``): the broker may park an idle kernel's GPU memory in
+Parking (``PARK_STATES``): the broker may park an idle kernel's GPU memory in
 host RAM while others wait. Renewals go on (``parking``/``parked``/``resuming`` are not
 ends) and write the wire state to the state file; a parked lease's way back (the kernel's
 ``.resume`` request, the resume calls) is the keeper's :class:`~.parked.ParkWatch`
@@ -145,7 +145,7 @@ class LeaseKeeper:
         self.queue_wait = QueueWait(self, clients, log=log)
         #: a parked lease's way back: the kernel's resume request, the resume calls
         self.park_watch = ParkWatch(self, clients, log=log)
-        #: the kernel's secret and its proof (issue 36; :mod:`.kernel_secret`)
+        #: the kernel's secret and its proof (:mod:`.kernel_secret`)
         self.secret = KernelSecret()
 
     # -- acquire -------------------------------------------------------------------------

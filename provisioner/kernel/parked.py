@@ -1,4 +1,4 @@
-"""``ParkWatch``: a parked lease's way back to its GPU memory (parking, issue 28).
+"""``ParkWatch``: a parked lease's way back to its GPU memory (parking).
 
 The broker may park an idle kernel's GPU memory in host RAM while others wait. The
 kernel's :class:`~provisioner.kernel.lease_keeper.LeaseKeeper` goes on renewing (``parking``,

@@ -19,7 +19,7 @@ GPUs
 Indexes are turned into UUIDs against the broker's pool (:func:`resolve_indexes`): the GPUs
 of that node with those indexes, as its agent registered them.
 
-A deliberate departure from the external contract (README.md, "Departures"): without any
+A deliberate departure from the external contract (docs/design.md, "Departures"): without any
 of these variables the provisioner names no node, not the host name. A one-machine pool
 declared with ``--gpus 1x32768:V100`` puts its GPUs on node ``local``, not the host name,
 and an NVML pool on the broker's host name; a host-name default would refuse every kernel

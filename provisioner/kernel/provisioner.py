@@ -246,7 +246,7 @@ class GPULeaseProvisioner(LocalProvisioner):
             )
             for name in REMOVE_FROM_KERNEL:
                 env.pop(name, None)
-            # the proof the node agent checks (issue 36): the same secret for each restart
+            # the proof the node agent checks (kernel_secret.py): the same secret for each restart
             env[KERNEL_SECRET_ENV] = self.lease_keeper.secret.for_lease(lease.id)
             wrapped = kernel_argv(kwargs["cmd"])
             if not wrapped.wrapped:

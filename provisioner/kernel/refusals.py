@@ -124,7 +124,7 @@ async def wait_for_mps_limit(
     an MPS client keeps the limit of its first CUDA call for its life, so a kernel started
     before the agent has learnt of its lease would be held to the GPU's tighter one.
     True when covered, False after ``timeout`` s, None when the agent writes no such file
-    (older than issue 36: nothing to wait for)."""
+    (an agent older than daemon-side MPS limits: nothing to wait for)."""
     path = mps_covered_file(mps_dir, gpu_uuid)
     digest = lease_digest(lease_id)
     deadline = time.monotonic() + timeout

@@ -23,7 +23,7 @@ environment and a cap of ``--cap-mb``):
   chunks; failed unless every framework refused both, held no more than its cap, and NVML
   showed no more than the cap plus the context.
 
-* ``checkpoint``: whether this node can *park* idle kernels (issue 28): the driver's
+* ``checkpoint``: whether this node can *park* idle kernels: the driver's
   process checkpoint API through ``libcuda.so.1`` (:mod:`provisioner.node.checkpoint`);
   where it is offered, one more capped probe holds its cap and is parked and resumed: its
   GPU memory must leave the GPU and come back, and the check reports the GiB/s each way.

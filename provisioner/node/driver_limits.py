@@ -13,7 +13,7 @@ and reports the cgroups it holds (``driver_limits``) so the lease's ``enforcemen
 shows it; the limits are passed in bytes. Both are how the binding's structure reads, not
 yet checked against an R615 driver (none was available; tests use ``tests/fake_nvml``).
 
-Since issue 36 the agent sets limits only on the cgroups of kernels it has *proven*
+The agent sets limits only on the cgroups of kernels it has *proven*
 (:mod:`.proof`: read from ``/proc/<pid>/cgroup``, under the accepted parents), never on a
 cgroup a renewal names. NVML documents no call that removes a limit, so a limit the agent
 no longer wants (its lease ended, or its kernel is no longer proven) is *lifted* by setting

@@ -28,7 +28,7 @@ only on a GPU whose server serves its uid or none (``node_rules.mps_blocked``).
 The provisioner computes the same pipe directory from its ``mps_dir`` (default
 :data:`DEFAULT_MPS_DIR`, the agent's default too).
 
-**Daemon-side memory limits** (issue 36). The kernel's ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
+**Daemon-side memory limits**. The kernel's ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``
 is the student's to unset (a cell can do it before importing torch), so the agent also sets
 the limit where the student cannot reach it, in the control daemon, which it runs as root.
 What the control daemon offers (``man nvidia-cuda-mps-control``, "Commands available to
@@ -439,7 +439,7 @@ class MPSSupervisor:
         self, gpu_uuids: Sequence[str], mps_dir: str = DEFAULT_MPS_DIR, control: str = MPS_CONTROL
     ) -> None:
         self.daemons = [MPSDaemon(u, mps_dir, control) for u in gpu_uuids]
-        #: whether the broker names its kernels' memory (``kernels[].memory_mb``, issue 36):
+        #: whether the broker names its kernels' memory (``kernels[].memory_mb``):
         #: only then does a GPU it names no MPS lease on get :data:`EMPTY_GPU_LIMIT_MB`
         #: (an older broker's silence says nothing)
         self.names_memory = False

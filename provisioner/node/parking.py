@@ -1,4 +1,4 @@
-"""Parking on the node: the agent's side of the broker's park and resume orders (issue 28).
+"""Parking on the node: the agent's side of the broker's park and resume orders.
 
 Who calls what: :func:`provisioner.node.agent.run_agent` opens one :class:`Parker` when the
 agent starts (:meth:`Parker.open`: one long-lived :class:`~.checkpoint.CudaCheckpoint`
@@ -233,7 +233,7 @@ class Parker:
             future.add_done_callback(functools.partial(self._finished, order))
 
     def refuse(self, raw: Any, why: str) -> None:
-        """Settle an order of a kernel the agent did not prove (issue 36) as failed at once,
+        """Settle an order of a kernel the agent did not prove as failed at once,
         with ``why``: nothing is checkpointed or restored, and the broker reclaims the lease
         as it would without parking (rather than after its ``park_timeout``)."""
         order = Order.parse(raw)

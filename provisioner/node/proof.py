@@ -1,5 +1,5 @@
-"""Which claimed kernels are PROVEN to be their lease's (issue 36, DESIGN "Accounts and
-boundaries").
+"""Which claimed kernels are PROVEN to be their lease's: a renewal's pid is a claim, and
+the root agent acts only on what it has checked itself.
 
 A renewal's ``pid``, ``pid_ns`` and ``cgroup`` are what the lease's holder *says*; the root
 agent acts on a kernel only once it has checked it itself:
@@ -208,7 +208,7 @@ class Prover:
     def _prove(self, claim: Claim, host: int | None, start: int | None) -> Proven | str:
         if not claim.proof:
             return (
-                "its renewals carry no proof (a provisioner older than issue 36, or a "
+                "its renewals carry no proof (a provisioner older than kernel proofs, or a "
                 "claim made by hand): upgrade the provisioner"
             )
         if host is None or start is None or host <= 1:

@@ -1,4 +1,4 @@
-// A kernel whose GPU memory the broker parked (issue 28): the status bar's "GPU parked" and
+// A kernel whose GPU memory the broker parked: the status bar's "GPU parked" and
 // "resuming: 2nd in queue", the notification when it is parked, and that a parked kernel
 // counts as alive for the notebook (its older ended lease is not shown over it).
 import { Notification } from '@jupyterlab/apputils';

@@ -1,6 +1,7 @@
 """Where each lease's kernel lives on its node: pid namespace and cgroup (pure, no I/O).
 
-DESIGN "Accounts and boundaries". A provisioner's renewal reports the kernel's ``pid`` with
+Which process is a lease's kernel is the root agent's to check (``node/proof.py``);
+the broker keeps what it is told. A provisioner's renewal reports the kernel's ``pid`` with
 ``pid_ns`` (the pid namespace that number lives in) and, where it made one, ``cgroup`` (the
 kernel's cgroup v2 path). The broker keeps both here, in memory (a broker restart forgets
 them until each kernel's next renewal, a third of the TTL later), and:
@@ -15,7 +16,7 @@ them until each kernel's next renewal, a third of the TTL later), and:
   never meet.
 - says which leases a driver memory limit holds (the agent's ``driver_limits``).
 
-Since issue 36 all of that is a *claim* (DESIGN "Accounts and boundaries"): a renewal also
+All of that is a *claim* (the holder of a lease may say anything): a renewal also
 carries ``proof``, the sha256 of the kernel's secret, kept here in memory only (never in
 the database, a lease's answer or a log). Each ``kernels`` entry hands the agent the claim
 with its lease, user, proof, GPU and memory; the agent acts only on the kernels it proves,

@@ -68,7 +68,7 @@ def mps_claim_window(policy: Policy) -> float:
     A granted kernel renews at once after its launch (the broker learns its pid), then
     every TTL/3; its node's agent names it, proves it and reports its server's uid within
     a heartbeat, and is lost after ``node_grace``. Past that, an honest kernel is known
-    from those trusted sources, and a made-up claim holds nothing (issue 36, item 2)."""
+    from those trusted sources, and a made-up claim holds nothing."""
     return policy.ttl / 3 + policy.node_grace
 
 

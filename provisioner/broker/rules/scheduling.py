@@ -37,12 +37,12 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   (``node_rules.mps_blocked``), else it waits, and the student reads why
   (:func:`why_waiting`). A GPU's owners come from its agent's report and proven kernels;
   a lease's claimed uid counts for others only within ``node_rules.mps_claim_window`` of
-  its grant, and a request's within the grant pass that places it (issue 36).
+  its grant, and a request's within the grant pass that places it.
 * Idle reclaim (optional): only while some request waits and does not fit, leases of
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked -- or parked, where the service's ``can_park``
   says the node can take the kernel's GPU memory into host RAM.
-* Parking (issue 28; ``model.Lease.park``): a victim goes ``parking`` (it still holds its
+* Parking (``model.Lease.park``): a victim goes ``parking`` (it still holds its
   share), then ``parked`` when its node agent reports the checkpoint done
   (:func:`park_done`: its share is freed, ``PoolState.parked``); its owner's
   :func:`resume` queues a resume request (``Request.resume_of``) that keeps the place of
@@ -909,7 +909,7 @@ def reap(
     return Reaped(changes, gone, stale, [x for x, _, _ in revoked], parking)
 
 
-# -- parking (issue 28) ----------------------------------------------------------------
+# -- parking ----------------------------------------------------------------
 
 
 def parking_overdue(state: PoolState, now: float, timeout: float) -> list[Lease]:

@@ -1,4 +1,4 @@
-"""Park and resume orders for node agents, and the outcomes they report (issue 28).
+"""Park and resume orders for node agents, and the outcomes they report (parking).
 
 Who calls this: :class:`~provisioner.broker.services.nodes.NodeService` at each heartbeat
 (``POST /api/v1/nodes/{node}/heartbeat``): it checks the reported outcomes

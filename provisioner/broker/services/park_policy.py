@@ -1,4 +1,4 @@
-"""Whether an idle lease may be parked rather than revoked (issue 28).
+"""Whether an idle lease may be parked rather than revoked.
 
 Who calls this: the reaper (:meth:`~provisioner.broker.services.reaper.Reaper.tick`), once
 per pass: :meth:`ParkPolicy.check` is the ``can_park`` it hands ``scheduling.reap``.

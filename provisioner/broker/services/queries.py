@@ -78,7 +78,7 @@ class LeaseUsage:
     #: a parked lease whose resume request waits: ``{position, eta_seconds}`` (else None)
     resume: dict[str, float | int | None] | None = None
     #: why the node's agent does not act on the kernel the lease's renewals claim (None:
-    #: proven, or no agent said): issue 36
+    #: proven, or no agent said)
     kernel_refused: str | None = None
 
 

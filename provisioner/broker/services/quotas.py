@@ -19,7 +19,7 @@ from .service_core import ServiceCore, require_admin
 log = logging.getLogger("gpu_lease.broker")
 
 
-#: how far back a user who is not an admin may ask for usage, at least (issue 36: ``since=0``
+#: how far back a user who is not an admin may ask for usage, at least (``since=0``
 #: from any student scanned every lease ever recorded on the store's writer thread)
 STUDENT_USAGE_REACH_S = 31 * 86400
 #: ``since=31d`` was turned into a time a moment before the check: it still passes

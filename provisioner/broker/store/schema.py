@@ -195,7 +195,7 @@ def _define_v6_leadership(md: sa.MetaData) -> sa.Table:
 # version 6: fenced leadership of active/standby brokers (one row, see the module docstring)
 leadership = _define_v6_leadership(metadata)
 
-# version 7: parking (issue 28). A live lease's park state (NULL | 'parking' | 'parked' |
+# version 7: parking. A live lease's park state (NULL | 'parking' | 'parked' |
 # 'resuming'; ``state`` stays 'active') and when parking began; a parked lease holds no
 # capacity (every capacity sum skips it). A queued resume request names its parked lease.
 leases.append_column(sa.Column("park_state", sa.String(16), nullable=True))

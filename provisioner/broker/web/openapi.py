@@ -371,7 +371,7 @@ _SCHEMAS: dict[str, Any] = {
                 "example": "idle",
             },
             "last_activity": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
-            # node boundaries (issue 26): pid namespaces and the kernel's cgroup
+            # node boundaries: pid namespaces and the kernel's cgroup
             "pid_ns": {
                 **_PID_NS,
                 "description": "The inode of the pid namespace `pid` is numbered in "
@@ -384,7 +384,7 @@ _SCHEMAS: dict[str, Any] = {
                 "the provisioner sees it (informational: the node agent reads the cgroup of "
                 "the proven kernel itself).",
             },
-            # proof (issue 36)
+            # proof of the kernel's secret
             "proof": {
                 "type": "string",
                 "pattern": wire.PROOF_PATTERN,

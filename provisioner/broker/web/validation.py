@@ -264,12 +264,12 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
         out["last_activity"] = _number(
             body["last_activity"], "last_activity", low=0.0, high=MAX_TIME
         )
-    # pid namespaces and cgroups (DESIGN "Accounts and boundaries"): only when reported
+    # pid namespaces and cgroups (claims the node agent checks): only when reported
     if body.get("pid_ns") is not None:
         out["pid_ns"] = _int(body["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
     if body.get("cgroup") is not None:
         out["cgroup"] = parse_cgroup(body["cgroup"])
-    if body.get("proof") is not None:  # issue 36: the digest of the kernel's secret
+    if body.get("proof") is not None:  # the digest of the kernel's secret
         proof = _text(body["proof"], "proof", max_chars=64)
         if not _PROOF.match(proof):
             raise InvalidRequest(

@@ -14,7 +14,7 @@ later. A kernel whose lease is revoked (idle reclaim) is shut down; its student 
 back when next active (the next busy stretch), asks again and waits again. A session
 marked ``crash`` ends without a release; its lease expires one TTL later.
 
-*Parking* (``Scheme.park``, issue 28) is idle reclaim that keeps the kernel: the same
+*Parking* (``Scheme.park``) is idle reclaim that keeps the kernel: the same
 victims at the same moments, but the kernel's GPU memory goes to host RAM instead of the
 kernel ending, so nothing is lost ("work lost": kernels ended with their state, and the busy
 hours they had run; both 0 when parking works). The returning student's resume request

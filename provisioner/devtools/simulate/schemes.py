@@ -72,7 +72,7 @@ OURS: tuple[Scheme, ...] = (
         note="best-fit, fair share, head reservation (fewest leases), reclaim after 15 min",
     ),
 )
-#: parking instead of reclaim (issue 28): the same victims, their state kept
+#: parking instead of reclaim: the same victims, their state kept
 PARKING: tuple[Scheme, ...] = (
     Scheme(
         "park",

@@ -10,7 +10,7 @@ on each renewal (``GPU_LEASE_STATE_FILE``: ``state``, ``expires_at``, ``reason``
 ``gpu_lease_caps.REPORT`` (caps applied to imported frameworks), and NVML for the
 memory this process uses on the GPU.
 
-Parking (issue 28): while others wait, the broker may park this kernel's GPU memory in
+Parking: while others wait, the broker may park this kernel's GPU memory in
 host RAM (the lease's state ``parking``/``parked``; ``resuming`` while it comes back). The
 extension's ``pre_run_cell`` hook (:class:`ParkedCellHook`) then makes a cell wait for its
 GPU memory: it creates ``<state file>.resume`` (the provisioner's lease keeper sees it and
