@@ -16,6 +16,7 @@ Pure, nothing happens at import.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -689,8 +690,47 @@ class NodeParkReport(ReportPart):
 
 #: every node feature's part, in the order the broker parses them
 PARTS: tuple[type[ReportPart], ...] = (MPSReport, KernelReport, DriverLimitsReport, NodeParkReport)
-#: the fields of a heartbeat: the core's, then each part's
-FIELDS: tuple[str, ...] = ("usage", "at", *(f for kind in PARTS for f in kind.FIELDS))
+#: the fields agents have sent since before the report was typed, in the order the broker
+#: has listed them in a refusal (``FIELDS``) and the order agents wrote them (``to_json``);
+#: a new part's fields come after them, in the order of :data:`PARTS`
+_LISTED = (
+    "usage",
+    "at",
+    "mps",
+    "mps_uid",
+    "kernels",
+    "driver_limits",
+    "checkpoint",
+    "host_memory_available_mb",
+    "parking",
+    "refused",
+)
+_WRITTEN = (
+    "usage",
+    "at",
+    "mps",
+    "mps_uid",
+    "kernels",
+    "driver_limits",
+    "refused",
+    "checkpoint",
+    "host_memory_available_mb",
+    "parking",
+)
+
+
+def _in_order(fields: Iterable[str], order: tuple[str, ...]) -> list[str]:
+    """``fields`` sorted as ``order`` lists them, any other after them as they came."""
+    fields = list(fields)
+    return sorted(
+        fields, key=lambda f: (order.index(f), 0) if f in order else (len(order), fields.index(f))
+    )
+
+
+#: the fields of a heartbeat: the core's and each part's
+FIELDS: tuple[str, ...] = tuple(
+    _in_order(("usage", "at", *(f for kind in PARTS for f in kind.FIELDS)), _LISTED)
+)
 
 
 @dataclass(frozen=True)
@@ -727,9 +767,9 @@ class NodeReport:
         }
         if self.at is not None:
             body["at"] = self.at
-        for p in sorted(self.parts, key=_wire_order):
+        for p in self.parts:
             body.update(p.to_json())
-        return body
+        return {name: body[name] for name in _in_order(body, _WRITTEN)}
 
 
 def heartbeat_schema() -> dict[str, Any]:
@@ -740,12 +780,6 @@ def heartbeat_schema() -> dict[str, Any]:
 def answer_schema() -> dict[str, Any]:
     """The OpenAPI properties of every feature's fields of the heartbeat's answer."""
     return {name: schema for kind in PARTS for name, schema in kind.ANSWER_SCHEMA.items()}
-
-
-def _wire_order(part: ReportPart) -> int:
-    """Where a part's fields go in a body: in :data:`PARTS`' order (the order of old)."""
-    kind = type(part)
-    return PARTS.index(kind) if kind in PARTS else len(PARTS)
 
 
 def parse_core(body: dict[str, Any]) -> tuple[float | None, tuple[Usage, ...]]:
