@@ -85,19 +85,15 @@ typecheck: $(STAMP) $(CHP)
 unit-js: $(CHP)
 	npm run -s test:unit
 
-# the broker's API, authorization, fuzzing, crash, failover, kernel and hub tests once
-# more, with HTTP served by a front process (--http-processes 1): every `broker` fixture,
-# and the hub-managed broker of the hub tests (JupyterHub auth, the dashboard's login)
-SPLIT_TESTS ?= tests/test_broker_api.py tests/test_authz.py tests/test_fuzz_bodies.py \
-	tests/test_fuzz_openapi.py tests/test_metrics.py tests/test_client.py \
-	tests/test_cli_admin.py tests/test_courses.py tests/test_faults.py \
-	tests/test_failover.py tests/test_provisioner.py tests/test_hub.py \
-	tests/test_browser_hub.py
+# the unit tests on WORKERS pytest-xdist workers (--dist loadgroup: a module whose tests share
+# a module-scoped fixture, a hub or a Slurm cluster, runs whole on one worker). The broker's
+# API, authorization, fuzzing, crash, failover, kernel and hub tests also run with HTTP served
+# by a front process (--http-processes 1): tests/conftest.py's FRONTS_MODULES, the
+# [sqlite-fronts] and [fronts] variants, in the same session
+WORKERS ?= 3
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	GPU_LEASE_TEST_HTTP_PROCESSES=1 GPU_LEASE_HTTP_PROCESSES=1 \
-		$(BIN)/python -m pytest $(SPLIT_TESTS)
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # jupyter_client's and jupyter_server's own kernel and session tests, from the sdists of
 # the installed versions (fetched once into .upstream/), with our provisioner as the default;

@@ -144,7 +144,7 @@ async def acquire_rtt(url: str, token: str, n: int) -> dict[str, float]:
             t2 = time.perf_counter()
             await client.leases.acquire(kernel_id, FRACTION)
             t3 = time.perf_counter()
-            await client.leases.release(lease["id"])
+            await client.leases.release(lease.id)
             t4 = time.perf_counter()
         finally:
             await client.aclose()

@@ -101,7 +101,7 @@ async def release(client: BrokerClient, lease_id: str, t: Tally) -> None:
     came (this driver renewed too late on an overloaded machine; ``release`` is idempotent
     and does not say which)."""
     await client.leases.release(lease_id)
-    state = (await client.leases.get(lease_id)).get("state")
+    state = (await client.leases.get(lease_id)).state
     if state == "expired":
         t.expired_alive += 1
     else:
@@ -130,7 +130,7 @@ async def student(
                 await asyncio.sleep(rng.uniform(0.5, 2.0))
                 continue
             t.acquired += 1
-            t.seen.add(lease["id"])
+            t.seen.add(lease.id)
             life = rng.expovariate(1 / (4 * ttl))
             end = last_ok = time.monotonic()
             end += life
@@ -139,7 +139,7 @@ async def student(
                 await asyncio.sleep(min(ttl / 3, max(0.0, end - time.monotonic())))
                 state = rng.choice(("idle", "busy"))
                 try:
-                    await client.leases.renew(lease["id"], pid=os.getpid(), execution_state=state)
+                    await client.leases.renew(lease.id, pid=os.getpid(), execution_state=state)
                 except LeaseExpired:
                     # this driver renewed too late (an overloaded box): like the provisioner,
                     # try once to get the same fraction back, else the kernel stops
@@ -153,7 +153,7 @@ async def student(
                         gone = True  # the kernel stops; its lease is already counted (expired)
                         break
                     t.acquired += 1
-                    t.seen.add(lease["id"])
+                    t.seen.add(lease.id)
                     last_ok = time.monotonic()
                     continue
                 t.max_renew_gap_s = max(t.max_renew_gap_s, time.monotonic() - last_ok)
@@ -162,13 +162,13 @@ async def student(
                 if rng.random() < 0.05:  # kernel restart: same kernel id, same lease
                     again = await client.leases.acquire(kernel_id, fraction, wait=2.0)
                     t.restarts += 1
-                    if again.get("id") != lease["id"]:
+                    if again.id != lease.id:
                         # a new lease is right only if the old one expired meanwhile
-                        if (await client.leases.get(lease["id"])).get("state") == "expired":
+                        if (await client.leases.get(lease.id)).state == "expired":
                             t.expired_alive += 1
                             t.acquired += 1
                             lease = again
-                            t.seen.add(lease["id"])
+                            t.seen.add(lease.id)
                         else:
                             t.restart_mismatches += 1
             if gone:
@@ -179,14 +179,14 @@ async def student(
             if stop.is_set():
                 # the end of the hour: half shut down cleanly, half just die
                 if rng.random() < 0.5:
-                    await release(client, lease["id"], t)
+                    await release(client, lease.id, t)
                 else:
                     t.died += 1
                 return
             if rng.random() < 0.2:
                 t.died += 1  # the kernel's server was killed: no release, no renewals
             else:
-                await release(client, lease["id"], t)
+                await release(client, lease.id, t)
             await asyncio.sleep(rng.uniform(0.0, ttl))
 
 

@@ -239,7 +239,7 @@ async def _top_text(client: BrokerClient) -> str:
     except Forbidden:  # a student sees the pool and their own leases
         leases = await client.leases.listing()
     queue = await client.leases.queue()
-    return tables.format_top(gpus, leases, queue, time.time())
+    return tables.format_top(gpus, [x.to_json() for x in leases], queue, time.time())
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -270,7 +270,7 @@ def cmd_leases(args: argparse.Namespace) -> int:
     async def work(client: BrokerClient) -> str:
         leases = await client.leases.listing(all=args.all, user=args.user)
         if args.json:
-            return json.dumps({"leases": leases}, indent=1)
+            return json.dumps({"leases": [x.to_json() for x in leases]}, indent=1)
         if not leases and not args.all and args.user is None:
             try:  # an admin's own list is empty: say how to see everyone's
                 others = await client.leases.listing(all=True)
@@ -282,7 +282,8 @@ def cmd_leases(args: argparse.Namespace) -> int:
                     f"You hold no active leases; {n} other active lease{'' if n == 1 else 's'}: "
                     f"`{PROG} leases --all` lists them (`--user NAME` one user's)."
                 )
-        return tables.format_leases(leases, time.time(), await client.gpus())
+        rows = [x.to_json() for x in leases]
+        return tables.format_leases(rows, time.time(), await client.gpus())
 
     return _run(work, args)
 
@@ -385,9 +386,9 @@ def cmd_revoke(args: argparse.Namespace) -> int:
         lease_id = await _resolve_lease_id(client, args.lease_id)
         lease = await client.leases.revoke(lease_id, args.reason)
         return (
-            f"Revoked lease {lease.get('id')} of {lease.get('user')} "
-            f"(kernel {tables.short(lease.get('kernel_id'))}, "
-            f"{tables.fraction(lease.get('fraction'))} of a GPU): {lease.get('reason')}"
+            f"Revoked lease {lease.id} of {lease.user} "
+            f"(kernel {tables.short(lease.kernel_id)}, "
+            f"{tables.fraction(lease.fraction)} of a GPU): {lease.reason}"
         )
 
     return _run(work, args)
@@ -402,7 +403,7 @@ async def _resolve_lease_id(client: BrokerClient, given: str) -> str:
         active = await client.leases.listing(all=True)
     except Forbidden:
         return given
-    ids = [str(x.get("id")) for x in active if x.get("id")]
+    ids = [x.id for x in active]
     if given in ids:
         return given
     matches = [i for i in ids if i.startswith(given)] if given else []

@@ -1,7 +1,9 @@
-"""Shared fixtures: a REAL broker subprocess on a fresh database.
+"""Shared fixtures: a REAL broker on a fresh database.
 
-``broker`` starts ``python -m provisioner.broker.app`` on a free port with a static
-tokens file and ``--gpus 1x32768:V100`` (override with
+``broker`` runs the broker (``provisioner.broker.app``'s Application, as ``python -m``
+runs it) on a free port with a static tokens file, on a thread of the test's process, or
+as a subprocess for a test marked ``broker_process`` (kill -9, signals, exit codes), with
+``--gpus 1x32768:V100`` (override with
 ``@pytest.mark.broker_args("--gpus", "2x32768:V100", ...)``), waits for
 ``/api/v1/health`` and yields a :class:`Broker`. It runs once on SQLite and once on
 PostgreSQL (``postgres`` mark; a fresh schema of the ``test`` database per test,
@@ -43,6 +45,12 @@ USERS: dict[str, tuple[list[str], bool]] = {
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "broker_args(*args): extra command-line options for the broker fixture"
+    )
+    config.addinivalue_line(
+        "markers",
+        "broker_process: the broker fixture runs as a subprocess (python -m "
+        "provisioner.broker.app), for a test that kills, signals or times it; without the "
+        "mark it runs on a thread of the test's process (devtools.testing.EmbeddedBroker)",
     )
 
 
@@ -131,9 +139,88 @@ def _process_guard(item: pytest.Item) -> Iterator[None]:
         yield
 
 
-#: ``make test`` runs the broker's API tests a second time with this set to 1: every
-#: ``broker`` fixture then serves HTTP from a front process (``--http-processes``)
+#: modules whose tests run a second time with the broker's HTTP served by a front process
+#: (``--http-processes 1``): the broker's API, authorization, fuzzing, crash, failover,
+#: kernel and hub tests. A ``broker`` fixture's second variant is ``[sqlite-fronts]`` (the
+#: SQL is the same behind a front process); a module's hub (``hub_http_processes``) runs
+#: once more whole, its broker started by JupyterHub with ``--http-processes 1``.
+FRONTS_MODULES = {
+    "test_broker_api",
+    "test_authz",
+    "test_fuzz_bodies",
+    "test_fuzz_openapi",
+    "test_metrics",
+    "test_client",
+    "test_cli_admin",
+    "test_courses",
+    "test_faults",
+    "test_failover",
+    "test_provisioner",
+    "test_hub",
+    "test_browser_hub",
+}
+#: set (to a number) to serve every ``broker`` fixture's HTTP from that many front
+#: processes, in every module (the fronts variants above run in every ``make test``)
 HTTP_PROCESSES_ENV = "GPU_LEASE_TEST_HTTP_PROCESSES"
+
+
+DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``broker_db_url``: SQLite and PostgreSQL (unless the test or its module chose); and
+    the fronts variants of :data:`FRONTS_MODULES`: a broker's on SQLite (beside its SQLite
+    and PostgreSQL runs), a module's hub whole."""
+    names = metafunc.fixturenames
+    fronts = metafunc.module.__name__.rpartition(".")[2] in FRONTS_MODULES
+    if fronts and "hub_http_processes" in names:
+        metafunc.parametrize(
+            "hub_http_processes", [0, 1], ids=["", "fronts"], indirect=True, scope="module"
+        )
+    given = {
+        n.strip()
+        for m in metafunc.definition.iter_markers("parametrize")
+        for n in (m.args[0].split(",") if isinstance(m.args[0], str) else m.args[0])
+    }
+    defs = metafunc._arg2fixturedefs.get("broker_db_url", ())
+    chosen = "broker_db_url" in given or bool(defs and defs[-1].params)
+    fronts = fronts and "broker_http_processes" in names
+    if "broker_db_url" in names and not chosen:
+        if fronts:
+            metafunc.parametrize(
+                ("broker_db_url", "broker_http_processes"),
+                [
+                    ("sqlite", 0),
+                    pytest.param("postgresql", 0, marks=pytest.mark.postgres),
+                    ("sqlite", 1),
+                ],
+                ids=["sqlite", "postgresql", "sqlite-fronts"],
+                indirect=True,
+            )
+            return
+        metafunc.parametrize("broker_db_url", DATABASES, indirect=True)
+    if fronts:
+        metafunc.parametrize("broker_http_processes", [0, 1], ids=["", "fronts"], indirect=True)
+
+
+@pytest.fixture
+def broker_http_processes(request: pytest.FixtureRequest) -> int:
+    """How many front processes serve the ``broker`` fixture's HTTP (0: the broker itself)."""
+    env = int(os.environ.get(HTTP_PROCESSES_ENV) or 0)
+    return int(getattr(request, "param", 0)) or env
+
+
+@pytest.fixture(scope="module")
+def hub_http_processes(request: pytest.FixtureRequest) -> int:
+    """How many front processes serve a module hub's broker (0: the broker itself)."""
+    return int(getattr(request, "param", 0))
+
+
+def hub_env(http_processes: int, **env: str) -> dict[str, str]:
+    """A hub's ``GPU_LEASE_*`` knobs, with ``GPU_LEASE_HTTP_PROCESSES`` when fronts serve."""
+    if http_processes:
+        env["GPU_LEASE_HTTP_PROCESSES"] = str(http_processes)
+    return env
 
 
 class Broker(BrokerProcess):
@@ -143,8 +230,15 @@ class Broker(BrokerProcess):
     ``--gpus 1x32768:V100`` unless ``extra`` names ``--gpus``.
     """
 
-    def __init__(self, tmp: Path, db_url: str, extra: tuple[str, ...] = (), env: Any = None):
-        super().__init__(tmp, db_url, USERS, extra=extra, env=env)
+    def __init__(
+        self,
+        tmp: Path,
+        db_url: str,
+        extra: tuple[str, ...] = (),
+        env: Any = None,
+        in_process: bool = False,
+    ):
+        super().__init__(tmp, db_url, USERS, extra=extra, env=env, in_process=in_process)
         #: every answer its clients got, checked against its document when it stops
         self.conformance = Conformance()
 
@@ -187,7 +281,7 @@ class Broker(BrokerProcess):
         )
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+@pytest.fixture
 def broker_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh database: an SQLite file, or a new PostgreSQL schema dropped afterwards."""
     if request.param == "sqlite":
@@ -218,14 +312,21 @@ def postgres_schema(prefix: str = "gl_test") -> Iterator[str]:
 
 
 @pytest.fixture
-def broker(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -> Iterator[Broker]:
-    """A running broker subprocess (see the module docstring)."""
+def broker(
+    request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str, broker_http_processes: int
+) -> Iterator[Broker]:
+    """A running broker (see the module docstring): in the test's process, unless the test
+    is marked ``broker_process`` (it kills, signals or times the process) or front
+    processes serve its HTTP."""
     marker = request.node.get_closest_marker("broker_args")
     extra = tuple(marker.args) if marker else ()
-    procs = os.environ.get(HTTP_PROCESSES_ENV)
-    if procs and "--http-processes" not in extra:
-        extra += ("--http-processes", procs)
-    with Broker(tmp_path, broker_db_url, extra).running() as b:
+    if broker_http_processes and "--http-processes" not in extra:
+        extra += ("--http-processes", str(broker_http_processes))
+    # front processes write their log to their parent's stderr: a process's, not pytest's
+    in_process = request.node.get_closest_marker("broker_process") is None and (
+        "--http-processes" not in extra
+    )
+    with Broker(tmp_path, broker_db_url, extra, in_process=in_process).running() as b:
         yield b
 
 

@@ -611,6 +611,7 @@ async def test_history_of_allocation_queue_and_waits(broker: Broker) -> None:
         assert (await bob.get("/history", params={"user": "bob"})).status_code == 200
 
 
+@pytest.mark.broker_process  # SIGTERM while a long-poll waits
 async def test_queue_positions(broker: Broker) -> None:
     async with broker.client("alice") as alice:
         assert (await acquire(alice, "big", 1)).status_code == 201
@@ -690,6 +691,7 @@ FRACTIONS = (0.05, 0.1, 0.2, 0.25)
 
 
 @pytest.mark.broker_args("--gpus", "2x32768:V100")
+@pytest.mark.broker_process
 async def test_kill9_mid_load_then_every_client_has_one_lease_or_one_place(broker: Broker) -> None:
     clients = [f"u{n:02d}" for n in range(32)]
     want = {user: FRACTIONS[n % len(FRACTIONS)] for n, user in enumerate(clients)}

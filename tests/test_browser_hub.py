@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 import pytest
 
+from .conftest import hub_env
 from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -47,18 +48,20 @@ def require_demo_password() -> None:
         pytest.skip("GPU_LEASE_USER_PASSWORD is set to another password")
 
 
-def marked_hub(tmp_path_factory: pytest.TempPathFactory) -> contextlib.AbstractContextManager[Hub]:
+def marked_hub(
+    tmp_path_factory: pytest.TempPathFactory, http_processes: int = 0
+) -> contextlib.AbstractContextManager[Hub]:
     """A hub for a browser: the demo's password, and kernels a user can never start kept in
     the launcher, marked (the hub's default hides them), so that a student can click one
     and read the refusal."""
     require_demo_password()
-    env = {"GPU_LEASE_UNAVAILABLE_KERNELS": "mark"}
+    env = hub_env(http_processes, GPU_LEASE_UNAVAILABLE_KERNELS="mark")
     return running_hub(tmp_path_factory.mktemp("hub"), env=env)
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    with marked_hub(tmp_path_factory) as h:
+def hub(tmp_path_factory: pytest.TempPathFactory, hub_http_processes: int) -> Iterator[Hub]:
+    with marked_hub(tmp_path_factory, hub_http_processes) as h:
         yield h
 
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from provisioner import errors
-from provisioner.client import BrokerClient
+from provisioner.client import BrokerClient, GrantedLease, LeasedGPU
 from provisioner.node_report import DriverLimitsReport, MPSReport, NodeReport
 
 URL = "http://broker.test:10101"
@@ -34,6 +34,16 @@ LEASE = {
     "memory_limit_mb": 143,
     "state": "active",
 }
+#: LEASE as the client's lease calls return it
+TYPED = GrantedLease(
+    id="L-abc",
+    user="alice",
+    kernel_id="k1",
+    fraction=0.02,
+    gpu=LeasedGPU(uuid="GPU-0", node="n1", name="V100", memory_mb=32768),
+    memory_limit_mb=143,
+    state="active",
+)
 
 Handler = Callable[[httpx.Request], httpx.Response]
 
@@ -76,7 +86,7 @@ async def test_acquire_201_returns_the_lease() -> None:
         lease = await c.leases.acquire(
             "k1", 0.02, node="n1", gpu_uuids=["GPU-0"], group="ml101", wait=5
         )
-    assert lease == LEASE
+    assert lease == TYPED
     (req,) = broker.requests
     assert req.method == "POST"
     assert str(req.url) == f"{URL}/api/v1/leases"
@@ -96,7 +106,7 @@ async def test_acquire_201_returns_the_lease() -> None:
 async def test_acquire_200_existing_lease_and_optional_fields_left_out() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.leases.acquire("k1", 0.02) == LEASE
+        assert await c.leases.acquire("k1", 0.02) == TYPED
     assert broker.bodies == [{"kernel_id": "k1", "fraction": 0.02, "wait": 30.0}]
 
 
@@ -119,7 +129,7 @@ async def test_acquire_queued_twice_then_granted(async_callback: bool) -> None:
         lease = await c.leases.acquire(
             "k1", 0.5, wait=1, on_queued=async_cb if async_callback else sync_cb
         )
-    assert lease == LEASE
+    assert lease == TYPED
     assert seen == [3, 2]
     assert len(broker.requests) == 3
     assert broker.bodies[0] == broker.bodies[1] == broker.bodies[2]
@@ -237,7 +247,7 @@ async def test_410_renew_becomes_lease_revoked_with_reason() -> None:
 async def test_renew_sends_only_given_fields_and_returns_lease() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.leases.renew("L-abc") == LEASE
+        assert await c.leases.renew("L-abc") == TYPED
     assert broker.bodies == [{}]
 
 
@@ -344,7 +354,7 @@ async def test_read_timeout_of_a_long_poll_is_not_retried() -> None:
 async def test_connection_error_during_acquire_is_retried() -> None:
     broker = Broker(httpx.ConnectError("refused"), httpx.Response(201, json=LEASE))
     async with client(broker) as c:
-        assert await c.leases.acquire("k1", 0.1) == LEASE
+        assert await c.leases.acquire("k1", 0.1) == TYPED
     assert broker.bodies[0] == broker.bodies[1]
 
 
@@ -456,12 +466,13 @@ async def test_credentials_in_url_are_not_shown() -> None:
 async def test_list_endpoints_and_query_parameters() -> None:
     def answer(r: httpx.Request) -> httpx.Response:
         key = r.url.path.rsplit("/", 1)[1]
-        return httpx.Response(200, json={key: [{"path": r.url.path}]})
+        item = {"id": r.url.path} if key == "leases" else {"path": r.url.path}
+        return httpx.Response(200, json={key: [item]})
 
     broker = Broker(answer)
     async with client(broker) as c:
         assert await c.gpus() == [{"path": "/api/v1/gpus"}]
-        assert await c.leases.listing() == [{"path": "/api/v1/leases"}]
+        assert await c.leases.listing() == [GrantedLease(id="/api/v1/leases")]
         await c.leases.listing(user="bob", all=True)
         assert await c.leases.queue() == [{"path": "/api/v1/queue"}]
     assert broker.requests[1].url.params == httpx.QueryParams()
@@ -471,7 +482,7 @@ async def test_list_endpoints_and_query_parameters() -> None:
 async def test_get_lease() -> None:
     broker = Broker(httpx.Response(200, json=LEASE))
     async with client(broker) as c:
-        assert await c.leases.get("L-abc") == LEASE
+        assert await c.leases.get("L-abc") == TYPED
     assert broker.requests[0].url.path == "/api/v1/leases/L-abc"
 
 
@@ -715,7 +726,7 @@ async def test_a_request_looks_up_no_module() -> None:
             sys.meta_path.insert(0, spy)
             try:
                 for _ in range(3):
-                    assert (await c.leases.acquire("k1", 0.02))["id"] == "L-abc"
+                    assert (await c.leases.acquire("k1", 0.02)).id == "L-abc"
             finally:
                 sys.meta_path.remove(spy)
         finally:

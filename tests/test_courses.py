@@ -211,7 +211,7 @@ def test_kernel_manager_pays_the_provisioners_one_time_costs_at_server_start(
     context, so a student's first GPU kernel start does not pay for them."""
     import sys
 
-    from provisioner.client import _ssl_context
+    from provisioner.client.http import _ssl_context
     from provisioner.kernel.server import GPULeaseKernelManager
 
     _ssl_context.cache_clear()

@@ -51,6 +51,9 @@ from .test_faults import (
     engine,
 )
 
+#: kill -9, SIGSTOP, SIGTERM and exit codes of brokers: the broker fixture runs as a subprocess here
+pytestmark = pytest.mark.broker_process
+
 PG_ONLY = pytest.mark.parametrize(
     "broker_db_url", [pytest.param("postgresql", marks=pytest.mark.postgres)], indirect=True
 )

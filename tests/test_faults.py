@@ -43,6 +43,9 @@ from provisioner.model import Identity
 
 from .conftest import PG_URL, ROOT, Broker
 
+#: crashes: kill -9 of the broker, exit codes: the broker fixture runs as a subprocess here
+pytestmark = pytest.mark.broker_process
+
 PPM = 1_000_000
 #: the real client, with retries for a broker restart on a busy shared 2-core box, where a
 #: restart took up to 16 s (about 1.5 s when idle; the default client allows >= 7.75 s)
@@ -158,14 +161,14 @@ class Holder:
 
     async def run(self, stop: asyncio.Event, every: float = 0.3) -> None:
         lease = await self.client.leases.acquire(self.kernel_id, self.fraction, wait=5)
-        self.lease_id = lease["id"]
-        self.seen_ids.add(lease["id"])
+        self.lease_id = lease.id
+        self.seen_ids.add(lease.id)
         while not stop.is_set():
             fresh = await self.client.leases.renew(
                 self.lease_id, pid=os.getpid(), execution_state=random.choice(["idle", "busy"])
             )
-            assert fresh["state"] == "active"
-            self.seen_ids.add(fresh["id"])
+            assert fresh.state == "active"
+            self.seen_ids.add(fresh.id)
             self.renewals += 1
             try:
                 await asyncio.wait_for(stop.wait(), every)
@@ -186,8 +189,8 @@ async def churn(broker: Broker, user: str, stop: asyncio.Event, done: list[int])
             fraction = random.choice([0.1, 0.2, 0.3])
             lease = await client.leases.acquire(kernel_id, fraction, wait=2)
             await asyncio.sleep(random.uniform(0.05, 0.4))
-            await client.leases.renew(lease["id"], execution_state="busy")
-            await client.leases.release(lease["id"])
+            await client.leases.renew(lease.id, execution_state="busy")
+            await client.leases.release(lease.id)
             done[0] += 1
 
 
@@ -607,7 +610,7 @@ async def test_sqlite_locked_by_another_process(broker: Broker) -> None:
         locker.close()
     try:
         lease = await asyncio.wait_for(task, 30)
-        assert lease["state"] == "active"
+        assert lease.state == "active"
     finally:
         await client.aclose()
     renewed = api(broker, "POST", f"/leases/{lease_id}/renew", "alice", json={})

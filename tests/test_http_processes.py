@@ -1,8 +1,8 @@
 """``--http-processes N``: HTTP served by front processes, every decision in the broker's.
 
 Real brokers (``python -m provisioner.broker.app``) with real front processes, driven
-over HTTP. The whole API is also tested this way: ``make test`` runs the broker's API
-test modules a second time with ``GPU_LEASE_TEST_HTTP_PROCESSES=1`` (``conftest.py``).
+over HTTP. The whole API is also tested this way: the broker's API test modules run
+once more behind a front process (``conftest.py``'s ``FRONTS_MODULES``, ``[sqlite-fronts]``).
 Here: the processes' life cycle, crashes of either side, the shutdown of long-polls,
 and start-up errors.
 """
@@ -26,7 +26,7 @@ from provisioner.devtools.testing import alive, children_of, wait_for
 
 from .conftest import Broker
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.broker_process]
 
 
 def fronts_of(broker: Broker) -> list[int]:

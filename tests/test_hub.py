@@ -32,6 +32,8 @@ import pytest
 from provisioner.devtools.demohub import demo_command
 from provisioner.devtools.testing import free_port, load_example, wait_for
 
+from .conftest import hub_env
+
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 6.0
 
@@ -66,6 +68,8 @@ class Hub:
         )
         if python:  # the demo, the hub and everything it starts on another interpreter
             args[0] = python
+        #: the hub_config knobs this hub was started with (``env``)
+        self.knobs = dict(env or {})
         extra, env = env, dict(os.environ)
         env.update(extra or {})  # hub_config's GPU_LEASE_* knobs
         env.pop("JUPYTERHUB_API_TOKEN", None)
@@ -187,8 +191,8 @@ def running_hub(tmp: Path, **kw: Any) -> Iterator[Hub]:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    with running_hub(tmp_path_factory.mktemp("hub")) as h:
+def hub(tmp_path_factory: pytest.TempPathFactory, hub_http_processes: int) -> Iterator[Hub]:
+    with running_hub(tmp_path_factory.mktemp("hub"), env=hub_env(hub_http_processes)) as h:
         yield h
 
 
@@ -445,7 +449,7 @@ def test_two_hubs_route_each_student_to_their_own_server(
     installs with the defaults): students of the same user id on each spawn at once, and
     each one's requests through their hub reach their own server, never the other's."""
     with running_hub(
-        tmp_path_factory.mktemp("hub2"), server_port_base=hub.server_port_base
+        tmp_path_factory.mktemp("hub2"), server_port_base=hub.server_port_base, env=hub.knobs
     ) as other:
         ids = [user_ids(h) for h in (hub, other)]
         same_id = min(set(ids[0]) & set(ids[1]))  # never used by the tests above

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from provisioner.client import GrantedLease
 from provisioner.errors import InvalidRequest
 from provisioner.kernel.env import (
     EXTENSION,
@@ -17,7 +18,6 @@ from provisioner.kernel.env import (
     lease_environment,
     xla_mem_fraction,
 )
-from provisioner.kernel.lease import GrantedLease
 
 UUID = "GPU-0f6c3a2e-1b2c-4d5e-8f90-123456789abc"
 
@@ -111,9 +111,11 @@ def test_server_environment_is_respected_not_clobbered():
         ({"gpu": None}, {}, "no GPU UUID"),
         ({"memory_limit_mb": 0}, {}, "no positive memory limit"),
         ({"memory_limit_mb": -5}, {}, "no positive memory limit"),
-        ({"memory_limit_mb": math.nan}, {}, "no positive memory limit"),
-        ({"memory_limit_mb": True}, {}, "no positive memory limit"),
-        ({"memory_limit_mb": "1126"}, {}, "no positive memory limit"),
+        # of the wrong type: refused where the client reads the lease, naming the field
+        ({"memory_limit_mb": math.nan}, {}, r"memory_limit_mb = a number \(nan\), not an integer"),
+        ({"memory_limit_mb": True}, {}, r"memory_limit_mb = a boolean \(True\), not an integer"),
+        ({"memory_limit_mb": "1126"}, {}, r"memory_limit_mb = a string \('1126'\), not an integer"),
+        ({"gpu": {"uuid": ""}}, {}, "no GPU UUID"),
         ({}, {"enforcement": "strict"}, "Unknown GPU enforcement"),
     ],
 )

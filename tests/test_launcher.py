@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from provisioner.client import GrantedLease
 from provisioner.kernel.env import LAUNCHER, STARTUP_DIR, kernel_argv, lease_environment
 from provisioner.kernel.kernelspecs import build_kernelspec
-from provisioner.kernel.lease import GrantedLease
 
 UUID = "GPU-0f6c3a2e-1b2c-4d5e-8f90-123456789abc"
 LEASE = GrantedLease.from_json(

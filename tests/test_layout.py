@@ -57,11 +57,6 @@ TOP_LEVEL = {
     "wire": "base",
     "json_checks": "base",
     "node_report": "base",
-    "client": "base",
-    "client_calls": "base",
-    "client_leases": "base",
-    "client_quotas": "base",
-    "client_nodes": "base",
     "inventory": "base",
     "listeners": "base",
     "__main__": "cli",
@@ -69,6 +64,8 @@ TOP_LEVEL = {
     "tables": "cli",
 }
 FOLDERS = {
+    # the broker client: shared by every side that calls the broker
+    "client": "base",
     "broker": "broker",
     "node": "node",
     "kernel": "kernel",
@@ -414,6 +411,37 @@ def test_no_class_over_the_house_limit() -> None:
         if (long := long_classes(p))
     }
     assert not found, f"classes over {MOST_CLASS_LINES} lines: {found}"
+
+
+# -- the kernel side reads the typed lease, never the broker's JSON -------------------
+KERNEL_SIDE = sorted((PACKAGE / "kernel").rglob("*.py"))
+
+
+def raw_reads(path: Path) -> list[str]:
+    """``line: text`` of each ``X.raw`` in ``path`` (an attribute named ``raw``, read or
+    written): the broker's lease object as it came, which the kernel side must not read."""
+    source = path.read_text()
+    lines = source.splitlines()
+    return [
+        f"{node.lineno}: {lines[node.lineno - 1].strip()}"
+        for node in ast.walk(ast.parse(source, str(path)))
+        if isinstance(node, ast.Attribute) and node.attr == "raw"
+    ]
+
+
+def test_the_raw_check_finds_a_raw_read(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("def f(lease):\n    x = lease.raw.get('mps')\n    return lease.rawish\n")
+    assert raw_reads(source) == ["2: x = lease.raw.get('mps')"]
+
+
+def test_the_kernel_side_never_reads_raw() -> None:
+    """``provisioner/kernel/`` reads the client's typed lease (``GrantedLease``'s fields);
+    a field it needs is added there (docs/developers.md, "Adding a lease field"), and a
+    dict it writes comes from ``GrantedLease.to_json``."""
+    assert KERNEL_SIDE, "no kernel-side module found"
+    found = {str(p.relative_to(PACKAGE)): reads for p in KERNEL_SIDE if (reads := raw_reads(p))}
+    assert not found, f"the kernel side reads .raw: {found}"
 
 
 # -- the repository stands alone -----------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Every refusal the broker makes (quota, course, can never fit) and the provisioner's
 queue-timeout sentence, built from plain data with the pure core
-(:mod:`provisioner.broker.rules.scheduling`, :mod:`provisioner.broker.rules.admission`) and :func:`provisioner.client_leases.no_capacity_message`. Each
+(:mod:`provisioner.broker.rules.scheduling`, :mod:`provisioner.broker.rules.admission`) and :func:`provisioner.client.leases.no_capacity_message`. Each
 row says what the sentence must say and what it must not (defects once found: a remedy
 that does not apply, the place in the queue said twice, a GPU named by its UUID).
 """
@@ -16,7 +16,7 @@ import pytest
 
 from provisioner.broker.rules import admission, scheduling
 from provisioner.broker.rules.policy import Ask, Policy
-from provisioner.client_leases import no_capacity_message
+from provisioner.client import no_capacity_message
 from provisioner.errors import CannotFit, Forbidden, GPULeaseError, QuotaExceeded
 from provisioner.model import GPU, PPM, Lease, PoolState, Quota, QuotaBook, Request, never_allowed
 

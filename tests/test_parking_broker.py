@@ -10,7 +10,6 @@ lease idle for half a second is parked (or revoked) as soon as someone waits.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ import pytest
 
 from provisioner.devtools.testing import wait_for
 
-from .conftest import HTTP_PROCESSES_ENV
 from .test_dashboard import open_dashboard
 from .test_nodes import NodeBroker, gpus_of, register
 
@@ -38,13 +36,14 @@ ARGS = (
 
 
 @pytest.fixture
-def pb(request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str) -> Iterator[NodeBroker]:
+def pb(
+    request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str, broker_http_processes: int
+) -> Iterator[NodeBroker]:
     """A broker with idle reclaim (0.5 s) and agent tokens; more options from ``broker_args``."""
     marker = request.node.get_closest_marker("broker_args")
     extra = ARGS + (tuple(marker.args) if marker else ())
-    procs = os.environ.get(HTTP_PROCESSES_ENV)
-    if procs:  # `make test`'s second run: HTTP served by front processes
-        extra += ("--http-processes", procs)
+    if broker_http_processes:
+        extra += ("--http-processes", str(broker_http_processes))
     b = NodeBroker(tmp_path, broker_db_url, extra)
     with b.running(timeout=60):
         yield b

@@ -497,6 +497,7 @@ async def test_broker_down_at_start(
 
 
 @pytest.mark.slow
+@pytest.mark.broker_process  # kill -9, then the same port and database
 async def test_broker_outage_leaves_the_kernel_running(
     server_env: Broker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

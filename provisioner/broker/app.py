@@ -245,8 +245,9 @@ class GPULeaseBroker(BrokerOptions, Application):
         )
 
     # -- the whole run ---------------------------------------------------------------
-    async def serve(self) -> int:
-        """Start up, serve until SIGTERM/SIGINT (or a lost leadership), shut down; the exit status."""
+    async def serve(self, stop: asyncio.Event | None = None) -> int:
+        """Start up, serve until SIGTERM/SIGINT (or a lost leadership, or ``stop`` is set),
+        shut down; the exit status."""
         front = os.environ.pop(FRONT_ENV, "")
         if front:
             return await self.serve_front(**json.loads(front))
@@ -291,7 +292,7 @@ class GPULeaseBroker(BrokerOptions, Application):
                 leadership.release()
             store.close()
             return 1
-        stop = asyncio.Event()
+        stop = asyncio.Event() if stop is None else stop
 
         def fronts_failed(why: str) -> None:
             self.failed = why

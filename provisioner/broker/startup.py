@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Union, cast
 
@@ -57,7 +58,13 @@ FRONT_FINISH_TIMEOUT = 3.0
 def stop_on_signals(
     stop: asyncio.Event, signals: tuple[signal.Signals, ...] = STOP_SIGNALS
 ) -> Iterator[None]:
-    """Set ``stop`` on SIGTERM/SIGINT (``signals``) while the block runs (in the event loop)."""
+    """Set ``stop`` on SIGTERM/SIGINT (``signals``) while the block runs (in the event loop).
+
+    Only a broker on its process's main thread takes signals (Python runs signal handlers
+    there); one embedded on another thread is stopped by setting ``stop``."""
+    if not on_main_thread():
+        yield
+        return
     loop = asyncio.get_running_loop()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
@@ -77,8 +84,16 @@ def collect_from_now_on() -> None:
     it: seconds of exit on a loaded machine). ``main()`` and ``python -m`` keep the
     collector off while start-up builds it (a sixth of the start's CPU otherwise).
     """
+    if not on_main_thread():  # embedded in another program: its collector is its own
+        return
     gc.freeze()
     gc.enable()
+
+
+def on_main_thread() -> bool:
+    """Whether this runs on the process's main thread (``gpu-lease broker``, ``python -m``),
+    not embedded on a thread of another program (the tests' in-process broker)."""
+    return threading.current_thread() is threading.main_thread()
 
 
 # -- start-up ----------------------------------------------------------------------------

@@ -15,17 +15,19 @@ import contextlib
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -98,9 +100,17 @@ async def wait_for_async(
         await asyncio.sleep(interval)
 
 
+class Polled(Protocol):
+    """What :func:`wait_for_http` watches: a ``Popen``, or an :class:`EmbeddedBroker`."""
+
+    returncode: int | Any
+
+    def poll(self) -> int | None: ...
+
+
 def wait_for_http(
     url: str,
-    proc: subprocess.Popen[bytes] | None = None,
+    proc: Polled | None = None,
     log: Callable[[], str] = lambda: "",
     timeout: float = 30.0,
     what: str = "the server",
@@ -212,6 +222,86 @@ def tree_cpu_seconds(pid: int | None) -> float:
     return cpu_seconds(pid) + sum(cpu_seconds(kid) for kid in children_of(pid))
 
 
+class EmbeddedBroker:
+    """``python -m provisioner.broker.app ARGS`` run on a thread of this process instead:
+    the same Application, options, store, service and HTTP server, minus the interpreter's
+    start (about 0.7 s of CPU a start on this project's machines). What a process alone can
+    show (kill -9, signals, exit codes, CPU) needs :class:`BrokerProcess`'s subprocess.
+
+    It looks enough like the ``Popen`` it stands for (``poll``, ``wait``, ``returncode``)
+    for :class:`BrokerProcess` to start, wait for and stop it the same way; its log (the
+    broker's loggers, as the process writes them) goes to ``log_path``.
+    """
+
+    #: the loggers a broker writes to (its modules', its store's, tornado's)
+    LOGGERS = ("gpu_lease.broker", "gpu_lease.store", "tornado")
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self.returncode: int | None = None
+        self.pid = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="embedded-broker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(30.0)
+
+    def _run(self) -> None:
+        from provisioner.broker.app import LOG_DATEFMT, LOG_FORMAT, GPULeaseBroker
+
+        handler = logging.FileHandler(self.log_path)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+        saved = []
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            saved.append((logger, logger.level))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        try:
+            app = GPULeaseBroker()
+            app.initialize(self.argv)
+            for logger, _ in saved:  # --log-level, as the process's _setup_logging sets it
+                logger.setLevel(int(app.log_level))  # type: ignore[call-overload]
+            app.log = logging.getLogger("gpu_lease.broker.app")
+            self.returncode = asyncio.run(self._serve(app))
+        except SystemExit as exc:  # a configuration error: Application.exit(2)
+            self.returncode = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            logging.getLogger("gpu_lease.broker.app").exception("Unexpected error")
+            self.returncode = 1
+        finally:
+            self._ready.set()
+            for logger, level in saved:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            handler.close()
+
+    async def _serve(self, app: Any) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        return int(await app.serve(self._stop))
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired(["embedded broker", *self.argv], timeout or 0.0)
+        return self.returncode
+
+    def stop(self) -> None:
+        """What SIGTERM does to the process: ``serve``'s stop event is set."""
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # its loop has just closed
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+
 class BrokerProcess:
     """``python -m provisioner.broker.app --auth static`` on a free port, in ``tmp``.
 
@@ -236,6 +326,7 @@ class BrokerProcess:
         profile: Path | None = None,
         name: str = "broker",
         source: Path = ROOT,
+        in_process: bool = False,
     ) -> None:
         self.tmp = tmp
         self.source = source
@@ -262,8 +353,11 @@ class BrokerProcess:
                 }
             ),
         )
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | EmbeddedBroker | None = None
         self.starts = 0
+        #: run it as an :class:`EmbeddedBroker` (where the test needs no process; a
+        #: profile, another source tree or an environment of its own need one)
+        self.in_process = in_process and profile is None and source == ROOT and env is None
 
     # -- life cycle -------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -300,13 +394,21 @@ class BrokerProcess:
                 f"{self.url}/api/v1/health", self.proc, self.log, timeout, what="the broker"
             )
         except RuntimeError:
-            self.kill9()
+            if isinstance(self.proc, EmbeddedBroker):
+                self.stop()
+            else:
+                self.kill9()
             raise
 
     def launch(self) -> None:
         """Start the process without waiting for it to answer (a standby does not listen)."""
         assert self.proc is None or self.proc.poll() is not None
         self.starts += 1
+        if self.in_process:
+            embedded = EmbeddedBroker(self.command()[3:], self.log_path)
+            self.proc = embedded
+            embedded.start()
+            return
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.source), env.get("PYTHONPATH")]))
         env.pop("JUPYTERHUB_API_TOKEN", None)
@@ -321,14 +423,33 @@ class BrokerProcess:
             raise RuntimeError(f"/api/v1/health answered {r.status_code}")
         return dict(r.json())
 
+    def process_for(self, what: str) -> subprocess.Popen[bytes]:
+        """The running broker's process, for ``what`` only a process can do."""
+        if isinstance(self.proc, EmbeddedBroker):
+            raise RuntimeError(
+                f"{what} needs a broker process, and this broker runs in the test's process: "
+                "mark the test @pytest.mark.broker_process (tests/conftest.py)"
+            )
+        assert self.proc is not None
+        return self.proc
+
     def cpu(self) -> float:
         """CPU seconds the running broker has used (with its ``--http-processes``)."""
-        return tree_cpu_seconds(self.proc.pid if self.proc is not None else None)
+        if self.proc is None:
+            return 0.0
+        return tree_cpu_seconds(self.process_for("its CPU time").pid)
 
     def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
         """SIGTERM; returns (exit code, seconds it took to exit)."""
         assert self.proc is not None
         t0 = time.monotonic()
+        if isinstance(self.proc, EmbeddedBroker):
+            self.proc.stop()
+            try:
+                code = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                raise
+            return int(code or 0), time.monotonic() - t0
         self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(timeout)
@@ -342,9 +463,10 @@ class BrokerProcess:
         """SIGKILL; returns once its HTTP processes (``--http-processes``), which exit
         when it is gone, are gone too (the port is free again)."""
         if self.proc is not None and self.proc.poll() is None:
-            kids = children_of(self.proc.pid)
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+            proc = self.process_for("kill -9")
+            kids = children_of(proc.pid)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
             wait_for(
                 lambda: not any(map(alive, kids)),
                 10.0,

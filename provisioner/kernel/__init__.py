@@ -7,12 +7,11 @@
 - ``queue_wait.py`` — the acquire while it waits in the broker's queue; "Stop waiting".
 - ``parked.py`` — a parked lease's way back: the kernel's resume request, the resume calls.
 - ``loops.py`` — which event loop runs the renewals, and stopping a task on any loop.
-- ``lease.py`` — ``GrantedLease``: the broker's lease object, typed once on arrival.
 - ``broker_clients.py`` — the broker clients, made again when the server's token rotates.
 - ``state_file.py`` — the file the ``%gpu`` magic reads inside the kernel.
 - ``death_watch.py`` — noticing a kernel that died for good (no ``cleanup`` comes then).
 - ``refusals.py`` — a broker refusal as the sentence JupyterLab's start dialog shows.
-- ``env.py`` — pure: a granted lease -> the kernel's environment, and the kernelspec
+- ``env.py`` — pure: a granted lease (the client's typed ``GrantedLease``) -> the kernel's environment, and the kernelspec
   argv rewritten to start under the launcher.
 - ``server.py`` — jupyter_server's kernel manager, with refused kernel starts forgotten.
 - ``specs.py`` — jupyter_server's kernelspec manager: only the GPU kernels the user may start.

@@ -1,8 +1,8 @@
 """A granted lease -> the kernel's environment and command line (pure, no I/O).
 
 Called by ``GPULeaseProvisioner.pre_launch`` once the broker has granted a lease (a
-:class:`.lease.GrantedLease`): :func:`lease_environment` gives the variables to add to
-the kernel's environment, :func:`kernel_argv` rewrites the kernelspec's argv so the
+:class:`provisioner.client.GrantedLease`): :func:`lease_environment` gives the variables to
+add to the kernel's environment, :func:`kernel_argv` rewrites the kernelspec's argv so the
 kernel starts under ``startup/gpu_lease_launcher.py`` (which applies the caps that need
 code, when a framework is imported) with the ``%gpu`` extension loaded.
 
@@ -51,10 +51,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from ..client.answers import GrantedLease
 from ..errors import InvalidRequest
 from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, pipe_directory
 from .kernelspecs import format_fraction
-from .lease import GrantedLease
 
 #: the folder of files that run inside the kernel (never imports this package)
 STARTUP_DIR = Path(__file__).resolve().parent / "startup"
@@ -93,15 +93,15 @@ def lease_environment(
         )
     base = base_env or {}
     gpu = lease.gpu
-    if gpu.uuid is None:
+    if not gpu.uuid:
         raise InvalidRequest(
             f"Lease {lease.id} names no GPU UUID; the kernel cannot be given its GPU."
         )
     cap_mb = lease.memory_limit_mb
-    if cap_mb is None:
+    if cap_mb is None or cap_mb <= 0:
         raise InvalidRequest(
             f"Lease {lease.id} has no positive memory limit (memory_limit_mb="
-            f"{lease.raw.get('memory_limit_mb')!r}); ask for a larger fraction."
+            f"{cap_mb!r}); ask for a larger fraction."
         )
 
     env: dict[str, str] = {
@@ -116,7 +116,7 @@ def lease_environment(
         env["GPU_LEASE_FRACTION"] = format_fraction(lease.fraction)
     if gpu.name is not None:
         env["GPU_LEASE_GPU_NAME"] = gpu.name
-    if gpu.memory_mb is not None:
+    if gpu.memory_mb is not None and gpu.memory_mb > 0:
         env["GPU_LEASE_GPU_MEMORY_MB"] = str(gpu.memory_mb)
         mem_fraction = xla_mem_fraction(cap_mb, gpu.memory_mb)
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = mem_fraction

@@ -41,6 +41,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from ..client.answers import GrantedLease, short_id
 from ..errors import (
     BrokerUnavailable,
     GPULeaseError,
@@ -53,7 +54,6 @@ from ..errors import (
 from .broker_clients import BrokerClients
 from .kernel_secret import KernelSecret
 from .kernelspecs import format_fraction
-from .lease import GrantedLease, short_id
 from .loops import BackgroundLoop, cancel_and_wait, wait_done
 from .parked import ParkWatch
 from .queue_wait import QueueWait
@@ -172,7 +172,7 @@ class LeaseKeeper:
             mps_uid=ask.mps_uid,
         )
         try:
-            lease = GrantedLease.from_json(await self.queue_wait.wait(acquiring))
+            lease = await self.queue_wait.wait(acquiring)
         except asyncio.CancelledError:
             if not self.queue_wait.stopped:
                 raise
@@ -269,16 +269,14 @@ class LeaseKeeper:
             return False
         report = self.kernel.kernel_report()
         try:
-            fresh = GrantedLease.from_json(
-                await self.clients.get(renewal=True).leases.renew(
-                    lease.id,
-                    pid=report.pid,
-                    execution_state=report.execution_state,
-                    last_activity=report.last_activity,
-                    pid_ns=report.pid_ns,
-                    cgroup=report.cgroup,
-                    proof=self.secret.renewal_proof(lease.id),
-                )
+            fresh = await self.clients.get(renewal=True).leases.renew(
+                lease.id,
+                pid=report.pid,
+                execution_state=report.execution_state,
+                last_activity=report.last_activity,
+                pid_ns=report.pid_ns,
+                cgroup=report.cgroup,
+                proof=self.secret.renewal_proof(lease.id),
             )
         except InvalidRequest as exc:
             if (
@@ -343,17 +341,15 @@ class LeaseKeeper:
             format_fraction(ask.fraction),
         )
         try:
-            lease = GrantedLease.from_json(
-                await self.clients.get().leases.acquire(
-                    ask.kernel_id,
-                    ask.fraction,
-                    node=ask.node,
-                    gpu_uuids=[uuid] if uuid else (list(ask.gpu_uuids) or None),
-                    group=ask.group,
-                    wait=0,
-                    queue_timeout=0,
-                    mps_uid=ask.mps_uid,
-                )
+            lease = await self.clients.get().leases.acquire(
+                ask.kernel_id,
+                ask.fraction,
+                node=ask.node,
+                gpu_uuids=[uuid] if uuid else (list(ask.gpu_uuids) or None),
+                group=ask.group,
+                wait=0,
+                queue_timeout=0,
+                mps_uid=ask.mps_uid,
             )
         except BrokerUnavailable as err:
             self.log.warning(
@@ -470,14 +466,14 @@ class LeaseKeeper:
                 self.board.parked(
                     self.kernel_id,
                     fraction,
-                    dict(lease.raw),
+                    lease,
                     state=lease.state,
                     position=progress.get("position"),
                     waiting=progress.get("queue_length"),
                     eta_seconds=progress.get("eta_seconds"),
                 )
             else:
-                self.board.active(self.kernel_id, fraction, dict(lease.raw))
+                self.board.active(self.kernel_id, fraction, lease)
 
     def holds(self, lease: GrantedLease) -> bool:
         """Whether ``lease`` is still the one held (its object may have been replaced by a

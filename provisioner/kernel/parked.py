@@ -28,12 +28,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from typing import Any, Protocol
 
+from ..client.answers import GrantedLease, ResumeAnswer
 from ..errors import GPULeaseError, LeaseGone, LeaseNotFound
 from .broker_clients import BrokerClients
-from .lease import PARK_STATES, GrantedLease
 from .loops import cancel_and_wait
 from .state_file import StateFile
 
@@ -270,31 +269,21 @@ def _count(value: Any) -> int | None:
 
 
 def _resume_answer(
-    answer: dict[str, Any], held: GrantedLease
+    answer: ResumeAnswer, held: GrantedLease
 ) -> tuple[GrantedLease, dict[str, Any] | None]:
-    """The broker's answer to a resume: the lease (200), or the 202 body's lease in the
-    body's ``state`` with its ``position``/``eta_seconds``. A body without a usable lease
-    object keeps ``held`` in the body's state."""
-    state = answer.get("state")
-    if isinstance(answer.get("lease"), dict) and state in PARK_STATES:
-        try:
-            fresh = GrantedLease.from_json(answer["lease"])
-        except GPULeaseError:
-            fresh = held
-        position, eta = answer.get("position"), answer.get("eta_seconds")
-        length = answer.get("queue_length")
-        progress = {
-            "position": _count(position),
-            "eta_seconds": eta
-            if isinstance(eta, (int, float)) and not isinstance(eta, bool) and eta >= 0
-            else None,
-            "queue_length": _count(length),
-        }
-        return replace(fresh, state=str(state)), progress
-    try:
-        return GrantedLease.from_json(answer), None
-    except GPULeaseError:
-        return replace(held, state=str(state) if isinstance(state, str) else held.state), None
+    """The broker's answer to a resume (typed by the client): the lease (200), or the 202
+    body's lease in its park state with its ``position``/``eta_seconds``/``queue_length``.
+    A 202 body without a lease keeps ``held``."""
+    fresh = answer.lease if answer.lease is not None else held
+    if not answer.waiting:
+        return fresh, None
+    eta = answer.eta_seconds
+    progress = {
+        "position": _count(answer.position),
+        "eta_seconds": eta if eta is not None and eta >= 0 else None,
+        "queue_length": _count(answer.queue_length),
+    }
+    return fresh, progress
 
 
 __all__ = ["BUSY_RESUME_AFTER", "LeaseHolder", "ParkWatch"]

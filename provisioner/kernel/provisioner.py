@@ -17,7 +17,8 @@ side: its hooks decide *when*; small collaborators in this package do each job:
 - :mod:`.refusals` — the broker's refusal (and our own: no fraction, no MPS daemon) as the
   sentence JupyterLab shows;
 - :mod:`.cgroup_keeper` — the kernel's own cgroup, entered after each launch;
-- :mod:`.env` and :mod:`.lease` — the granted lease -> the kernel's environment and argv.
+- :mod:`.env` — the granted lease (``provisioner.client.GrantedLease``) -> the kernel's
+  environment and argv.
 
 Who calls what, and when (jupyter_client ``KernelManager``):
 
@@ -54,6 +55,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 
 from ..client import TOKEN_ENV, broker_env
+from ..client.answers import GrantedLease
 from ..errors import GPULeaseError, InvalidRequest
 from ..model import validate_fraction
 from ..node.pidns import own_pid_ns
@@ -62,7 +64,6 @@ from .broker_clients import BrokerClients
 from .cgroup_keeper import CgroupKeeper
 from .death_watch import DeathWatch
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
-from .lease import GrantedLease
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
 from .placement import discover, resolve_indexes
@@ -348,7 +349,7 @@ class GPULeaseProvisioner(LocalProvisioner):
             info["gpu_lease"] = {
                 "lease_id": lease.id,
                 "fraction": self.fraction,
-                "lease": dict(lease.raw),
+                "lease": lease.to_json(),
                 "state_file": state_file.path if state_file is not None else None,
                 "resume_when_busy": self.lease_keeper.park_watch.resume_when_busy,
                 # the digest only: the kernel keeps its secret, a restored server renews

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
+from ..client.answers import GrantedLease
 from ..errors import GPULeaseError
 from .broker_clients import BrokerClients
 from .status import LeaseBoard
@@ -53,9 +54,9 @@ class QueueWait:
         self.queued: dict[str, Any] | None = None
         #: the student stopped waiting: the acquire's cancel is theirs
         self.stopped = False
-        self._acquiring: asyncio.Task[dict[str, Any]] | None = None
+        self._acquiring: asyncio.Task[GrantedLease] | None = None
 
-    async def wait(self, acquiring: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    async def wait(self, acquiring: Coroutine[Any, Any, GrantedLease]) -> GrantedLease:
         """The broker's lease, from ``acquiring`` (an acquire that long-polls while queued).
         Raises what it raises; ``CancelledError`` with ``stopped`` set where the student
         stopped waiting."""

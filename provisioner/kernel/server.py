@@ -44,7 +44,7 @@ def warm_up() -> None:
     """
     import httpx
 
-    from ..client import _ssl_context
+    from ..client.http import _ssl_context
     from . import provisioner  # noqa: F401  (the entry point jupyter_client loads later)
 
     httpx.AsyncClient(verify=_ssl_context())  # opens nothing; only its one-time set-up

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from .lease import GrantedLease
+from ..client.answers import GrantedLease
 
 
 def state_file_path(connection_file: str | None, kernel_id: Any) -> str:
@@ -64,22 +64,19 @@ class StateFile:
         ``position``/``eta_seconds``: a parked lease's place in the queue while its resume
         waits (the broker's latest 202 answer to the keeper's resume call).
         """
+        # the lease as the broker last described it (one function: a field the client
+        # learns is in the file too), then what the file adds or names its own way
         data = {
+            **lease.to_json(),
             "state": state or lease.state,
-            "expires_at": lease.expires_at,
             "reason": reason if reason is not None else lease.reason,
             "lease_id": lease.id,
             "kernel_id": self.kernel_id,
             "fraction": lease.fraction if lease.fraction is not None else fraction,
-            "memory_limit_mb": lease.memory_limit_mb,
-            "gpu": lease.gpu.to_json(),
             # what the broker last said holds the cap beyond the kernel's own framework
-            # caps (a node agent's mode, the GPU's MPS daemon) and what the agent measured
-            "node_enforcement": lease.raw.get("enforcement"),
-            "mps": lease.raw.get("mps"),
-            "mps_server_uid": lease.raw.get("mps_server_uid"),
-            "used_mb": lease.raw.get("used_mb"),
-            "parked_at": lease.parked_at,
+            # caps (the lease's ``enforcement``: a node agent's mode); ``enforcement`` in
+            # the kernel is its own (GPU_LEASE_ENFORCEMENT), so the file names it apart
+            "node_enforcement": lease.enforcement,
             "position": position,
             "eta_seconds": eta_seconds,
             "updated_at": time.time(),

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..wire import ENDED_LEASE_STATES, KERNEL_LEASE_STATES
-from .lease import PARK_STATES
+from ..client.answers import GrantedLease
+from ..wire import ENDED_LEASE_STATES, KERNEL_LEASE_STATES, PARK_STATES
 
 #: the states a kernel's GPU lease can be in, as the JupyterLab extension shows them
 STATES: tuple[str, ...] = tuple(
@@ -151,8 +151,9 @@ class LeaseBoard:
             updated_at=self.clock(),
         )
 
-    def active(self, kernel_id: str, fraction: float, lease: dict[str, Any]) -> None:
-        """The kernel holds ``lease`` (granted, kept over a restart, or renewed)."""
+    def active(self, kernel_id: str, fraction: float, lease: GrantedLease) -> None:
+        """The kernel holds ``lease`` (granted, kept over a restart, or renewed); the board
+        shows it as the broker's JSON object (:meth:`GrantedLease.to_json`)."""
         now = self.clock()
         old = self.live.get(kernel_id)
         self._stoppers.pop(kernel_id, None)
@@ -162,8 +163,8 @@ class LeaseBoard:
         self.live[kernel_id] = replace(
             base,
             state="active",
-            fraction=float(lease.get("fraction") or fraction),
-            lease=dict(lease),
+            fraction=float(lease.fraction or fraction),
+            lease=lease.to_json(),
             position=None,
             waiting=None,
             eta_seconds=None,
@@ -176,7 +177,7 @@ class LeaseBoard:
         self,
         kernel_id: str,
         fraction: float,
-        lease: dict[str, Any],
+        lease: GrantedLease,
         *,
         state: str,
         position: int | None = None,
@@ -196,8 +197,8 @@ class LeaseBoard:
         self.live[kernel_id] = replace(
             base,
             state=state,
-            fraction=float(lease.get("fraction") or fraction),
-            lease=dict(lease),
+            fraction=float(lease.fraction or fraction),
+            lease=lease.to_json(),
             position=position,
             waiting=waiting if position is not None else None,
             eta_seconds=_seconds(eta_seconds),

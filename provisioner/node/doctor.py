@@ -189,8 +189,8 @@ class _ProbeProcess:
     """One ``provisioner.node.probe`` subprocess, capped like a kernel; its JSON lines in a queue."""
 
     def __init__(self, framework: str, gpu: dict[str, Any], cap: int, overhead: int) -> None:
+        from ..client.answers import GrantedLease
         from ..kernel.env import kernel_argv, lease_environment
-        from ..kernel.lease import GrantedLease
 
         self.framework = framework
         self.cap = cap

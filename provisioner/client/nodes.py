@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client_calls import Core, segment
-from .node_report import NodeReport
+from ..node_report import NodeReport
+from .calls import Core, segment
 
 
 def _node_path(node: str, action: str = "") -> str:

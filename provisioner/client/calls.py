@@ -1,7 +1,7 @@
 """What the client's call groups (``client.leases``, ``client.quotas``, ``client.nodes``)
 use of :class:`~provisioner.client.BrokerClient`'s core, and how an id becomes a path
 segment. The groups type their client by :class:`Core`, so that they import nothing of
-``client.py`` (which builds them) and the modules stay a ladder.
+``http.py`` (which builds them) and the modules stay a ladder.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ agent and the CLI (``gpu-lease top``, ``leases``, ``quota``, ``usage``).
 It is the transport core: retries, backoff, the broker re-resolved after a 503, and the
 answers translated; the calls themselves are grouped by what they touch, each group a
 small class over this core (:meth:`BrokerClient.send`), as the broker's services are:
-``client.leases`` (:mod:`provisioner.client_leases`: acquire with its long-poll
+``client.leases`` (:mod:`provisioner.client.leases`: acquire with its long-poll
 queueing, renew, release, revoke, the lease list and the queue), ``client.quotas``
-(:mod:`provisioner.client_quotas`: quotas and usage) and ``client.nodes``
-(:mod:`provisioner.client_nodes`: the node agent's register, heartbeat and drain).
+(:mod:`provisioner.client.quotas`: quotas and usage) and ``client.nodes``
+(:mod:`provisioner.client.nodes`: the node agent's register, heartbeat and drain).
 
 It is the edge where HTTP meets the rest of the package, so it is the one place
 that turns answers back into our exceptions (:mod:`provisioner.errors`):
@@ -74,13 +74,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from . import errors
-from ._version import __version__
-from .client_leases import LeaseCalls
-from .client_nodes import NodeCalls
-from .client_quotas import QuotaCalls
-from .listeners import Owners, checked_transport
-from .wire import ERROR_BY_STATUS
+from .. import errors
+from .._version import __version__
+from ..listeners import Owners, checked_transport
+from ..wire import ERROR_BY_STATUS
+from .leases import LeaseCalls
+from .nodes import NodeCalls
+from .quotas import QuotaCalls
 
 log = logging.getLogger("gpu_lease.client")
 

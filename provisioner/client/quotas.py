@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import errors
-from .client_calls import Core, segment
-from .model import QUOTA_LEVEL_PLURALS, quota_key_problem
+from .. import errors
+from ..model import QUOTA_LEVEL_PLURALS, quota_key_problem
+from .calls import Core, segment
 
 
 def quota_path(level: str, name: str | None) -> str:

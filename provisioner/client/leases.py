@@ -3,7 +3,9 @@
 The kernel's lease life (acquire, with its long-poll queueing; renew; release) and the
 reads and admin call on leases (one lease, the list, the queue, revoke). Each call goes
 through the client's core (:meth:`BrokerClient.send`: retries, re-resolving the active
-broker, errors translated once), so none of them speaks HTTP itself.
+broker, errors translated once), so none of them speaks HTTP itself. A lease comes back
+typed (:class:`~.answers.GrantedLease`, read once here); a queued acquire's answers and the
+queue stay the broker's JSON objects.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import errors
-from .client_calls import Core, segment
-from .wire import MAX_WAIT
+from .. import errors
+from ..wire import MAX_WAIT
+from .answers import GrantedLease, ResumeAnswer
+from .calls import Core, segment
 
 log = logging.getLogger("gpu_lease.client")
 
@@ -76,7 +79,7 @@ class LeaseCalls:
         queue_timeout: float | None = None,
         on_queued: QueuedCallback | None = None,
         mps_uid: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> GrantedLease:
         """Acquire a lease for ``kernel_id``, waiting in the queue if the pool is full.
 
         Called by the provisioner's ``pre_launch`` before the kernel exists. Each
@@ -113,7 +116,7 @@ class LeaseCalls:
             )
             answer = client.json_object(response)
             if response.status_code != 202:
-                return answer
+                return GrantedLease.from_json(answer)
             log.debug("queued for kernel %s at position %s", kernel_id, answer.get("position"))
             if on_queued is not None:
                 result = on_queued(answer)
@@ -153,7 +156,7 @@ class LeaseCalls:
         pid_ns: int | None = None,
         cgroup: str | None = None,
         proof: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> GrantedLease:
         """Heartbeat: ``POST /api/v1/leases/{id}/renew``; returns the renewed lease.
 
         ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
@@ -175,10 +178,7 @@ class LeaseCalls:
             body["execution_state"] = execution_state
         if last_activity is not None:
             body["last_activity"] = last_activity
-        client = self._client
-        return client.json_object(
-            await client.send("POST", _lease_path(lease_id, "renew"), body=body)
-        )
+        return await self._lease("POST", _lease_path(lease_id, "renew"), body=body)
 
     async def release(self, lease_id: str) -> None:
         """``DELETE /api/v1/leases/{id}``. A lease the broker no longer knows (404)
@@ -188,7 +188,7 @@ class LeaseCalls:
         except (errors.LeaseNotFound, errors.LeaseGone) as exc:
             log.debug("lease %s was already released (%s)", lease_id, exc.code)
 
-    async def resume(self, lease_id: str, wait: float = 0.0) -> dict[str, Any]:
+    async def resume(self, lease_id: str, wait: float = 0.0) -> ResumeAnswer:
         """``POST /api/v1/leases/{id}/resume``: bring a parked lease's GPU memory back.
 
         Called by the lease keeper's park watch (:mod:`provisioner.kernel.parked`) when a
@@ -197,9 +197,9 @@ class LeaseCalls:
         hold the answer that long (a long-poll) while the resume waits; the read timeout is
         ``wait`` plus the client's own, so the long-poll is never cut short here.
 
-        Returns the broker's answer as a dict: the lease object (``"state": "active"``)
-        when its memory is back (200), else the 202 body ``{"lease", "state"
-        ("parking"|"parked"|"resuming"), "position", "eta_seconds", "queue_length"}``.
+        Returns the broker's answer typed: the lease (``state`` "active", ``waiting``
+        False) when its memory is back (200), else the 202 body's lease in its park state
+        ("parking"|"parked"|"resuming") with ``position``, ``eta_seconds``, ``queue_length``.
         Raises the usual errors: :class:`errors.LeaseNotFound` (404: unknown, or another
         user's), :class:`errors.LeaseRevoked`/:class:`errors.LeaseExpired`/
         :class:`errors.LeaseGone` (410: the lease ended; ``details['reason']`` says why).
@@ -213,24 +213,23 @@ class LeaseCalls:
             body=body,
             read_timeout=(poll_wait + client.timeout) if poll_wait > 0 else None,
         )
-        return client.json_object(response)
+        waiting = response.status_code == 202
+        return ResumeAnswer.from_json(client.json_object(response), waiting=waiting)
 
-    async def revoke(self, lease_id: str, reason: str) -> dict[str, Any]:
+    async def revoke(self, lease_id: str, reason: str) -> GrantedLease:
         """Admin: ``POST /api/v1/leases/{id}/revoke {reason}``; returns the ended lease.
 
         The lease's provisioner learns at its next renewal (410 with ``reason``) and
         shuts the kernel down. A lease that has already ended raises
         :class:`errors.LeaseGone`.
         """
-        client = self._client
-        path = _lease_path(lease_id, "revoke")
-        return client.json_object(await client.send("POST", path, body={"reason": reason}))
+        return await self._lease("POST", _lease_path(lease_id, "revoke"), body={"reason": reason})
 
-    async def get(self, lease_id: str) -> dict[str, Any]:
+    async def get(self, lease_id: str) -> GrantedLease:
         """``GET /api/v1/leases/{id}``."""
-        return self._client.json_object(await self._client.send("GET", _lease_path(lease_id)))
+        return await self._lease("GET", _lease_path(lease_id))
 
-    async def listing(self, *, user: str | None = None, all: bool = False) -> list[dict[str, Any]]:
+    async def listing(self, *, user: str | None = None, all: bool = False) -> list[GrantedLease]:
         """``GET /api/v1/leases[?user=&all=1]``: the caller's leases, or (admin) anyone's."""
         params: dict[str, str] = {}
         if user is not None:
@@ -238,7 +237,8 @@ class LeaseCalls:
         if all:
             params["all"] = "1"
         client = self._client
-        return client.json_list(await client.send("GET", "/leases", params=params), "leases")
+        answer = client.json_list(await client.send("GET", "/leases", params=params), "leases")
+        return [GrantedLease.from_json(lease) for lease in answer]
 
     async def queue(self) -> list[dict[str, Any]]:
         """``GET /api/v1/queue``: waiting requests with their positions."""
@@ -250,6 +250,13 @@ class LeaseCalls:
         if not isinstance(page.get("queue"), list):
             page["queue"] = []
         return page
+
+    async def _lease(self, method: str, path: str, body: Any = None) -> GrantedLease:
+        """One call whose answer is a lease object, read once."""
+        client = self._client
+        return GrantedLease.from_json(
+            client.json_object(await client.send(method, path, body=body))
+        )
 
 
 __all__ = ["LeaseCalls", "QueuedCallback", "no_capacity_message"]
