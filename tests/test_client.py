@@ -20,6 +20,7 @@ import pytest
 
 from provisioner import errors
 from provisioner.client import BrokerClient, GrantedLease, LeasedGPU
+from provisioner.node_report import DriverLimitsReport, MPSReport, NodeReport
 
 URL = "http://broker.test:10101"
 TOKEN = "s3cret-token-value"
@@ -554,9 +555,10 @@ async def test_node_calls_paths_bodies_and_no_heartbeat_retry() -> None:
     broker = Broker(answer)
     async with client(broker) as c:
         assert (await c.nodes.register("n/1", gpus, "9.9", enforce="kill"))["name"] == "n/1"
-        await c.nodes.heartbeat("n/1", [], at=5.0, mps={"GPU-0": "running"}, driver_limits=[])
+        mps = MPSReport({"GPU-0": "running"})
+        await c.nodes.heartbeat("n/1", NodeReport((), 5.0, (mps, DriverLimitsReport())))
         with pytest.raises(errors.BrokerUnavailable, match="1 attempt"):
-            await c.nodes.heartbeat("n/1", [])
+            await c.nodes.heartbeat("n/1", NodeReport())
         await c.nodes.drain("n/1")
         assert await c.nodes.listing() == [{"name": "n/1"}]
     assert [(r.method, r.url.raw_path.decode()) for r in broker.requests] == [

@@ -55,6 +55,8 @@ TOP_LEVEL = {
     "errors": "base",
     "model": "base",
     "wire": "base",
+    "json_checks": "base",
+    "node_report": "base",
     "inventory": "base",
     "listeners": "base",
     "__main__": "cli",
@@ -154,12 +156,14 @@ LAYER_MAY_IMPORT = {
     "fronts": {"fronts", "web", "services", "rules"},
     "top": {"top", *BROKER_LAYERS},
 }
-#: the shared base the pure rules may use: the data model, the wire format and the errors
+#: the shared base the pure rules may use: the data model, the wire format (with the node
+#: agents' report) and the errors
 RULES_BASE = {
     "provisioner",
     "provisioner._version",
     "provisioner.errors",
     "provisioner.model",
+    "provisioner.node_report",
     "provisioner.wire",
 }
 BROKER_MODULES = sorted((PACKAGE / "broker").rglob("*.py"))

@@ -17,14 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from provisioner.broker.web.validation import (
-    MAX_GPU_MEMORY_MB,
-    MAX_PID,
-    parse_node_heartbeat,
-    parse_node_registration,
-)
+from provisioner.broker.web.validation import parse_node_heartbeat, parse_node_registration
 from provisioner.devtools.testing import wait_for
 from provisioner.errors import InvalidRequest
+from provisioner.wire import MAX_GPU_MEMORY_MB, MAX_PID
 
 from .conftest import Broker
 

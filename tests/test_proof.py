@@ -169,8 +169,8 @@ def test_the_broker_keeps_only_what_a_proving_agent_proved() -> None:
     the lease's memory; what the agent proved (uid, cgroup) replaces the claim; a refusal
     is new once; ``proven_uids`` names only proven kernels (the MPS owners' source)."""
     from provisioner.broker.rules.kernel_places import KernelPlaces
-    from provisioner.broker.rules.reports import NodeProofs, ProvenKernel
     from provisioner.model import Lease
+    from provisioner.node_report import NodeProofs, ProvenKernel
 
     def lease(i: str, mps_uid: int | None = None) -> Lease:
         return Lease(
@@ -203,8 +203,7 @@ def test_park_orders_run_only_for_proven_kernels_and_fail_at_once_for_refused_on
     """A park order names the kernel by its claim; the agent runs it on the proven host pid,
     and settles one for a refused claim as failed at once (the broker reclaims the lease
     instead of waiting for its park_timeout); nothing is checkpointed for it."""
-    from provisioner.node.agent import proven_orders
-    from provisioner.node.parking import Parker
+    from provisioner.node.parking import Parker, proven_orders
 
     good = Claim("lease-1", 7, 4026531001, PROOF, "", "k1", "GPU-1", 900)
     proven = {"lease-1": proof.Proven(good, 30001, 1000, None, False)}

@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from traitlets import Bool, CaselessStrEnum, Float, Int, List, Unicode, default
@@ -37,37 +37,19 @@ from .._version import __version__
 from ..client import BrokerClient
 from ..errors import BrokerUnavailable, GPULeaseError, InvalidRequest, LeaseNotFound, StoreError
 from ..model import GPU
+from ..node_report import NodeReport, Usage
 from ..wire import DEFAULT_ENFORCE_MODE, DEFAULT_MPS_DIR, ENFORCE_MODES, NODE_NAME_VARS, this_node
 from . import driver_limits
-from .mps import MPS_CONTROL, MPSSupervisor
-from .parking import DEFAULT_HOST_RESERVE_MB, Parker, host_memory_available_mb
-from .pidns import KernelFinder, KernelId
-from .proof import (
-    CHECK_ACCOUNT,
-    Claim,
-    MPSLeavers,
-    Proven,
-    Prover,
-    by_cgroup,
-    escapes,
-    outside_mps,
-)
+from .feature import Beat, NodeFeature, Sample
+from .mps import MPS_CONTROL, MPSFeature, MPSSupervisor
+from .parking import DEFAULT_HOST_RESERVE_MB, Parker, Parking
+from .pidns import KernelFinder
+from .proof import CHECK_ACCOUNT, KernelProofs, Prover
 
 log = logging.getLogger("gpu_lease.agent")
 
-#: what one sample returns: ``(pid, gpu_uuid, used_mb)`` per process and GPU
-Sample = list[tuple[int, str, int]]
 #: seconds between two registration attempts while the broker cannot be reached
 REGISTER_RETRY = 2.0
-#: the heartbeat fields of parking; a broker older than parking refuses them
-PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
-#: seconds before a broker that refused them is offered the parking fields again
-PARK_FIELDS_RETRY = 600.0
-#: the heartbeat fields of proven claims; a broker older than them refuses them
-PROOF_FIELDS = frozenset({"refused", "lease_id", "uid", "cgroup", "escaped"})
-#: the kernels' field of processes outside MPS; a broker that proves claims but is older
-#: than it refuses it, and is then told them as ``escaped`` (over the cap all the same)
-LEFT_MPS_FIELD = "left_mps"
 
 
 def gpu_records(gpus: list[GPU]) -> list[dict[str, Any]]:
@@ -118,64 +100,6 @@ def attribute(
     return out, members
 
 
-def claims_named(beat: dict[str, Any]) -> tuple[list[Claim], set[KernelId]]:
-    """The kernels a heartbeat's answer names: the claims to prove (``kernels`` entries
-    with ``lease_id`` and ``proof``), and the kernels of a broker older than proofs (see
-    :func:`kernels_named`), believed as they are."""
-    claims = [c for c in (Claim.parse(k) for k in beat.get("kernels") or []) if c is not None]
-    if claims:
-        return claims, set()
-    return [], kernels_named(beat)
-
-
-def proven_finder(proven: dict[str, Proven], legacy: set[KernelId]) -> KernelFinder:
-    """The finder of one sample: a GPU process belongs to a proven kernel it descends from,
-    or whose cgroup it is in (a double-forked child); ``legacy``: an older broker's kernels."""
-    kernels = {(p.host_pid, None) for p in proven.values()} | legacy
-    return KernelFinder(kernels, fallback=by_cgroup(proven) if proven else None)
-
-
-def wanted_limits(proven: dict[str, Proven]) -> list[dict[str, Any]]:
-    """The driver limits the proven kernels get: on their own (accepted) cgroup, the lease's
-    memory (cap + context) on the lease's GPU."""
-    return [
-        {"cgroup": p.cgroup, "gpu_uuid": p.claim.gpu_uuid, "memory_mb": p.claim.memory_mb}
-        for p in proven.values()
-        if p.cgroup_ok and p.cgroup and p.claim.gpu_uuid and p.claim.memory_mb > 0
-    ]
-
-
-def proven_orders(
-    orders: list[Any], proven: dict[str, Proven], refused: dict[str, str]
-) -> tuple[list[Any], list[tuple[Any, str]]]:
-    """The park/resume orders to run: those of proven kernels, naming each by its host pid
-    (and those that name no kernel, which move nothing); and those of refused claims, with
-    why, which fail at once (:meth:`~provisioner.node.parking.Parker.refuse`)."""
-    run: list[Any] = []
-    fail: list[tuple[Any, str]] = []
-    for raw in orders:
-        lease_id = str(raw.get("lease_id")) if isinstance(raw, dict) else ""
-        p = proven.get(lease_id)
-        if p is not None:
-            run.append({**raw, "pid": p.host_pid, "pid_ns": None})
-        elif lease_id in refused:
-            fail.append((raw, refused[lease_id]))
-        elif isinstance(raw, dict) and raw.get("pid") is None:
-            run.append(raw)
-    return run, fail
-
-
-def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
-    """The kernels a heartbeat's answer names: ``kernels`` ``[{pid, pid_ns}]``, or from an
-    older broker ``watch`` (host pids)."""
-    if "kernels" in beat:
-        return {
-            (int(k["pid"]), int(k["pid_ns"]) if k.get("pid_ns") is not None else None)
-            for k in beat["kernels"]
-        }
-    return {(int(p), None) for p in beat.get("watch", [])}
-
-
 def kill_processes(pids: list[int], why: str = "of a revoked lease") -> None:
     """SIGKILL each pid (``--enforce kill``, ``--kill-unleased-after``); one already gone
     is fine."""
@@ -216,12 +140,12 @@ class UnleasedReaper:
         return due
 
 
-def merge_samples(samples: Sample) -> list[dict[str, Any]]:
-    """Heartbeat ``usage``: one entry per (pid, GPU), memory summed (MIG lists a pid twice)."""
+def merge_samples(samples: Sample) -> tuple[Usage, ...]:
+    """Heartbeat ``usage``: one sample per (pid, GPU), memory summed (MIG lists a pid twice)."""
     total: dict[tuple[int, str], int] = {}
     for pid, uuid, used in samples:
         total[(pid, uuid)] = total.get((pid, uuid), 0) + used
-    return [{"pid": p, "gpu_uuid": u, "used_mb": m} for (p, u), m in sorted(total.items())]
+    return tuple((p, u, m) for (p, u), m in sorted(total.items()))
 
 
 class NVMLSampler:
@@ -274,141 +198,57 @@ async def run_agent(
     stop: asyncio.Event,
     enforce: str = "report",
     kill_unleased_after: float = 0.0,
-    mps_states: Callable[[], dict[str, str]] | None = None,
-    mps_uids: Callable[[], Awaitable[dict[str, int | None]]] | None = None,
-    limits: driver_limits.DriverLimits | None = None,
-    parker: Parker | None = None,
-    prover: Prover | None = None,
-    mps_limits: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
-    mps_clients: Callable[[], dict[str, frozenset[int] | None]] | None = None,
+    kernels: KernelProofs | None = None,
+    features: Sequence[NodeFeature] = (),
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
     Called by :meth:`GPULeaseAgent.serve`. A broker that forgot the node (404) gets it
     registered again; a broker that cannot be reached is tried again at the next beat.
     A refusal (a token of another node, a GPU another node has) raises. Each heartbeat's
-    answer names the kernels of the node's leases (``kernels``: pid and pid namespace as
-    their provisioners see them): the next sample reports their descendants' memory under
-    the kernel's host pid, and says which host pid each namespaced kernel is; with ``enforce="kill"`` the GPU
-    processes of the kernels the broker names in ``kill`` are killed at once; with
-    ``kill_unleased_after`` > 0, GPU processes that belonged to no lease that long too.
-    With ``mps_states`` (the agent's :class:`~provisioner.node.mps.MPSSupervisor` states),
-    each heartbeat carries the GPUs' MPS daemon states; with ``mps_uids`` (its
-    :meth:`~provisioner.node.mps.MPSSupervisor.server_uids`), the uid each GPU's MPS server
-    serves, so that the broker places no MPS kernel where it would hang; with
-    ``mps_limits`` (its :meth:`~provisioner.node.mps.MPSSupervisor.apply_limits`), each
-    answer's leases set the MPS daemons' own memory limits, which a kernel cannot lift.
-    With ``limits``
-    (a driver that offers per-cgroup memory limits), the kernel cgroups the answer names
-    (``limits``) get their lease's memory as a driver hard limit; the next heartbeat says
-    which hold. With ``parker`` (:mod:`provisioner.node.parking`), each heartbeat says
-    whether this node can park kernels (``checkpoint``) and its host memory available, the
-    answer's park/resume ``orders`` go to the parker's worker thread, and their outcomes go
-    with the next heartbeat (one at once when an order is settled); a broker older than
-    parking refuses those fields once, and is then sent none of them for
-    ``PARK_FIELDS_RETRY`` seconds (it may be upgraded meanwhile).
+    answer names the kernels of the node's leases: ``kernels``
+    (:class:`~provisioner.node.proof.KernelProofs`) proves each claim, and only proven
+    kernels count: the next sample reports their descendants' memory under the kernel's
+    host pid; with ``enforce="kill"`` the GPU processes of the kernels the broker names in
+    ``kill`` are killed at once; with ``kill_unleased_after`` > 0, GPU processes that
+    belonged to no lease that long too.
 
-    Proof: every kernel the answer names is a *claim*; ``prover``
-    (:class:`~provisioner.node.proof.Prover`) checks it, and only proven kernels count:
-    usage, kills, the unleased exemption, driver limits (on the cgroup read from the
-    proven process) and park/resume orders. The heartbeat reports the proven kernels
-    (``kernels``: host pid, uid, cgroup, GPU processes that left a limited cgroup) and the
-    refused claims (``refused``). A broker older than proofs (it refuses those fields) gets
-    the older report, its kernels are believed as named, and no driver limit is set.
-    With ``mps_clients`` (:meth:`~provisioner.node.mps.MPSSupervisor.clients`, as the
-    beat's ``mps_uids`` query found them), each GPU process of a proven MPS kernel must be
-    a client of its GPU's MPS server: one that is not in two consecutive samples
-    (:class:`~provisioner.node.proof.MPSLeavers`) runs without any MPS limit and is reported
-    (``left_mps``; to a broker older than that field, as ``escaped``).
+    The node features (``features``: MPS daemons, driver memory limits, parking; see
+    :mod:`provisioner.node.feature`) each add their part to every heartbeat and read
+    theirs of its answer, after the kernel proofs. A broker older than a feature refuses
+    its fields: the feature stops sending them and the beat goes again at once. The next
+    beat comes after ``interval`` s, or sooner when a feature has something ready.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
-    parking_wire = parker is not None
-    refused_at: float | None = None  # when a broker older than parking refused its fields
-    said_older = False
-    prover = prover or Prover()
-    proof_wire = True
-    left_mps_wire = True
-    leavers = MPSLeavers()
-    legacy: set[KernelId] = set()
-    proven: dict[str, Proven] = {}
-    refusals: dict[str, str] = {}
-    limited: list[str] | None = [] if limits is not None else None
+    kernels = kernels or KernelProofs()
+    every: list[NodeFeature] = [kernels, *features]
+    readies = [f.ready for f in every if f.ready is not None]
     reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
     while not stop.is_set():
         members: dict[int, list[int]] = {}
         raw: Sample = []
-        find = proven_finder(proven, legacy)
+        find = kernels.finder()
+        usage: tuple[Usage, ...] = ()
         try:
             raw = sample()
             samples, members = attribute(raw, find)
             usage = merge_samples(samples)
         except GPULeaseError as exc:
             log.warning("%s", exc.message)
-            usage = []
-        uids: dict[str, int | None] | None = None
-        if mps_uids is not None:
-            try:
-                uids = await mps_uids()  # after the sample: a client in it is listed now
-            except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
-                log.exception("Cannot learn which uid each GPU's MPS server serves")
-        clients = mps_clients() if mps_clients is not None and uids is not None else {}
-        proof: dict[str, Any] = {"kernels": find.report()}
-        if proof_wire:
-            left = escapes(members, proven, set(limited or ()))
-            off_mps = leavers(outside_mps(raw, members, proven, clients))
-            if not left_mps_wire:  # a broker older than left_mps: over the cap all the same
-                for lease, pids in off_mps.items():
-                    left[lease] = sorted(set(left.get(lease, [])) | set(pids))
-                off_mps = {}
-            proof = {
-                "kernels": [
-                    p.report(left.get(lease), off_mps.get(lease)) for lease, p in proven.items()
-                ],
-                "refused": [{"lease_id": k, "reason": v} for k, v in sorted(refusals.items())],
-            }
-        sent: list[dict[str, Any]] = []
-        park: dict[str, Any] = {}
-        if refused_at is not None and time.monotonic() - refused_at >= PARK_FIELDS_RETRY:
-            parking_wire, refused_at = True, None
-        if parker is not None and parking_wire:
-            sent = parker.outcomes()
-            park = {
-                "checkpoint": parker.supported,
-                "host_memory_available_mb": host_memory_available_mb(),
-                "parking": sent or None,
-            }
-        if parker is not None:
-            parker.ready.clear()  # what is ready now goes with this beat
+        beat = Beat(raw, members, find)
+        for feature in every:
+            await feature.observe(beat)
+        parts = tuple(p for f in every if (p := f.report(beat)) is not None)
         try:
-            beat = await client.nodes.heartbeat(
-                node,
-                usage,
-                at=time.time(),
-                mps=mps_states() if mps_states else None,
-                mps_uid=uids,
-                driver_limits=limited,
-                **proof,
-                **park,
-            )
-            claims, legacy = claims_named(beat)
-            proven, refusals = prover.prove(claims)
-            orders = list(beat.get("orders") or [])
-            if parker is not None:
-                parker.delivered(sent)
-                run, fail = proven_orders(orders, proven, refusals) if claims else (orders, [])
-                parker.take(run)
-                for raw, why in fail:
-                    parker.refuse(raw, why)
-            if limits is not None:  # an older broker's claimed cgroups get none
-                limited = limits.apply(wanted_limits(proven), log)
-            if mps_limits is not None:
-                await _set_mps_limits(mps_limits, beat)
+            answer = await client.nodes.heartbeat(node, NodeReport(usage, time.time(), parts))
+            for feature in every:
+                await feature.answer(beat, answer)
             if enforce == "kill":
-                for root in beat.get("kill", []):
+                for root in answer.get("kill", []):
                     kill_processes(members.get(int(root), []))
             if reaper is not None:  # judged against the kernels the broker names now
-                unleased = reaper(raw, proven_finder(proven, legacy))
+                unleased = reaper(raw, kernels.finder())
                 kill_processes(unleased, "that belongs to no GPU lease")
         except LeaseNotFound:
             log.warning("The broker does not know node %s (any more); registering again", node)
@@ -418,42 +258,13 @@ async def run_agent(
             log.warning("Heartbeat of node %s failed: %s", node, exc.message)
         except InvalidRequest as exc:
             refused = set(exc.details.get("fields") or [])
-            if proof_wire and left_mps_wire and LEFT_MPS_FIELD in refused:
-                log.warning(
-                    "The broker is older than kernels outside MPS (it refused %r): they are "
-                    "reported to it as escaped from their cgroup, over their cap all the same, "
-                    "until the broker is upgraded.",
-                    LEFT_MPS_FIELD,
-                )
-                left_mps_wire = False
-                refused.discard(LEFT_MPS_FIELD)
-                if not refused:
-                    continue
-            if proof_wire and refused & PROOF_FIELDS and refused <= PROOF_FIELDS | PARK_FIELDS:
-                log.warning(
-                    "The broker is older than proven kernels (it refused %s): the kernels it "
-                    "names on node %s are believed as claimed, and no driver limit is set, "
-                    "until the broker is upgraded.",
-                    ", ".join(repr(x) for x in sorted(refused & PROOF_FIELDS)),
-                    node,
-                )
-                proof_wire = False
-                if not refused & PARK_FIELDS:
-                    continue
-                refused &= PARK_FIELDS
-            if not (parking_wire and refused and refused <= PARK_FIELDS):
+            offered = frozenset().union(*(f.offered() for f in every))
+            if not refused or not refused <= offered:
                 raise
-            log.log(
-                logging.DEBUG if said_older else logging.WARNING,
-                "The broker is older than parking (it refused %s): kernels on node %s are "
-                "reclaimed, not parked, until the broker is upgraded.",
-                ", ".join(sorted(refused)),
-                node,
-            )
-            said_older = True
-            parking_wire, refused_at = False, time.monotonic()
+            for feature in every:  # a broker older than these features
+                feature.refused(refused, node)
             continue  # the same beat again at once, without them
-        await _pause(stop, parker.ready if parker is not None else None, interval)
+        await _pause(stop, readies, interval)
     try:
         await client.nodes.drain(node)
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
@@ -461,22 +272,12 @@ async def run_agent(
         log.warning("Could not drain node %s on the way out: %s", node, exc.message)
 
 
-async def _set_mps_limits(
-    mps_limits: Callable[[dict[str, Any]], Awaitable[None]], beat: dict[str, Any]
-) -> None:
-    """The MPS daemons' limits from a heartbeat answer; a failure is logged, never fatal."""
-    try:
-        await mps_limits(beat)
-    except Exception:  # noqa: BLE001 - a failed limit must not stop the heartbeats
-        log.exception("Cannot set the MPS daemons' memory limits")
-
-
-async def _pause(stop: asyncio.Event, ready: asyncio.Event | None, interval: float) -> None:
-    """Until the next beat: ``interval`` s, less when stopping or when a park/resume
-    outcome is ready (the broker frees or re-grants the memory a beat sooner)."""
+async def _pause(stop: asyncio.Event, readies: list[asyncio.Event], interval: float) -> None:
+    """Until the next beat: ``interval`` s, less when stopping or when a feature has
+    something ready (a park/resume outcome: the broker frees or re-grants the memory a
+    beat sooner)."""
     waits = [asyncio.ensure_future(stop.wait())]
-    if ready is not None:
-        waits.append(asyncio.ensure_future(ready.wait()))
+    waits += [asyncio.ensure_future(ready.wait()) for ready in readies]
     try:
         await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -651,6 +452,21 @@ class GPULeaseAgent(Application):
         if status:
             self.exit(status)
 
+    def features(
+        self,
+        mps: MPSSupervisor | None,
+        limits: driver_limits.DriverLimits | None,
+        parker: Parker,
+    ) -> list[NodeFeature]:
+        """This agent's node features, in the order each heartbeat calls them (after the
+        kernel proofs): the one list a new node feature joins (docs/developers.md)."""
+        features: list[NodeFeature] = [Parking(parker)]
+        if limits is not None:  # the driver offers per-cgroup memory limits
+            features.append(driver_limits.DriverLimitsFeature(limits))
+        if mps is not None:  # --mps
+            features.append(MPSFeature(mps))
+        return features
+
     async def serve(self) -> int:
         token = os.environ.get("GPU_LEASE_AGENT_TOKEN", "")
         if not self.broker_url:
@@ -703,13 +519,8 @@ class GPULeaseAgent(Application):
                 stop,
                 self.enforce,
                 self.kill_unleased_after,
-                mps.states if mps is not None else None,
-                mps.server_uids if mps is not None else None,
-                _driver_limits(nvml_sampler, gpus),
-                parker,
-                Prover(self.check_account, list(self.kernel_cgroup_parents)),
-                mps_limits=mps.apply_limits if mps is not None else None,
-                mps_clients=mps.clients if mps is not None else None,
+                KernelProofs(Prover(self.check_account, list(self.kernel_cgroup_parents))),
+                self.features(mps, _driver_limits(nvml_sampler, gpus), parker),
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)

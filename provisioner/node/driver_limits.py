@@ -22,7 +22,14 @@ it to the GPU's whole memory.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
+
+from ..node_report import DriverLimitsReport
+from .feature import Beat, Proven
+
+log = logging.getLogger("gpu_lease.agent")
 
 FUNCTION = "nvmlDeviceSetMemoryLimits_v1"
 #: NVML_ERROR_FUNCTION_NOT_FOUND: the driver has no such symbol
@@ -128,3 +135,42 @@ class DriverLimits:
             log.warning("Cannot lift the driver limit on cgroup %s: %s", key[0], exc)
             return
         log.info("Driver memory limit on cgroup %s lifted (GPU %s)", key[0], key[1])
+
+
+def wanted_limits(proven: dict[str, Proven]) -> list[dict[str, Any]]:
+    """The driver limits the proven kernels get: on their own (accepted) cgroup, the lease's
+    memory (cap + context) on the lease's GPU."""
+    return [
+        {"cgroup": p.cgroup, "gpu_uuid": p.claim.gpu_uuid, "memory_mb": p.claim.memory_mb}
+        for p in proven.values()
+        if p.cgroup_ok and p.cgroup and p.claim.gpu_uuid and p.claim.memory_mb > 0
+    ]
+
+
+class DriverLimitsFeature:
+    """Driver memory limits as a node feature: after each answer the proven kernels'
+    cgroups get their lease's memory as a hard limit (an older broker's claimed cgroups
+    get none), and each heartbeat says which cgroups hold one (``driver_limits``, even
+    empty), so that the broker shows ``driver`` in their leases' enforcement."""
+
+    ready: asyncio.Event | None = None
+
+    def __init__(self, limits: DriverLimits) -> None:
+        self.limits = limits
+        #: the cgroups whose limit is in force
+        self.limited: list[str] = []
+
+    async def observe(self, beat: Beat) -> None:
+        beat.limited = set(self.limited)
+
+    def report(self, beat: Beat) -> DriverLimitsReport:
+        return DriverLimitsReport(tuple(self.limited))
+
+    async def answer(self, beat: Beat, answer: dict[str, Any]) -> None:
+        self.limited = self.limits.apply(wanted_limits(beat.proven), log)
+
+    def offered(self) -> frozenset[str]:
+        return frozenset()
+
+    def refused(self, fields: set[str], node: str) -> None:
+        pass

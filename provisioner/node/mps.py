@@ -87,7 +87,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..node_report import MPSReport
 from ..wire import DEFAULT_MPS_DIR, MPS_STATES, lease_digest, mps_covered_file, pipe_directory
+from .feature import Beat
 
 log = logging.getLogger("gpu_lease.agent.mps")
 
@@ -474,12 +476,51 @@ class MPSSupervisor:
         await asyncio.gather(*(d.run(stop) for d in self.daemons))
 
 
+class MPSFeature:
+    """MPS as a node feature (``--mps``): each heartbeat carries the GPUs' daemon states
+    (``mps``) and the uid each GPU's MPS server serves (``mps_uid``, asked after the
+    sample: a client in it is listed now), so that the broker places no MPS kernel where
+    it would hang; the servers' client pids go to the kernel proofs (a kernel process
+    outside MPS); each answer's leases set the daemons' own memory limits, which a kernel
+    cannot lift. A failed query or limit is logged, never fatal."""
+
+    ready: asyncio.Event | None = None
+
+    def __init__(self, supervisor: MPSSupervisor) -> None:
+        self.supervisor = supervisor
+        self.uids: dict[str, int | None] | None = None
+
+    async def observe(self, beat: Beat) -> None:
+        self.uids = None
+        try:
+            self.uids = await self.supervisor.server_uids()
+        except Exception:  # noqa: BLE001 - a failed query must not stop the heartbeats
+            log.exception("Cannot learn which uid each GPU's MPS server serves")
+        beat.mps_clients = self.supervisor.clients() if self.uids is not None else {}
+
+    def report(self, beat: Beat) -> MPSReport:
+        return MPSReport(self.supervisor.states(), self.uids)
+
+    async def answer(self, beat: Beat, answer: dict[str, Any]) -> None:
+        try:
+            await self.supervisor.apply_limits(answer)
+        except Exception:  # noqa: BLE001 - a failed limit must not stop the heartbeats
+            log.exception("Cannot set the MPS daemons' memory limits")
+
+    def offered(self) -> frozenset[str]:
+        return frozenset()
+
+    def refused(self, fields: set[str], node: str) -> None:
+        pass
+
+
 __all__ = [
     "DEFAULT_MPS_DIR",
     "EMPTY_GPU_LIMIT_MB",
     "MPS_CONTROL",
     "MPS_STATES",
     "MPSDaemon",
+    "MPSFeature",
     "MPSLease",
     "MPSSupervisor",
     "account_uid",

@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GPULeaseError
+from ..node_report import NodeParkReport, ParkOutcome
 from ..wire import PARK_ACTIONS
 from .checkpoint import LIBRARY, CheckpointFailed, CudaCheckpoint, ProcessState, open_checkpoint
+from .feature import Beat, Proven
 from .pidns import KernelFinder, ns_pid_of, parent_of, pid_ns_of
 
 log = logging.getLogger("gpu_lease.agent")
@@ -486,10 +488,121 @@ class Parker:
         return self._outcome(order, "done", pids=pids, mb=mb, seconds=seconds)
 
 
+# -- the feature: parking in each heartbeat ---------------------------------------------
+
+#: the heartbeat fields of parking; a broker older than parking refuses them
+PARK_FIELDS = frozenset({"checkpoint", "host_memory_available_mb", "parking"})
+#: seconds before a broker that refused them is offered the parking fields again
+PARK_FIELDS_RETRY = 600.0
+
+
+def proven_orders(
+    orders: list[Any], proven: dict[str, Proven], refused: dict[str, str]
+) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """The park/resume orders to run: those of proven kernels, naming each by its host pid
+    (and those that name no kernel, which move nothing); and those of refused claims, with
+    why, which fail at once (:meth:`Parker.refuse`)."""
+    run: list[Any] = []
+    fail: list[tuple[Any, str]] = []
+    for raw in orders:
+        lease_id = str(raw.get("lease_id")) if isinstance(raw, dict) else ""
+        p = proven.get(lease_id)
+        if p is not None:
+            run.append({**raw, "pid": p.host_pid, "pid_ns": None})
+        elif lease_id in refused:
+            fail.append((raw, refused[lease_id]))
+        elif isinstance(raw, dict) and raw.get("pid") is None:
+            run.append(raw)
+    return run, fail
+
+
+class Parking:
+    """Parking as a node feature: each heartbeat says whether this node can park kernels
+    (``checkpoint``) and its host memory available, with the outcomes of the orders not
+    yet delivered; the answer's park/resume ``orders`` go to the parker's worker thread
+    (those of proven kernels; one of a refused claim fails at once). A broker older than
+    parking refuses those fields once, and is then sent none of them for
+    :data:`PARK_FIELDS_RETRY` seconds (it may be upgraded meanwhile). ``ready`` is set
+    when an outcome is ready (the next beat goes at once)."""
+
+    def __init__(self, parker: Parker, clock: Callable[[], float] = time.monotonic) -> None:
+        self.parker = parker
+        self.ready: asyncio.Event | None = parker.ready
+        self.clock = clock
+        self.wire = True
+        #: when a broker older than parking refused its fields
+        self.refused_at: float | None = None
+        self.said_older = False
+        #: the outcomes the last report carried (dropped once delivered)
+        self.sent: list[dict[str, Any]] = []
+
+    async def observe(self, beat: Beat) -> None:
+        pass
+
+    def report(self, beat: Beat) -> NodeParkReport | None:
+        self.sent = []
+        if self.refused_at is not None and self.clock() - self.refused_at >= PARK_FIELDS_RETRY:
+            self.wire, self.refused_at = True, None
+        part = None
+        if self.wire:
+            self.sent = self.parker.outcomes()
+            part = NodeParkReport(
+                self.parker.supported,
+                host_memory_available_mb(),
+                tuple(_outcome(o) for o in self.sent),
+            )
+        self.parker.ready.clear()  # what is ready now goes with this beat
+        return part
+
+    async def answer(self, beat: Beat, answer: dict[str, Any]) -> None:
+        self.parker.delivered(self.sent)
+        orders = list(answer.get("orders") or [])
+        if beat.claims:
+            run, fail = proven_orders(orders, beat.proven, beat.refusals)
+        else:  # a broker older than proofs: its orders as they are
+            run, fail = orders, []
+        self.parker.take(run)
+        for raw, why in fail:
+            self.parker.refuse(raw, why)
+
+    def offered(self) -> frozenset[str]:
+        return PARK_FIELDS if self.wire else frozenset()
+
+    def refused(self, fields: set[str], node: str) -> None:
+        if not self.wire or not fields & PARK_FIELDS:
+            return
+        log.log(
+            logging.DEBUG if self.said_older else logging.WARNING,
+            "The broker is older than parking (it refused %s): kernels on node %s are "
+            "reclaimed, not parked, until the broker is upgraded.",
+            ", ".join(sorted(fields & PARK_FIELDS)),
+            node,
+        )
+        self.said_older = True
+        self.wire, self.refused_at = False, self.clock()
+
+
+def _outcome(raw: dict[str, Any]) -> ParkOutcome:
+    """One of :meth:`Parker.outcomes` as the report carries it."""
+    return ParkOutcome(
+        lease_id=raw["lease_id"],
+        action=raw["action"],
+        outcome=raw["outcome"],
+        message=raw.get("message"),
+        pids=tuple(raw.get("pids") or ()),
+        mb=raw.get("mb"),
+        seconds=raw.get("seconds"),
+    )
+
+
 __all__ = [
     "DEFAULT_HOST_RESERVE_MB",
+    "PARK_FIELDS",
+    "PARK_FIELDS_RETRY",
     "Order",
     "Parker",
+    "Parking",
+    "proven_orders",
     "descendants",
     "host_memory_available_mb",
     "host_pid",

@@ -31,6 +31,7 @@ Who calls this: the node agent (:mod:`.agent`), once per heartbeat (:meth:`Prove
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -40,10 +41,12 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from ..node_report import KernelReport, NodeProofs
 from ..wire import KERNEL_SECRET_ENV, kernel_proof
 from .cgroups import cgroup_of
+from .feature import Beat, Claim, Proven
 from .mps import uid_of
-from .pidns import ns_pid_of, pid_ns_of
+from .pidns import KernelFinder, KernelId, ns_pid_of, pid_ns_of
 
 log = logging.getLogger("gpu_lease.agent")
 
@@ -52,69 +55,6 @@ log = logging.getLogger("gpu_lease.agent")
 CHECK_ACCOUNT = ("auto", "yes", "no")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _SECRET = KERNEL_SECRET_ENV.encode() + b"="
-
-
-@dataclass(frozen=True)
-class Claim:
-    """A kernel the broker names (heartbeat answer ``kernels``), as its renewals claim it."""
-
-    lease_id: str
-    pid: int
-    pid_ns: int | None
-    proof: str | None
-    user: str = ""
-    kernel_id: str = ""
-    gpu_uuid: str = ""
-    memory_mb: int = 0
-    enforcement: str = "cooperative"
-
-    @classmethod
-    def parse(cls, raw: dict[str, Any]) -> Claim | None:
-        """An answer's ``kernels`` entry; None for one of an older broker (no ``lease_id``)."""
-        if not raw.get("lease_id"):
-            return None
-        ns = raw.get("pid_ns")
-        return cls(
-            lease_id=str(raw["lease_id"]),
-            pid=int(raw["pid"]),
-            pid_ns=int(ns) if ns is not None else None,
-            proof=str(raw["proof"]) if raw.get("proof") else None,
-            user=str(raw.get("user") or ""),
-            kernel_id=str(raw.get("kernel_id") or ""),
-            gpu_uuid=str(raw.get("gpu_uuid") or ""),
-            memory_mb=int(raw.get("memory_mb") or 0),
-            enforcement=str(raw.get("enforcement") or "cooperative"),
-        )
-
-
-@dataclass(frozen=True)
-class Proven:
-    """A claim the agent checked: its host pid, real uid and cgroup (``cgroup_ok``: the
-    cgroup is a kernel cgroup, see :func:`cgroup_accepted`)."""
-
-    claim: Claim
-    host_pid: int
-    uid: int
-    cgroup: str | None
-    cgroup_ok: bool
-
-    def report(
-        self, escaped: list[int] | None = None, left_mps: list[int] | None = None
-    ) -> dict[str, Any]:
-        """The heartbeat's ``kernels`` entry of this kernel (``left_mps`` only where some
-        process of it runs outside MPS: a broker older than that field refuses it)."""
-        entry: dict[str, Any] = {
-            "pid": self.claim.pid,
-            "pid_ns": self.claim.pid_ns,
-            "host_pid": self.host_pid,
-            "lease_id": self.claim.lease_id,
-            "uid": self.uid,
-            "cgroup": self.cgroup if self.cgroup_ok else None,
-            "escaped": sorted(escaped or []),
-        }
-        if left_mps:
-            entry["left_mps"] = sorted(left_mps)
-        return entry
 
 
 def start_time(pid: int, proc: str = "/proc") -> int | None:
@@ -413,13 +353,131 @@ def by_cgroup(proven: dict[str, Proven], proc: str = "/proc") -> Any:
     return lookup
 
 
+# -- the feature: kernel proofs in each heartbeat ----------------------------------------
+
+#: the heartbeat fields of proven claims; a broker older than them refuses them
+PROOF_FIELDS = frozenset({"refused", "lease_id", "uid", "cgroup", "escaped"})
+#: the kernels' field of processes outside MPS; a broker that proves claims but is older
+#: than it refuses it, and is then told them as ``escaped`` (over the cap all the same)
+LEFT_MPS_FIELD = "left_mps"
+
+
+def kernels_named(beat: dict[str, Any]) -> set[KernelId]:
+    """The kernels a heartbeat's answer names: ``kernels`` ``[{pid, pid_ns}]``, or from an
+    older broker ``watch`` (host pids)."""
+    if "kernels" in beat:
+        return {
+            (int(k["pid"]), int(k["pid_ns"]) if k.get("pid_ns") is not None else None)
+            for k in beat["kernels"]
+        }
+    return {(int(p), None) for p in beat.get("watch", [])}
+
+
+def claims_named(beat: dict[str, Any]) -> tuple[list[Claim], set[KernelId]]:
+    """The kernels a heartbeat's answer names: the claims to prove (``kernels`` entries
+    with ``lease_id`` and ``proof``), and the kernels of a broker older than proofs (see
+    :func:`kernels_named`), believed as they are."""
+    claims = [c for c in (Claim.parse(k) for k in beat.get("kernels") or []) if c is not None]
+    if claims:
+        return claims, set()
+    return [], kernels_named(beat)
+
+
+def proven_finder(proven: dict[str, Proven], legacy: set[KernelId]) -> KernelFinder:
+    """The finder of one sample: a GPU process belongs to a proven kernel it descends from,
+    or whose cgroup it is in (a double-forked child); ``legacy``: an older broker's kernels."""
+    kernels = {(p.host_pid, None) for p in proven.values()} | legacy
+    return KernelFinder(kernels, fallback=by_cgroup(proven) if proven else None)
+
+
+class KernelProofs:
+    """The kernel proofs (cgroups) as a node feature: every kernel the answer names is a
+    claim, which :class:`Prover` checks; the heartbeat reports the proven kernels (host
+    pid, uid, cgroup, GPU processes that left a driver-limited cgroup or MPS) and the
+    refused claims. A broker older than proofs (it refuses those fields) gets the
+    namespaced kernels found instead, and its kernels are believed as named; one older
+    than ``left_mps`` is told those processes as ``escaped``. The agent's loop asks it
+    which kernel each GPU process belongs to (:meth:`finder`)."""
+
+    ready: asyncio.Event | None = None
+
+    def __init__(self, prover: Prover | None = None) -> None:
+        self.prover = prover or Prover()
+        self.proof_wire = True
+        self.left_mps_wire = True
+        self.leavers = MPSLeavers()
+        #: the kernels the last answer named: an older broker's, and the proven ones
+        self.legacy: set[KernelId] = set()
+        self.proven: dict[str, Proven] = {}
+        self.refusals: dict[str, str] = {}
+
+    def finder(self) -> KernelFinder:
+        """Which kernel a GPU process belongs to, from the last answer's kernels."""
+        return proven_finder(self.proven, self.legacy)
+
+    async def observe(self, beat: Beat) -> None:
+        pass
+
+    def report(self, beat: Beat) -> KernelReport:
+        if not self.proof_wire:
+            found = beat.find.report()
+            return KernelReport({(k["pid"], k["pid_ns"]): k["host_pid"] for k in found})
+        left = escapes(beat.members, self.proven, beat.limited)
+        off_mps = self.leavers(outside_mps(beat.raw, beat.members, self.proven, beat.mps_clients))
+        if not self.left_mps_wire:  # a broker older than left_mps: over the cap all the same
+            for lease, pids in off_mps.items():
+                left[lease] = sorted(set(left.get(lease, [])) | set(pids))
+            off_mps = {}
+        proven = {
+            lease: p.report(left.get(lease), off_mps.get(lease)) for lease, p in self.proven.items()
+        }
+        return KernelReport(None, NodeProofs(proven, dict(sorted(self.refusals.items()))))
+
+    async def answer(self, beat: Beat, answer: dict[str, Any]) -> None:
+        claims, self.legacy = claims_named(answer)
+        self.proven, self.refusals = self.prover.prove(claims)
+        beat.proven, beat.refusals, beat.claims = self.proven, self.refusals, bool(claims)
+
+    def offered(self) -> frozenset[str]:
+        if not self.proof_wire:
+            return frozenset()
+        return PROOF_FIELDS | {LEFT_MPS_FIELD} if self.left_mps_wire else PROOF_FIELDS
+
+    def refused(self, fields: set[str], node: str) -> None:
+        if not self.proof_wire:
+            return
+        if fields & PROOF_FIELDS:
+            log.warning(
+                "The broker is older than proven kernels (it refused %s): the kernels it "
+                "names on node %s are believed as claimed, and no driver limit is set, "
+                "until the broker is upgraded.",
+                ", ".join(repr(x) for x in sorted(fields & PROOF_FIELDS)),
+                node,
+            )
+            self.proof_wire = False
+        elif LEFT_MPS_FIELD in fields and self.left_mps_wire:
+            log.warning(
+                "The broker is older than kernels outside MPS (it refused %r): they are "
+                "reported to it as escaped from their cgroup, over their cap all the same, "
+                "until the broker is upgraded.",
+                LEFT_MPS_FIELD,
+            )
+            self.left_mps_wire = False
+
+
 __all__ = [
     "CHECK_ACCOUNT",
     "Claim",
+    "KernelProofs",
+    "LEFT_MPS_FIELD",
+    "PROOF_FIELDS",
     "MPSLeavers",
     "Proven",
     "Prover",
     "by_cgroup",
+    "claims_named",
+    "kernels_named",
+    "proven_finder",
     "cgroup_accepted",
     "escapes",
     "leaf_name",

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...model import Lease
-from .reports import NodeProofs, ProvenKernel
+from ...node_report import NodeProofs, ProvenKernel
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from typing import Any
 
 from ...errors import Forbidden, GPULeaseError, InvalidRequest, NodeNotFound
 from ...model import GPU, Identity, Lease, Node
+from ...node_report import KernelReport, NodeProofs, NodeReport
 from ...wire import NODE_STATES
 from ..rules import node_rules, scheduling
-from ..rules.reports import NodeParkReport, NodeProofs
+from .node_features import node_features
 from .park_orders import ParkOrders
-from .service_core import NodeParking, ServiceCore, require_admin
+from .service_core import ServiceCore, require_admin
 
 log = logging.getLogger("gpu_lease.broker")
 
@@ -35,25 +36,16 @@ class NodeView:
 @dataclass(frozen=True)
 class Heartbeat:
     """What a node agent's heartbeat gets back: the node's state, the kernel pids to watch
-    (its leases' pids) and the ones whose processes to kill (``--enforce kill``)."""
+    (its leases' pids), the ones whose processes to kill (``--enforce kill``), and each
+    node feature's fields (``answers``, :mod:`.node_features`: ``kernels``, ``limits``,
+    ``leases``, ``orders``)."""
 
     node: str
     state: str
     at: float
     watch: list[int]
     kill: list[int]
-    #: the node's lease kernels as claimed (``{pid, pid_ns, lease_id, user, kernel_id,
-    #: proof, gpu_uuid, memory_mb, enforcement}``, see :mod:`.kernel_places`); ``limits``:
-    #: always empty since agents prove claims (an older agent sets no driver limit on a claim)
-    kernels: list[dict[str, Any]] = field(default_factory=list)
-    limits: list[dict[str, Any]] = field(default_factory=list)
-    #: what to park or resume: ``{lease_id, action, pid, pid_ns, gpu_uuid, memory_mb}``
-    #: for each lease of the node ``parking`` or ``resuming``, repeated until an outcome
-    #: settles it (see :meth:`NodeService.orders`)
-    orders: list[dict[str, Any]] = field(default_factory=list)
-    #: every active lease of the node from its grant on (pid reported or not): ``{lease_id,
-    #: user, gpu_uuid, memory_mb, enforcement}`` (what the MPS daemons' limits follow)
-    leases: list[dict[str, Any]] = field(default_factory=list)
+    answers: dict[str, Any] = field(default_factory=dict)
 
 
 class NodeService:
@@ -63,6 +55,8 @@ class NodeService:
         self.core = core
         #: park and resume orders and their outcomes (``park_orders.py``)
         self.parking = ParkOrders(core)
+        #: every node feature's side of the heartbeats (``node_features.py``)
+        self.features = node_features(core, self.parking)
 
     async def register_node(
         self,
@@ -139,38 +133,20 @@ class NodeService:
         await self.core.grant_waiting()
         return NodeView(node, node_rules.node_state(node, now, self.core.policy))
 
-    async def node_heartbeat(
-        self,
-        ident: Identity,
-        name: str,
-        usage: list[tuple[int, str, int]],
-        at: float | None = None,
-        mps: dict[str, str] | None = None,
-        mps_uid: dict[str, int | None] | None = None,
-        kernels: dict[tuple[int, int], int] | None = None,
-        driver_limits: list[str] | None = None,
-        parking: NodeParkReport | None = None,
-        proofs: NodeProofs | None = None,
-    ) -> Heartbeat:
+    async def node_heartbeat(self, ident: Identity, name: str, report: NodeReport) -> Heartbeat:
         """``POST /api/v1/nodes/{node}/heartbeat``: the node is alive; its per-process usage
-        and (agents with ``--mps``) its GPUs' MPS daemon states and the uid each GPU's MPS
-        server serves (a change may let a waiting MPS kernel be placed: the queue drains).
+        and each node feature's part of its ``report`` (:mod:`.node_features`: MPS daemons,
+        proven kernels, driver limits, parking).
 
-        Samples or MPS states of a GPU this node did not register are refused (403), memory
-        above the GPU's size is refused (400); nothing is changed then. A report never frees or
-        grants capacity: leases end only by release, revoke or TTL.
+        Samples of a GPU this node did not register are refused (403), memory above the
+        GPU's size is refused (400), and so is what a feature refuses; nothing is changed
+        then. A report never frees or grants capacity: leases end only by release, revoke
+        or TTL (a parking outcome settles its lease's park state; a change of MPS owners
+        may let a waiting MPS kernel be placed: the queue drains).
 
-        Parking (``parking``): the node's ``checkpoint`` support and free host memory are
-        kept for the reaper's ``can_park``; the outcomes of park and resume orders are
-        applied first (a park done frees its capacity and the queue drains; a failure
-        revokes the lease; an outcome of another node's lease is refused, 403; one about
-        a lease not in that state, late or repeated, is ignored), then the answer orders
-        what is still to park or resume on this node.
-
-        Proofs (``proofs``; None from an agent older than them): only the kernels
-        the agent proved count for their leases; a refused claim is logged and counted
-        once per (lease, reason) and shown on the lease (``kernel_refused``); a proven
-        kernel's GPU process outside its driver-limited cgroup puts its lease over its cap.
+        Proofs (``KernelReport.proofs``; None from an agent older than them): only the
+        kernels the agent proved count for their leases; a proven kernel's GPU process
+        outside its driver-limited cgroup or outside MPS puts its lease over its cap.
         """
         await self.core.ready()
         self._check_node_caller(ident, name)
@@ -181,6 +157,7 @@ class NodeService:
                 f"PUT /api/v1/nodes/{name} first (restart the agent)."
             )
         mine = {g.uuid: g for g in node.gpus}
+        usage = list(report.usage)
         for pid, uuid, used in usage:
             gpu = mine.get(uuid)
             if gpu is None:
@@ -194,36 +171,24 @@ class NodeService:
                     f"Process {pid} cannot use {used} MiB of GPU {uuid}, which has "
                     f"{gpu.memory_mb} MiB; report what NVML measures."
                 )
-        for uuid in {**(mps or {}), **(mps_uid or {})}:
-            if uuid not in mine:
-                raise Forbidden(
-                    f"GPU {uuid} is not one of node {name!r}'s registered GPUs; an agent "
-                    "reports MPS daemons of its own GPUs only.",
-                    gpu_uuid=uuid,
-                )
-        report = parking or NodeParkReport()
-        self.parking.check_outcomes(name, mine, report.outcomes)
+        for feature in self.features:
+            feature.check(node, mine, report)
         now = self.core.clock()
         was = node_rules.node_state(node, now, self.core.policy)
         node.last_seen = now
-        self.core.node_parking[name] = NodeParking(
-            bool(report.checkpoint), report.host_memory_available_mb
-        )
-        node.usage = list(usage)
-        node.mps = dict(mps or {})
-        node.mps_uid = {u: uid for u, uid in (mps_uid or {}).items() if uid is not None}
+        node.usage = usage
         places = self.core.kernel_places
         places.forget_ended(set(self.core.state.leases) | set(self.core.state.parked))
-        places.driver_limited[name] = set(driver_limits or ())
-        if proofs is not None:
-            self._refusals(node, proofs)
-        ends, kill = self._account_usage(node, usage, now, kernels, proofs)
+        for feature in self.features:
+            feature.read(node, report)
+        kernels = report.part(KernelReport) or KernelReport()
+        ends, kill = self._account_usage(node, usage, now, kernels.namespaced, kernels.proofs)
         mps_changed = self.core.refresh_mps_owners()  # its report, the kernels proven now
         if was == "lost":
             log.info("Node %s is back (its agent heartbeats again)", name)
             self.core.close_gpus(now)
-        if report.outcomes:
-            await self.core.mutate(lambda: self.parking.apply_outcomes(node, report.outcomes))
+        for feature in self.features:
+            await feature.settle(node, report)
         if ends:
             await self.core.mutate(
                 lambda: self.core.commit(
@@ -236,17 +201,11 @@ class NodeService:
         here = [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
         parked = [x for x in self.core.state.parked.values() if x.gpu_uuid in mine]
         watch = sorted({x.pid for x in here + parked if x.pid})
-        return Heartbeat(
-            name,
-            node_rules.node_state(node, now, self.core.policy),
-            now,
-            watch,
-            kill,
-            places.kernels(here + parked, self.core.policy.context_overhead_mb),
-            [],
-            self.parking.orders(here),
-            places.leases(here, self.core.policy.context_overhead_mb),
-        )
+        answers: dict[str, Any] = {}
+        for feature in self.features:
+            answers.update(feature.answer(node, here, parked))
+        state = node_rules.node_state(node, now, self.core.policy)
+        return Heartbeat(name, state, now, watch, kill, answers)
 
     def _account_usage(
         self,
@@ -315,26 +274,6 @@ class NodeService:
                     "Lease %s… of %s on node %s: %s", lease.id[:6], lease.user, node.name, reason
                 )
         return ends, kill
-
-    def _refusals(self, node: Node, proofs: NodeProofs) -> None:
-        """Keep an agent's word on the claims of its node's leases; log and count each new
-        refusal once (never the proof)."""
-        mine = {g.uuid for g in node.gpus}
-        leases = [
-            x
-            for x in list(self.core.state.leases.values()) + list(self.core.state.parked.values())
-            if x.gpu_uuid in mine
-        ]
-        for lease_id, why in self.core.kernel_places.agent_said(leases, proofs):
-            lease = self.core.state.find_lease(lease_id)
-            self.core.metrics.enforced("claim_refused", 1)
-            log.warning(
-                "Node %s does not act on the kernel lease %s… of %s claims: %s",
-                node.name,
-                lease_id[:6],
-                lease.user if lease is not None else "?",
-                why,
-            )
 
     def _log_overuse(
         self, node: Node, ends: list[tuple[Lease, str, str | None]], kill: list[int]

@@ -16,8 +16,8 @@ from typing import Any
 
 from ...errors import Forbidden
 from ...model import GPU, Changes, Lease, Node, reserved_mb
+from ...node_report import ParkOutcome
 from ..rules import scheduling
-from ..rules.reports import ParkOutcome
 from .service_core import ServiceCore
 
 log = logging.getLogger("gpu_lease.broker")

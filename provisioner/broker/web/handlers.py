@@ -187,13 +187,13 @@ def node_json(view: NodeView, detail: bool) -> dict[str, Any]:
 
 
 def heartbeat_json(h: Heartbeat) -> dict[str, Any]:
-    out = {"node": h.node, "state": h.state, "at": h.at, "watch": h.watch, "kill": h.kill}
     return {
-        **out,
-        "kernels": h.kernels,
-        "limits": h.limits,
-        "orders": h.orders,
-        "leases": h.leases,
+        "node": h.node,
+        "state": h.state,
+        "at": h.at,
+        "watch": h.watch,
+        "kill": h.kill,
+        **h.answers,
     }
 
 
@@ -742,31 +742,15 @@ class NodeHandler(APIHandler):
 
 
 class NodeHeartbeatHandler(APIHandler):
-    """``POST {p}api/v1/nodes/{node}/heartbeat {usage, at, mps, mps_uid}``: the node's agent
-    is alive."""
+    """``POST {p}api/v1/nodes/{node}/heartbeat``: the node's agent is alive; its report
+    (:class:`~provisioner.node_report.NodeReport`) carries its usage and its features' parts."""
 
     agent_allowed = True
 
     @api
     async def post(self, node: str) -> None:
-        body = self.json_body()
-        usage, at, mps = validation.parse_node_heartbeat(body)
-        mps_uid = validation.parse_mps_uids(body)
-        kernels, driver_limits = validation.parse_node_kernels(body)
-        parking = validation.parse_node_parking(body)
-        proofs = validation.parse_node_proofs(body)
-        beat = await self.service.nodes.node_heartbeat(
-            self.ident,
-            node,
-            usage,
-            at,
-            mps,
-            mps_uid,
-            kernels=kernels,
-            driver_limits=driver_limits,
-            parking=parking,
-            proofs=proofs,
-        )
+        report = validation.parse_node_report(self.json_body())
+        beat = await self.service.nodes.node_heartbeat(self.ident, node, report)
         self.write_json(heartbeat_json(beat))
 
 

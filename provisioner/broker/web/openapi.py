@@ -16,6 +16,17 @@ from typing import Any
 
 from ... import wire
 from ..._version import __version__
+from ...node_report import (
+    CGROUP_SCHEMA,
+    MPS_STATES_SCHEMA,
+    MPS_UIDS_SCHEMA,
+    PID_NS_SCHEMA,
+    PID_SCHEMA,
+    UID_SCHEMA,
+    ParkOutcome,
+    answer_schema,
+    heartbeat_schema,
+)
 from ...wire import enum_schema
 
 
@@ -47,32 +58,12 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 #: the broker counts fractions in millionths (ppm): 0.000001 is the smallest it accepts
 _FRACTION = {"type": "number", "minimum": 1 / wire.PPM, "maximum": 1}
 _TIME = {"type": "number", "description": "POSIX time in seconds."}
-_MPS_STATES: dict[str, Any] = {
-    "type": "object",
-    "maxProperties": wire.MAX_NODE_GPUS,
-    "additionalProperties": enum_schema(wire.MPS_STATES),
-    "description": "GPU uuid -> state of its MPS control daemon (agents with --mps).",
-}
-#: a Unix uid (``wire.MAX_UID``: uid_t is 32 bits; (uid_t)-1 means "none")
-_UID: dict[str, Any] = {"type": "integer", "minimum": 0, "maximum": wire.MAX_UID}
-_PID: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID}
-#: a pid namespace's inode number (a renewal's and a heartbeat's ``pid_ns``)
-_PID_NS: dict[str, Any] = {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID_NS}
-#: a kernel's cgroup v2 path from the hierarchy's root
-_CGROUP: dict[str, Any] = {
-    "type": "string",
-    "maxLength": wire.MAX_CGROUP_CHARS,
-    "pattern": wire.CGROUP_PATTERN,
-}
-_MPS_UIDS: dict[str, Any] = {
-    "type": "object",
-    "maxProperties": wire.MAX_NODE_GPUS,
-    "additionalProperties": _nullable(_UID),
-    "description": "GPU uuid -> the Unix uid its MPS server serves clients of now (null: no "
-    "server, or one without clients; agents with --mps). MPS serves one uid per GPU at a "
-    "time: the broker places an enforcement=mps kernel only where it serves the kernel's "
-    "uid or none.",
-}
+_MPS_STATES = MPS_STATES_SCHEMA
+_MPS_UIDS = MPS_UIDS_SCHEMA
+_UID = UID_SCHEMA
+_PID = PID_SCHEMA
+_PID_NS = PID_NS_SCHEMA
+_CGROUP = CGROUP_SCHEMA
 
 _QUOTA_PROPS: dict[str, Any] = {
     "max_fraction": _nullable(
@@ -441,40 +432,7 @@ _SCHEMAS: dict[str, Any] = {
             "queue_length": {"type": "integer", "minimum": 0},
         },
     },
-    "ParkOutcome": {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["lease_id", "action", "outcome"],
-        "properties": {
-            "lease_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
-            "action": enum_schema(wire.PARK_ACTIONS),
-            "outcome": enum_schema(
-                wire.PARK_OUTCOMES,
-                description="done: parked (GPU memory in host RAM) or restored; failed: "
-                "could not (the broker revokes the lease, with `message` in its reason); "
-                "waiting (resume only): the GPU lacks free memory for the restore yet.",
-            ),
-            "message": {
-                "type": "string",
-                "minLength": 1,
-                "maxLength": wire.MAX_REASON_CHARS,
-                "description": "Why it failed or waits.",
-            },
-            "pids": {
-                "type": "array",
-                "maxItems": wire.MAX_USAGE_SAMPLES,
-                "items": _PID,
-                "description": "The host pids acted on.",
-            },
-            "mb": {
-                "type": "integer",
-                "minimum": 0,
-                "maximum": wire.MAX_GPU_MEMORY_MB,
-                "description": "GPU MiB moved.",
-            },
-            "seconds": {"type": "number", "minimum": 0, "description": "How long it took."},
-        },
-    },
+    "ParkOutcome": ParkOutcome.SCHEMA,
     "Revoke": {
         "type": "object",
         "additionalProperties": False,
@@ -699,96 +657,8 @@ _SCHEMAS: dict[str, Any] = {
                 "items": _ref("UsageSample"),
             },
             "at": {**_TIME, "minimum": 0, "maximum": wire.MAX_TIME},
-            "mps": _MPS_STATES,
-            "mps_uid": _MPS_UIDS,
-            # node boundaries
-            "kernels": {
-                "type": "array",
-                "maxItems": wire.MAX_USAGE_SAMPLES,
-                "description": "Which host pid each lease kernel of another pid namespace "
-                "is (found through /proc/<pid>/status NSpid); `usage` names host pids. An "
-                "agent that proves claims (it sends `refused`) lists each proven kernel, "
-                "with its lease, real uid, cgroup, its GPU processes that left it and those "
-                "outside MPS.",
-                "items": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["pid", "pid_ns", "host_pid"],
-                    "properties": {
-                        "pid": _PID,
-                        "pid_ns": _nullable(_PID_NS),
-                        "host_pid": _PID,
-                        "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
-                        "uid": {**_UID, "description": "The proven process's real uid."},
-                        "cgroup": _nullable(
-                            {
-                                **_CGROUP,
-                                "description": "The proven process's cgroup (from "
-                                "/proc/<pid>/cgroup), where the agent accepts it as a "
-                                "kernel cgroup; null otherwise.",
-                            }
-                        ),
-                        "escaped": {
-                            "type": "array",
-                            "maxItems": wire.MAX_USAGE_SAMPLES,
-                            "items": _PID,
-                            "description": "The kernel's GPU processes outside its cgroup "
-                            "while a driver limit holds on it: the lease counts as over "
-                            "its cap.",
-                        },
-                        "left_mps": {
-                            "type": "array",
-                            "maxItems": wire.MAX_USAGE_SAMPLES,
-                            "items": _PID,
-                            "description": "An MPS lease's kernel processes that use a GPU "
-                            "without being clients of its MPS server (in two consecutive "
-                            "samples), so outside any MPS memory limit: the lease counts as "
-                            "over its cap. Absent: none.",
-                        },
-                    },
-                },
-            },
-            "refused": {
-                "type": "array",
-                "maxItems": wire.MAX_USAGE_SAMPLES,
-                "description": "The kernels the answer named that the agent did not prove "
-                "to be their lease's (it does not act on them), with the reason. Sent, even "
-                "empty, by every agent that proves claims.",
-                "items": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "required": ["lease_id", "reason"],
-                    "properties": {
-                        "lease_id": {"type": "string", "maxLength": wire.MAX_ID_CHARS},
-                        "reason": {"type": "string", "maxLength": wire.MAX_REFUSAL_CHARS},
-                    },
-                },
-            },
-            "driver_limits": {
-                "type": "array",
-                "maxItems": wire.MAX_USAGE_SAMPLES,
-                "items": _CGROUP,
-                "description": "The kernel cgroups whose driver memory limit "
-                "(nvmlDeviceSetMemoryLimits_v1) is in force.",
-            },
-            # parking
-            "checkpoint": {
-                "type": "boolean",
-                "description": "The node's CUDA driver offers the checkpoint API: its "
-                "kernels can be parked (absent: no).",
-            },
-            "host_memory_available_mb": {
-                "type": "integer",
-                "minimum": 0,
-                "description": "MemAvailable of the node's host (/proc/meminfo), MiB.",
-            },
-            "parking": {
-                "type": "array",
-                "maxItems": wire.MAX_USAGE_SAMPLES,
-                "items": _ref("ParkOutcome"),
-                "description": "Outcomes of the park and resume orders since the last "
-                "heartbeat (resent until delivered); applied before the answer.",
-            },
+            # each node feature's fields (provisioner/node_report.py)
+            **heartbeat_schema(),
         },
     },
     "NodeBeat": {
@@ -809,87 +679,8 @@ _SCHEMAS: dict[str, Any] = {
                 "items": {"type": "integer"},
                 "description": "Kernel pids whose GPU processes to kill (--enforce kill).",
             },
-            "kernels": {
-                "type": "array",
-                "description": "The node's lease kernels as their provisioners CLAIM them "
-                "(`pid_ns` null means a host pid): the agent acts on one only once it has "
-                "proven it (the kernel secret whose sha256 is `proof` in the process's "
-                "environment; the user's account's uid where there is one).",
-                "items": {
-                    "type": "object",
-                    "required": ["pid", "pid_ns"],
-                    "properties": {
-                        "pid": {"type": "integer", "minimum": 1},
-                        "pid_ns": _nullable(_PID_NS),
-                        "lease_id": {"type": "string"},
-                        "user": {"type": "string"},
-                        "kernel_id": {"type": "string"},
-                        "proof": _nullable({"type": "string", "pattern": wire.PROOF_PATTERN}),
-                        "gpu_uuid": {"type": "string"},
-                        "memory_mb": {
-                            "type": "integer",
-                            "minimum": 0,
-                            "description": "The lease's memory (cap + context): the driver "
-                            "limit on the proven kernel's cgroup.",
-                        },
-                        "enforcement": enum_schema(wire.ENFORCEMENTS),
-                    },
-                },
-            },
-            "leases": {
-                "type": "array",
-                "description": "Every active lease of the node from its grant on, whether "
-                "or not its kernel has reported a pid: what the agent's MPS daemons bound "
-                "each new client by (the largest lease of the client's user on the GPU).",
-                "items": {
-                    "type": "object",
-                    "required": ["lease_id", "user", "gpu_uuid", "memory_mb", "enforcement"],
-                    "properties": {
-                        "lease_id": {"type": "string"},
-                        "user": {"type": "string"},
-                        "gpu_uuid": {"type": "string"},
-                        "memory_mb": {"type": "integer", "minimum": 0},
-                        "enforcement": enum_schema(wire.ENFORCEMENTS),
-                    },
-                },
-            },
-            "orders": {
-                "type": "array",
-                "description": "Kernels to park (checkpoint their GPU memory into host RAM) "
-                "or resume (restore it), repeated in every answer until an outcome in "
-                "`parking` settles each.",
-                "items": {
-                    "type": "object",
-                    "required": ["lease_id", "action", "pid", "pid_ns", "gpu_uuid", "memory_mb"],
-                    "properties": {
-                        "lease_id": {"type": "string"},
-                        "action": enum_schema(wire.PARK_ACTIONS),
-                        "pid": _nullable({"type": "integer", "minimum": 1}),
-                        "pid_ns": _nullable(_PID_NS),
-                        "gpu_uuid": {"type": "string"},
-                        "memory_mb": {
-                            "type": "integer",
-                            "minimum": 0,
-                            "description": "The memory the lease reserves on the GPU.",
-                        },
-                    },
-                },
-            },
-            "limits": {
-                "type": "array",
-                "description": "Deprecated, always empty since agents prove claims (an agent sets "
-                "driver limits only on the cgroups of the kernels it proves): an older agent "
-                "sets none.",
-                "items": {
-                    "type": "object",
-                    "required": ["cgroup", "gpu_uuid", "memory_mb"],
-                    "properties": {
-                        "cgroup": _CGROUP,
-                        "gpu_uuid": {"type": "string"},
-                        "memory_mb": {"type": "integer", "minimum": 0},
-                    },
-                },
-            },
+            # each node feature's fields (provisioner/node_report.py)
+            **answer_schema(),
         },
     },
     "Node": {

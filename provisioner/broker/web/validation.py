@@ -17,14 +17,30 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ...errors import BodyTooLarge, InvalidRequest
+from ...json_checks import cgroup as parse_cgroup
+from ...json_checks import check_fields as check_fields
+from ...json_checks import is_number as _is_number
+from ...json_checks import json_list as _list
+from ...json_checks import json_object as _object
+from ...json_checks import json_type as _json_type
+from ...json_checks import number as _number
+from ...json_checks import show as _show
+from ...json_checks import text as _text
+from ...json_checks import whole as _int
 from ...model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
-from ...model import brief as _show
+from ...node_report import FIELDS as NODE_REPORT_FIELDS
+from ...node_report import (
+    KernelReport,
+    MPSReport,
+    NodeParkReport,
+    NodeProofs,
+    NodeReport,
+    parse_core,
+)
 from ...wire import (
-    CGROUP_PATTERN,
     DEFAULT_ENFORCE_MODE,
     ENFORCE_MODES,
     MAX_BUDGET_FRACTION_HOURS,
-    MAX_CGROUP_CHARS,
     MAX_EXECUTION_STATE_CHARS,
     MAX_GPU_INDEX,
     MAX_GPU_MEMORY_MB,
@@ -32,28 +48,21 @@ from ...wire import (
     MAX_ID_CHARS,
     MAX_KERNEL_PID,
     MAX_NODE_GPUS,
-    MAX_PID,
     MAX_PID_NS,
     MAX_QUOTA_FRACTION,
     MAX_QUOTA_LEASES,
     MAX_REASON_CHARS,
-    MAX_REFUSAL_CHARS,
     MAX_TIME,
     MAX_UID,
-    MAX_USAGE_SAMPLES,
     MAX_UUID_CHARS,
     MAX_VERSION_CHARS,
     MAX_WAIT,
     MAX_WINDOW_S,
-    MPS_STATES,
-    PARK_ACTIONS,
-    PARK_OUTCOMES,
     PRIORITY_RANGE,
     PROOF_PATTERN,
     fraction_to_ppm,
 )
 from ..rules.policy import Ask
-from ..rules.reports import NodeParkReport, NodeProofs, ParkOutcome, ProvenKernel
 
 #: kernel execution states as jupyter_client reports them (others are accepted too)
 EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", "dead", "unknown")
@@ -63,7 +72,6 @@ DEFAULT_USAGE_WINDOW_S = 7 * 86400
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
 HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup", "proof")
 _PROOF = re.compile(PROOF_PATTERN)
-_CGROUP_PATH = re.compile(CGROUP_PATTERN)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -147,57 +155,7 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
     return body
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def check_fields(body: dict[str, Any], allowed: tuple[str, ...], what: str) -> None:
-    """400 naming every field of ``body`` that is not in ``allowed``."""
-    unknown = sorted(k for k in body if k not in allowed)
-    if unknown:
-        names = ", ".join(repr(k[:64]) for k in unknown[:10])
-        raise InvalidRequest(
-            f"Unknown field(s) in the {what}: {names}. Allowed fields are "
-            f"{', '.join(allowed)}; remove the others.",
-            fields=[k[:64] for k in unknown[:10]],
-        )
-
-
 # -- single values -------------------------------------------------------------
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _text(value: Any, name: str, *, max_chars: int = MAX_ID_CHARS) -> str:
-    if not isinstance(value, str):
-        raise InvalidRequest(
-            f"{name!r} must be a string, not a JSON {_json_type(value)}; send it in quotes."
-        )
-    if not value:
-        raise InvalidRequest(f"{name!r} must not be empty.")
-    if len(value) > max_chars:
-        raise InvalidRequest(
-            f"{name!r} has {len(value)} characters; send at most {max_chars}.",
-        )
-    if not value.isprintable():
-        raise InvalidRequest(
-            f"{name!r} contains control or other unprintable characters; send printable text only."
-        )
-    return value
 
 
 def _optional_text(body: dict[str, Any], name: str) -> str | None:
@@ -213,28 +171,6 @@ def parse_fraction(value: Any, name: str = "fraction", *, upper: float = 1.0) ->
             f"{name!r} must be a number such as 0.02{hint}, not a JSON {_json_type(value)}."
         )
     return fraction_to_ppm(validate_fraction(value, repr(name), upper=upper))
-
-
-def _int(value: Any, name: str, *, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        if isinstance(value, float) and value.is_integer() and low <= value <= high:
-            return int(value)
-        raise InvalidRequest(
-            f"{name!r} must be a whole number, not a JSON {_json_type(value)} ({_show(value)})."
-        )
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name!r} must be between {low} and {high}, not {_show(value)}.")
-    return value
-
-
-def _number(value: Any, name: str, *, low: float, high: float) -> float:
-    if not _is_number(value):
-        raise InvalidRequest(f"{name!r} must be a number, not a JSON {_json_type(value)}.")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(f"{name!r} must be a finite number.")
-    if not low <= value <= high:
-        raise InvalidRequest(f"{name!r} must be between {low:g} and {high:g}, not {_show(value)}.")
-    return float(value)
 
 
 # -- acquire ---------------------------------------------------------------------
@@ -342,17 +278,6 @@ def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
             )
         out["proof"] = proof
     return out
-
-
-def parse_cgroup(value: Any) -> str:
-    """A kernel's cgroup v2 path from the hierarchy's root, e.g. ``/gpu-lease/k-1f2e``."""
-    text = _text(value, "cgroup", max_chars=MAX_CGROUP_CHARS)
-    if not _CGROUP_PATH.match(text) or any(part in (".", "..") for part in text.split("/")):
-        raise InvalidRequest(
-            "'cgroup' must be the kernel's cgroup v2 path from the hierarchy's root, such as "
-            "/gpu-lease/kernel-1f2e (letters, digits and ._@:+=,- between slashes)."
-        )
-    return text
 
 
 # -- quotas ----------------------------------------------------------------------
@@ -527,52 +452,6 @@ __all__ = [
 
 NODE_FIELDS = ("gpus", "agent_version", "enforce")
 NODE_GPU_FIELDS = ("uuid", "name", "memory_mb", "index")
-NODE_HEARTBEAT_FIELDS = (
-    "usage",
-    "at",
-    "mps",
-    "mps_uid",
-    "kernels",
-    "driver_limits",
-    "checkpoint",
-    "host_memory_available_mb",
-    "parking",
-    "refused",
-)
-PARK_OUTCOME_FIELDS = ("lease_id", "action", "outcome", "message", "pids", "mb", "seconds")
-#: the largest host memory (MiB) a heartbeat may report: 1 EiB
-MAX_HOST_MEMORY_MB = 2**40
-#: the longest a park or resume may have taken (s), as a heartbeat reports it
-MAX_PARK_SECONDS = 86400.0
-KERNEL_MAP_FIELDS = (
-    "pid",
-    "pid_ns",
-    "host_pid",
-    "lease_id",
-    "uid",
-    "cgroup",
-    "escaped",
-    "left_mps",
-)
-REFUSED_FIELDS = ("lease_id", "reason")
-USAGE_FIELDS = ("pid", "gpu_uuid", "used_mb")
-
-
-def _object(value: Any, what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InvalidRequest(
-            f"Each entry of {what} must be a JSON object, not a {_json_type(value)}."
-        )
-    return value
-
-
-def _list(body: dict[str, Any], name: str, most: int) -> list[Any]:
-    value = body.get(name)
-    if not isinstance(value, list):
-        raise InvalidRequest(f"{name!r} must be a JSON array, not a JSON {_json_type(value)}.")
-    if len(value) > most:
-        raise InvalidRequest(f"{name!r} has {len(value)} entries; send at most {most}.")
-    return value
 
 
 def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU], str, str]:
@@ -606,211 +485,39 @@ def parse_node_registration(body: dict[str, Any], node: str) -> tuple[list[GPU],
     return out, version, str(enforce)
 
 
+def parse_node_report(body: dict[str, Any]) -> NodeReport:
+    """``POST /api/v1/nodes/{node}/heartbeat`` body -> the node's report: its usage and
+    each node feature's part (:mod:`provisioner.node_report` holds every check)."""
+    return NodeReport.from_json(body)
+
+
 def parse_node_heartbeat(
     body: dict[str, Any],
 ) -> tuple[list[tuple[int, str, int]], float | None, dict[str, str] | None]:
-    """``POST /api/v1/nodes/{node}/heartbeat`` body -> ``(pid, gpu_uuid, used_mb)`` samples,
-    ``at``, and the MPS daemons' states (GPU uuid -> running | down; None: no ``--mps``).
-    Its ``mps_uid`` is read by :func:`parse_mps_uids`.
-
-    ``used_mb`` is a whole number of MiB, 0 to 16 TiB (the broker then checks it against
-    the GPU's memory); one sample per ``(pid, gpu_uuid)``.
-    """
-    check_fields(body, NODE_HEARTBEAT_FIELDS, "node heartbeat")
-    at = None
-    if body.get("at") is not None:
-        at = _number(body["at"], "at", low=0.0, high=MAX_TIME)
-    usage: list[tuple[int, str, int]] = []
-    for raw in _list({"usage": body.get("usage", [])}, "usage", MAX_USAGE_SAMPLES):
-        entry = _object(raw, "'usage'")
-        check_fields(entry, USAGE_FIELDS, "usage sample")
-        usage.append(
-            (
-                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
-                _text(entry.get("gpu_uuid"), "gpu_uuid", max_chars=MAX_UUID_CHARS),
-                _int(entry.get("used_mb"), "used_mb", low=0, high=MAX_GPU_MEMORY_MB),
-            )
-        )
-    if len({(p, u) for p, u, _ in usage}) != len(usage):
-        raise InvalidRequest("Two usage samples name the same pid and GPU; send one of each.")
-    mps: dict[str, str] | None = None
-    if body.get("mps") is not None:
-        raw = body["mps"]
-        if not isinstance(raw, dict):
-            raise InvalidRequest(f"'mps' must be a JSON object, not a {_json_type(raw)}.")
-        if len(raw) > MAX_NODE_GPUS:
-            raise InvalidRequest(f"'mps' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
-        mps = {}
-        for gpu_uuid, state in raw.items():
-            _text(gpu_uuid, "mps key", max_chars=MAX_UUID_CHARS)
-            if state not in MPS_STATES:
-                raise InvalidRequest(
-                    f"'mps' states are {' or '.join(MPS_STATES)}, not {_json_type(state)} "
-                    f"{str(state)[:40]!r}."
-                )
-            mps[gpu_uuid] = state
-    return usage, at, mps
+    """A heartbeat's fields, ``usage`` and ``at`` checked, and its ``mps`` states (None:
+    no ``--mps``): the report's core, as the fuzzers read it."""
+    check_fields(body, NODE_REPORT_FIELDS, "node heartbeat")
+    at, usage = parse_core(body)
+    mps = MPSReport.from_json({"mps": body.get("mps")})
+    return list(usage), at, mps.states if mps is not None else None
 
 
 def parse_mps_uids(body: dict[str, Any]) -> dict[str, int | None]:
-    """A node heartbeat's ``mps_uid``: GPU uuid -> the uid its MPS server serves clients of
-    (null: no server, or one without clients); ``{}`` when absent (an agent without
-    ``--mps``, or older than this field). The body's other fields are checked by
-    :func:`parse_node_heartbeat`."""
-    raw = body.get("mps_uid")
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise InvalidRequest(f"'mps_uid' must be a JSON object, not a {_json_type(raw)}.")
-    if len(raw) > MAX_NODE_GPUS:
-        raise InvalidRequest(f"'mps_uid' has {len(raw)} entries; send at most {MAX_NODE_GPUS}.")
-    out: dict[str, int | None] = {}
-    for gpu_uuid, uid in raw.items():
-        _text(gpu_uuid, "mps_uid key", max_chars=MAX_UUID_CHARS)
-        out[gpu_uuid] = None if uid is None else _int(uid, "mps_uid", low=0, high=MAX_UID)
-    return out
-
-
-def parse_node_kernels(
-    body: dict[str, Any],
-) -> tuple[dict[tuple[int, int], int] | None, list[str] | None]:
-    """A heartbeat's pid-namespace map and driver limits (see :mod:`provisioner.node.pidns`).
-
-    ``kernels``: ``[{pid, pid_ns, host_pid}]``, which host pid each namespaced kernel the
-    agent found is -> ``{(pid, pid_ns): host_pid}``; None when absent (an older agent).
-    ``driver_limits``: the kernel cgroups whose driver memory limit is in force; None when
-    absent (no driver limits on that node).
-    """
-    kernels: dict[tuple[int, int], int] | None = None
-    if body.get("kernels") is not None:
-        kernels = {}
-        for raw in _list(body, "kernels", MAX_USAGE_SAMPLES):
-            entry = _object(raw, "'kernels'")
-            check_fields(entry, KERNEL_MAP_FIELDS, "kernels entry")
-            if entry.get("lease_id") is not None:
-                continue  # a proven kernel: parse_node_proofs
-            key = (
-                _int(entry.get("pid"), "pid", low=1, high=MAX_PID),
-                _int(entry.get("pid_ns"), "pid_ns", low=1, high=MAX_PID_NS),
-            )
-            if key in kernels:
-                raise InvalidRequest("Two 'kernels' entries name the same pid and pid_ns.")
-            kernels[key] = _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID)
-    limits: list[str] | None = None
-    if body.get("driver_limits") is not None:
-        limits = [parse_cgroup(x) for x in _list(body, "driver_limits", MAX_USAGE_SAMPLES)]
-    return kernels, limits
-
-
-def _pid_list(entry: dict[str, Any], name: str) -> tuple[int, ...]:
-    """A ``kernels`` entry's list of pids ``name`` (absent or null: none)."""
-    pids = entry.get(name) or []
-    if not isinstance(pids, list) or len(pids) > MAX_USAGE_SAMPLES:
-        raise InvalidRequest(f"{name!r} must be a JSON array of pids.")
-    return tuple(_int(p, name, low=1, high=MAX_PID) for p in pids)
+    """A heartbeat's ``mps_uid`` (``{}`` when absent), as :class:`MPSReport` reads it."""
+    mps = MPSReport.from_json({"mps_uid": body.get("mps_uid")})
+    return dict(mps.uids or {}) if mps is not None else {}
 
 
 def parse_node_proofs(body: dict[str, Any]) -> NodeProofs | None:
-    """A heartbeat's proofs: ``kernels`` entries with ``lease_id`` and ``refused``
-    ``[{lease_id, reason}]``; None when ``refused`` is absent (an older agent)."""
-    if body.get("refused") is None:
-        return None
-    proven: dict[str, ProvenKernel] = {}
-    for raw in body.get("kernels") or []:
-        entry = _object(raw, "'kernels'")
-        if entry.get("lease_id") is None:
-            continue
-        lease_id = _text(entry["lease_id"], "lease_id")
-        if lease_id in proven:
-            raise InvalidRequest("Two 'kernels' entries name the same lease_id.")
-        if entry.get("pid_ns") is not None:
-            _int(entry["pid_ns"], "pid_ns", low=1, high=MAX_PID_NS)
-        _int(entry.get("pid"), "pid", low=1, high=MAX_PID)
-        escaped, left_mps = _pid_list(entry, "escaped"), _pid_list(entry, "left_mps")
-        proven[lease_id] = ProvenKernel(
-            lease_id,
-            _int(entry.get("host_pid"), "host_pid", low=1, high=MAX_PID),
-            _int(entry["uid"], "uid", low=0, high=MAX_UID)
-            if entry.get("uid") is not None
-            else None,
-            parse_cgroup(entry["cgroup"]) if entry.get("cgroup") is not None else None,
-            escaped,
-            left_mps,
-        )
-    refused: dict[str, str] = {}
-    for raw in _list(body, "refused", MAX_USAGE_SAMPLES):
-        entry = _object(raw, "'refused'")
-        check_fields(entry, REFUSED_FIELDS, "refused entry")
-        lease_id = _text(entry.get("lease_id"), "lease_id")
-        refused[lease_id] = _text(entry.get("reason"), "reason", max_chars=MAX_REFUSAL_CHARS)
-    return NodeProofs(proven, refused)
-
-
-# -- parking -------------------------------------------------------------
+    """A heartbeat's proven kernels and refused claims, as :class:`KernelReport` reads them."""
+    kernels = KernelReport.from_json(body)
+    return kernels.proofs if kernels is not None else None
 
 
 def parse_node_parking(body: dict[str, Any]) -> NodeParkReport:
-    """A node heartbeat's ``checkpoint`` (boolean), ``host_memory_available_mb`` (whole
-    MiB, 0 or more) and ``parking`` (at most one outcome per lease and action:
-    ``{lease_id, action: park|resume, outcome: done|failed|waiting, message?, pids?, mb?,
-    seconds?}``). Any other shape is a 400 naming the field; the body's other fields are
-    checked by :func:`parse_node_heartbeat`."""
-    checkpoint = body.get("checkpoint")
-    if checkpoint is not None and not isinstance(checkpoint, bool):
-        raise InvalidRequest(
-            f"'checkpoint' must be true or false, not a JSON {_json_type(checkpoint)}."
-        )
-    host = body.get("host_memory_available_mb")
-    if host is not None:
-        host = _int(host, "host_memory_available_mb", low=0, high=MAX_HOST_MEMORY_MB)
-    outcomes: list[ParkOutcome] = []
-    if body.get("parking") is not None:
-        for raw in _list(body, "parking", MAX_USAGE_SAMPLES):
-            entry = _object(raw, "'parking'")
-            check_fields(entry, PARK_OUTCOME_FIELDS, "parking outcome")
-            action = entry.get("action")
-            if action not in PARK_ACTIONS:
-                raise InvalidRequest(
-                    f"A parking outcome's 'action' is {' or '.join(PARK_ACTIONS)}, "
-                    f"not {_show(action)}."
-                )
-            outcome = entry.get("outcome")
-            if outcome not in PARK_OUTCOMES:
-                raise InvalidRequest(
-                    f"A parking outcome's 'outcome' is {', '.join(PARK_OUTCOMES)}, "
-                    f"not {_show(outcome)}."
-                )
-            message = entry.get("message")
-            if message is not None:
-                message = _text(message, "message", max_chars=MAX_REASON_CHARS)
-            pids = entry.get("pids")
-            if pids is not None:
-                pids = [
-                    _int(p, "pids", low=1, high=MAX_PID)
-                    for p in _list(entry, "pids", MAX_USAGE_SAMPLES)
-                ]
-            mb = entry.get("mb")
-            if mb is not None:
-                mb = _int(mb, "mb", low=0, high=MAX_GPU_MEMORY_MB)
-            seconds = entry.get("seconds")
-            if seconds is not None:
-                seconds = _number(seconds, "seconds", low=0.0, high=MAX_PARK_SECONDS)
-            outcomes.append(
-                ParkOutcome(
-                    lease_id=_text(entry.get("lease_id"), "lease_id"),
-                    action=str(action),
-                    outcome=str(outcome),
-                    message=message,
-                    pids=tuple(pids or ()),
-                    mb=mb,
-                    seconds=seconds,
-                )
-            )
-    if len({(o.lease_id, o.action) for o in outcomes}) != len(outcomes):
-        raise InvalidRequest(
-            "Two parking outcomes name the same lease and action; send one of each."
-        )
-    return NodeParkReport(checkpoint, host, tuple(outcomes))
+    """A heartbeat's parking fields, as :class:`NodeParkReport` reads them (all absent:
+    the empty report)."""
+    return NodeParkReport.from_json(body) or NodeParkReport()
 
 
 RESUME_FIELDS = ("wait",)
