@@ -529,3 +529,33 @@ def test_the_repository_stands_alone() -> None:
         if hits := our_references(text, css=path.suffix == ".css"):
             found[str(path.relative_to(REPO))] = hits
     assert not found, f"references only our tracker could explain: {found}"
+
+
+# -- the front processes' channel carries exactly what the HTTP layer calls -------------
+def service_calls(paths: list[Path]) -> set[tuple[str, str]]:
+    """Every ``….service.PART.METHOD(…)`` the modules ``paths`` make (PART: a service)."""
+    calls = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Attribute)
+                and node.value.value.attr == "service"
+            ):
+                calls.add((node.value.attr, node.attr))
+    return calls
+
+
+def test_the_fronts_may_call_exactly_what_the_handlers_call() -> None:
+    """``--http-processes`` serves HTTP in front processes that call the broker's services
+    over a socket; only ``service_channel.METHODS`` may be called there. A handler that
+    calls a method missing from it would answer 500 behind a front only: adding an
+    endpoint adds its service method there (docs/developers.md, "Add an endpoint")."""
+    from provisioner.broker.fronts.service_channel import METHODS
+
+    called = service_calls(sorted((PACKAGE / "broker" / "web").glob("*.py")))
+    allowed = {(part, method) for part, methods in METHODS.items() for method in methods}
+    assert called, "no service call found: the check reads nothing"
+    assert called - allowed == set(), "add these to service_channel.METHODS"
+    assert allowed - called == set(), "no handler calls these: remove them from METHODS"
