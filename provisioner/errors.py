@@ -13,7 +13,10 @@ httpx, NVML, tornado) are translated into these once, at the edge that meets the
     ├── NotAuthenticated               401  missing, forged or expired token
     ├── Forbidden                      403  not an admin / not a member of the course / quota
     │   └── QuotaExceeded              403  the request would exceed a quota
-    ├── LeaseNotFound                  404  no such lease (or not visible to the caller)
+    ├── NotFound                       404  nothing of that name (or not visible to the caller)
+    │   ├── LeaseNotFound              404  no such lease or queued request (the client's for any 404)
+    │   ├── QuotaNotFound              404  no quota is set for that user, group or default
+    │   ├── UserNotFound               404  JupyterHub has no user of that name
     │   └── NodeNotFound               404  no node of that name registered (an agent registers first)
     ├── MethodNotAllowed               405  the URL exists but does not take this method
     ├── Conflict                       409  the kernel already holds a lease of another fraction
@@ -68,11 +71,14 @@ __all__ = [
     "NoCapacity",
     "NoGPUFound",
     "NodeNotFound",
+    "NotFound",
     "NotActive",
     "NotAuthenticated",
     "QuotaExceeded",
+    "QuotaNotFound",
     "StoreError",
     "TokensFileError",
+    "UserNotFound",
     "UnknownGPU",
 ]
 
@@ -128,14 +134,27 @@ class QuotaExceeded(Forbidden):
     code = "quota_exceeded"
 
 
-class LeaseNotFound(GPULeaseError):
-    """404: no such lease, queued request or quota (or not visible to the caller)."""
+class NotFound(GPULeaseError):
+    """404: nothing of that name (or not visible to the caller)."""
 
     code = "not_found"
     status = 404
 
 
-class NodeNotFound(LeaseNotFound):
+class LeaseNotFound(NotFound):
+    """404: no such lease or queued request (or not visible to the caller). The client
+    raises it for every 404 answer: the error body's code does not say what was missing."""
+
+
+class QuotaNotFound(NotFound):
+    """404: no quota is set for that user, group or default."""
+
+
+class UserNotFound(NotFound):
+    """404: JupyterHub has no user of that name."""
+
+
+class NodeNotFound(NotFound):
     """404: no node of that name is registered (its agent must ``PUT`` it first)."""
 
 

@@ -12,10 +12,10 @@ from provisioner.broker.web.validation import (
     parse_acquire,
     parse_duration,
     parse_flag,
-    parse_heartbeat,
     parse_json_body,
     parse_mps_uids,
     parse_quota,
+    parse_renewal,
     parse_since,
 )
 from provisioner.errors import BodyTooLarge, InvalidRequest
@@ -175,7 +175,7 @@ def test_unknown_fields_are_named() -> None:
     assert "'fractoin'" in info.value.message and "kernel_id" in info.value.message
 
 
-# -- parse_heartbeat ------------------------------------------------------------------
+# -- parse_renewal ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_unknown_fields_are_named() -> None:
     ],
 )
 def test_heartbeat_ok(body: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert parse_heartbeat(body) == expected
+    assert parse_renewal(body) == expected
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_heartbeat_ok(body: dict[str, Any], expected: dict[str, Any]) -> None:
 )
 def test_heartbeat_refused(body: dict[str, Any], words: str) -> None:
     with pytest.raises(InvalidRequest, match=words):
-        parse_heartbeat(body)
+        parse_renewal(body)
 
 
 # -- parse_quota ------------------------------------------------------------------

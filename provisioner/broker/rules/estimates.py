@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ...model import Lease, PoolState
 from .policy import Policy
-from .scheduling import apply_ends, apply_grants, drain
+from .scheduling import apply_ends, apply_grants, drain, idle_since
 
 
 @dataclass
@@ -78,9 +78,8 @@ def expected_end(lease: Lease, now: float, policy: Policy, holds: HoldTimes) -> 
     reclaim on and its kernel idle now, when it will have been idle for
     ``idle_reclaim_after`` (someone waits, so the reaper then revokes it), if sooner."""
     end = now + holds.remaining(now - lease.created_at, policy.ttl)
-    limit = policy.idle_reclaim_after
-    if limit is not None and lease.execution_state != "busy":
-        since = lease.last_activity if lease.last_activity is not None else lease.created_at
+    limit, since = policy.idle_reclaim_after, idle_since(lease)
+    if limit is not None and since is not None:
         end = min(end, max(now, since + limit))
     return end
 

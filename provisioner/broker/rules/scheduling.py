@@ -652,12 +652,19 @@ def stale_requests(
     ]
 
 
-def idle_for(lease: Lease, now: float) -> float:
-    """Seconds since the kernel last did something (its provisioner reports activity)."""
+def idle_since(lease: Lease) -> float | None:
+    """Since when the lease's kernel has been idle (its provisioner reports activity; a
+    kernel that never reported any: since its grant); None while it is busy. The one home
+    of the idle rule: idle reclaim, parking and the estimated waits read it."""
     if lease.execution_state == "busy":
-        return 0.0
-    since = lease.last_activity if lease.last_activity is not None else lease.created_at
-    return max(0.0, now - since)
+        return None
+    return lease.last_activity if lease.last_activity is not None else lease.created_at
+
+
+def idle_for(lease: Lease, now: float) -> float:
+    """Seconds since the kernel last did something (0 while busy)."""
+    since = idle_since(lease)
+    return 0.0 if since is None else max(0.0, now - since)
 
 
 def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:

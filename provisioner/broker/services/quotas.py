@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ...errors import Forbidden, InvalidRequest, LeaseNotFound
+from ...errors import Forbidden, InvalidRequest, QuotaNotFound
 from ...model import Identity, Quota, QuotaBook, quota_key_problem
 from ..rules import admission
 from .service_core import ServiceCore, require_admin
@@ -57,7 +57,7 @@ class QuotaService:
                 raise Forbidden("You may read only the quotas of groups you belong to.")
         quota = self._quota_record(level, name)
         if quota is None:
-            raise LeaseNotFound(f"No {level} quota is set for {name!r}.")
+            raise QuotaNotFound(f"No {level} quota is set for {name!r}.")
         if level != "user":
             return quota, None
         groups = ident.groups if name == ident.user else frozenset()

@@ -578,7 +578,7 @@ class HubTokens(Authenticator):
         token, which needs ``read:users:groups`` (hub_config grants it to the broker)."""
         import httpx
 
-        from ...errors import Forbidden, LeaseNotFound
+        from ...errors import Forbidden, UserNotFound
 
         api_url = str(getattr(self.hub_auth, "api_url", "")).rstrip("/")
         token = str(getattr(self.hub_auth, "api_token", ""))
@@ -592,7 +592,7 @@ class HubTokens(Authenticator):
                 "moment, and if this persists check that the hub is running."
             ) from exc
         if r.status_code == 404:
-            raise LeaseNotFound(f"JupyterHub has no user named {user!r}.")
+            raise UserNotFound(f"JupyterHub has no user named {user!r}.")
         if r.status_code == 403:
             raise Forbidden(
                 "The broker may not read users' groups from JupyterHub: give the service "

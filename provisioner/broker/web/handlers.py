@@ -560,7 +560,7 @@ class MetricsHandler(APIHandler):
             )
         metrics = self.settings.get("gpu_lease_metrics")
         if metrics is None or not hasattr(metrics, "render"):
-            raise errors.LeaseNotFound("This broker does not export metrics.")
+            raise errors.NotFound("This broker does not export metrics.")
         body, content_type = await resolved(metrics.render())
         self.set_header("Content-Type", content_type)
         self.finish(body)
@@ -666,7 +666,7 @@ class LeaseHandler(APIHandler):
 class RenewHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
-        beat = validation.parse_heartbeat(self.json_body())
+        beat = validation.parse_renewal(self.json_body())
         lease = await self.service.leases.renew(self.ident, lease_id, **beat)
         self.write_json(await self.lease_json(lease))
 

@@ -241,7 +241,7 @@ def parse_revoke(body: dict[str, Any]) -> str:
     return _text(body["reason"], "reason", max_chars=MAX_REASON_CHARS).strip() or "revoked"
 
 
-def parse_heartbeat(body: dict[str, Any]) -> dict[str, Any]:
+def parse_renewal(body: dict[str, Any]) -> dict[str, Any]:
     """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``LeaseService.renew``.
 
     ``pid`` (an int > 0), ``execution_state`` (a kernel state such as ``idle`` or
@@ -440,7 +440,7 @@ __all__ = [
     "parse_path_arg",
     "parse_query_text",
     "parse_fraction",
-    "parse_heartbeat",
+    "parse_renewal",
     "parse_json_body",
     "parse_quota",
     "parse_revoke",
