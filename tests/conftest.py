@@ -191,6 +191,9 @@ FRONTS_MODULES = {
 #: set (to a number) to serve every ``broker`` fixture's HTTP from that many front
 #: processes, in every module (the fronts variants above run in every ``make test``)
 HTTP_PROCESSES_ENV = "GPU_LEASE_TEST_HTTP_PROCESSES"
+#: set to 1 to run each ``broker`` fixture's broker on a thread of the test's process
+#: (``devtools.testing.EmbeddedBroker``) instead of a subprocess
+EMBEDDED_BROKER_ENV = "GPU_LEASE_TEST_EMBEDDED_BROKER"
 
 
 DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
@@ -344,16 +347,22 @@ def postgres_schema(prefix: str = "gl_test") -> Iterator[str]:
 def broker(
     request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str, broker_http_processes: int
 ) -> Iterator[Broker]:
-    """A running broker (see the module docstring): in the test's process, unless the test
+    """A running broker subprocess (see the module docstring); with
+    ``GPU_LEASE_TEST_EMBEDDED_BROKER=1``, on a thread of the test's process unless the test
     is marked ``broker_process`` (it kills, signals or times the process) or front
     processes serve its HTTP."""
     marker = request.node.get_closest_marker("broker_args")
     extra = tuple(marker.args) if marker else ()
     if broker_http_processes and "--http-processes" not in extra:
         extra += ("--http-processes", str(broker_http_processes))
-    # front processes write their log to their parent's stderr: a process's, not pytest's
-    in_process = request.node.get_closest_marker("broker_process") is None and (
-        "--http-processes" not in extra
+    # embedded only when asked (GPU_LEASE_TEST_EMBEDDED_BROKER=1): on a 2-core machine the
+    # broker's thread and the test's client then share one interpreter lock, and a serial
+    # run was slower than with a subprocess; front processes write their log to their
+    # parent's stderr: a process's, not pytest's
+    in_process = (
+        os.environ.get(EMBEDDED_BROKER_ENV) == "1"
+        and request.node.get_closest_marker("broker_process") is None
+        and "--http-processes" not in extra
     )
     with Broker(tmp_path, broker_db_url, extra, in_process=in_process).running() as b:
         yield b
