@@ -498,8 +498,8 @@ c.Spawner.http_timeout = int(env("GPU_LEASE_SPAWN_TIMEOUT") or 300)
 c.Spawner.args = [
     "--ServerApp.kernel_manager_class=provisioner.kernel.server.GPULeaseKernelManager",
     # the launcher offers each user only the GPU kernels the broker would let them start
-    # (course, quota; see provisioner/kernel/specs.py); "mark" lists the others with why
-    "--ServerApp.kernel_spec_manager_class=provisioner.kernel.specs.GPULeaseKernelSpecManager",
+    # (course, quota; see provisioner/kernel/offered.py); "mark" lists the others with why
+    "--ServerApp.kernel_spec_manager_class=provisioner.kernel.offered.GPULeaseKernelSpecManager",
     f"--GPULeaseKernelSpecManager.unavailable={env('GPU_LEASE_UNAVAILABLE_KERNELS') or 'hide'}",
     # the spawner picks a random free port; if another server took it meanwhile, fail the
     # spawn instead of silently moving to the next port (the proxy would then route this

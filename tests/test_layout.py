@@ -184,21 +184,26 @@ def test_every_broker_module_is_in_a_layer() -> None:
     assert top == {"__init__", "app", "courses", "options", "startup", *BROKER_ALIASES}, top
 
 
-#: old module paths that sites' configurations name, kept as aliases of the moved module
-BROKER_ALIASES = {"auth": "provisioner.broker.web.auth"}
+#: old module paths that sites' configurations name (``authenticator_class``,
+#: ``kernel_spec_manager_class``), kept as aliases of the moved module
+ALIASES = {
+    "provisioner.broker.auth": "provisioner.broker.web.auth",
+    "provisioner.kernel.specs": "provisioner.kernel.offered",
+}
+BROKER_ALIASES = {
+    old.rpartition(".")[2] for old in ALIASES if old.startswith("provisioner.broker.")
+}
 
 
-def test_the_aliases_are_only_aliases() -> None:
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_the_aliases_are_only_aliases(old: str) -> None:
     import importlib
 
-    for old, new in BROKER_ALIASES.items():
-        alias, real = (
-            importlib.import_module(f"provisioner.broker.{old}"),
-            importlib.import_module(new),
-        )
-        names = set(real.__all__)
-        assert names and all(getattr(alias, n) is getattr(real, n) for n in names)
-        assert imports_of(PACKAGE / "broker" / f"{old}.py") == {new}
+    new = ALIASES[old]
+    alias, real = importlib.import_module(old), importlib.import_module(new)
+    names = set(real.__all__)
+    assert names and all(getattr(alias, n) is getattr(real, n) for n in names)
+    assert imports_of(PACKAGE.parent / (old.replace(".", "/") + ".py")) == {new}
 
 
 @pytest.mark.parametrize("path", BROKER_MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))

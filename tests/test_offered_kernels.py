@@ -1,7 +1,7 @@
 """The launcher offers each user only the GPU kernels the broker would let them start.
 
-Table tests of the pure rule (:func:`provisioner.kernel.specs.never_startable`,
-:func:`~provisioner.kernel.specs.offered`), then real ``jupyter server`` processes (one
+Table tests of the pure rule (:func:`provisioner.kernel.offered.never_startable`,
+:func:`~provisioner.kernel.offered.offered`), then real ``jupyter server`` processes (one
 per user, each with that user's broker token, as a hub spawns them) in front of a real
 broker subprocess: ``GET /api/kernelspecs`` -- what JupyterLab's launcher shows -- lists
 what the user's course and quota allow, an admin sees every kernel, and a start forced by
@@ -22,7 +22,7 @@ import pytest
 
 from provisioner.devtools.testing import free_port, stop_process, wait_for_http
 from provisioner.kernel import kernelspecs as ks
-from provisioner.kernel.specs import never_startable, offered
+from provisioner.kernel.offered import never_startable, offered
 
 from .conftest import ROOT, Broker
 
@@ -124,7 +124,7 @@ class Server:
                     f"--port={self.port}", "--ServerApp.port_retries=0",
                     f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
                     "--ServerApp.kernel_spec_manager_class="
-                    "provisioner.kernel.specs.GPULeaseKernelSpecManager",
+                    "provisioner.kernel.offered.GPULeaseKernelSpecManager",
                     "--allow-root", *args,
                 ],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root,
