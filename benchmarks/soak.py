@@ -40,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from provisioner.client import BrokerClient  # noqa: E402
+from provisioner.client import BrokerClient, Renewal  # noqa: E402
 from provisioner.devtools.testing import BrokerProcess  # noqa: E402
 from provisioner.errors import LeaseExpired, NoCapacity  # noqa: E402
 
@@ -139,7 +139,9 @@ async def student(
                 await asyncio.sleep(min(ttl / 3, max(0.0, end - time.monotonic())))
                 state = rng.choice(("idle", "busy"))
                 try:
-                    await client.leases.renew(lease.id, pid=os.getpid(), execution_state=state)
+                    await client.leases.renew(
+                        lease.id, Renewal(pid=os.getpid(), execution_state=state)
+                    )
                 except LeaseExpired:
                     # this driver renewed too late (an overloaded box): like the provisioner,
                     # try once to get the same fraction back, else the kernel stops

@@ -16,6 +16,7 @@ nothing of ours but :mod:`provisioner.errors`; pure, nothing happens at import.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import socket
@@ -355,3 +356,34 @@ __all__ = [
     "mps_covered_file",
     "pipe_directory",
 ]
+
+
+# -- a renewal's claims ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Renewal:
+    """What a kernel's holder says when it renews (``POST /api/v1/leases/{id}/renew``'s
+    body), typed once for both ends: the client sends :meth:`to_json`, the broker's
+    ``web/validation.parse_renewal`` checks a body into one, ``LeaseService.renew`` takes it.
+
+    ``pid`` (the kernel's, numbered in the pid namespace ``pid_ns``, an inode), ``cgroup``
+    (the kernel's cgroup v2 path) and ``proof`` (the hex sha256 of the kernel's secret) are
+    claims the node agent proves before anything counts them; ``execution_state`` and
+    ``last_activity`` (POSIX seconds) feed the idle rule. Every field is optional."""
+
+    pid: int | None = None
+    execution_state: str | None = None
+    last_activity: float | None = None
+    pid_ns: int | None = None
+    cgroup: str | None = None
+    proof: str | None = None
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The body's field names, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_json(self) -> dict[str, Any]:
+        """The request body: only the fields given."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from provisioner import errors
-from provisioner.client import BrokerClient, GrantedLease, LeasedGPU
+from provisioner.client import BrokerClient, GrantedLease, LeasedGPU, Renewal
 from provisioner.node_report import DriverLimitsReport, MPSReport, NodeReport
 
 URL = "http://broker.test:10101"
@@ -236,7 +236,7 @@ async def test_410_renew_becomes_lease_revoked_with_reason() -> None:
     async with client(broker) as c:
         with pytest.raises(errors.LeaseRevoked) as info:
             await c.leases.renew(
-                "L-abc", pid=42, execution_state="idle", last_activity=1700000000.5
+                "L-abc", Renewal(pid=42, execution_state="idle", last_activity=1700000000.5)
             )
     assert info.value.details["reason"] == "idle"
     (req,) = broker.requests

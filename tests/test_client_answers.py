@@ -18,6 +18,7 @@ from provisioner.client import (
     BrokerClient,
     GrantedLease,
     LeasedGPU,
+    Renewal,
     ResumeAnswer,
     ResumePlace,
 )
@@ -190,7 +191,7 @@ async def test_a_real_brokers_lease_is_read_whole(broker: Any) -> None:
     async with broker.client("alice") as raw, BrokerClient(broker.url, broker.tokens["alice"]) as c:
         lease = await c.leases.acquire("k-answers", 0.25, group="ml101")
         assert lease.to_json() == (await raw.get(f"/leases/{lease.id}")).json()
-        renewed = await c.leases.renew(lease.id, pid=4242, execution_state="idle")
+        renewed = await c.leases.renew(lease.id, Renewal(pid=4242, execution_state="idle"))
         assert renewed.pid == 4242 and renewed.execution_state == "idle"
         assert renewed.enforcement == "cooperative" and renewed.used_mb is None
         got = await c.leases.get(lease.id)

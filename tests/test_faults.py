@@ -38,7 +38,7 @@ from provisioner.broker.services.broker_service import BrokerService
 from provisioner.broker.store.store import Store
 from provisioner.broker.web.auth import StaticTokens
 from provisioner.broker.web.routes import make_app
-from provisioner.client import BrokerClient
+from provisioner.client import BrokerClient, Renewal
 from provisioner.devtools.testing import free_port, wait_for_async
 from provisioner.errors import LeaseExpired
 from provisioner.inventory import parse_gpu_spec
@@ -169,7 +169,8 @@ class Holder:
         self.seen_ids.add(lease.id)
         while not stop.is_set():
             fresh = await self.client.leases.renew(
-                self.lease_id, pid=os.getpid(), execution_state=random.choice(["idle", "busy"])
+                self.lease_id,
+                Renewal(pid=os.getpid(), execution_state=random.choice(["idle", "busy"])),
             )
             assert fresh.state == "active"
             self.seen_ids.add(fresh.id)
@@ -193,7 +194,7 @@ async def churn(broker: Broker, user: str, stop: asyncio.Event, done: list[int])
             fraction = random.choice([0.1, 0.2, 0.3])
             lease = await client.leases.acquire(kernel_id, fraction, wait=2)
             await asyncio.sleep(random.uniform(0.05, 0.4))
-            await client.leases.renew(lease.id, execution_state="busy")
+            await client.leases.renew(lease.id, Renewal(execution_state="busy"))
             await client.leases.release(lease.id)
             done[0] += 1
 

@@ -20,6 +20,7 @@ from provisioner.broker.web.validation import (
 )
 from provisioner.errors import BodyTooLarge, InvalidRequest
 from provisioner.model import Identity, Quota
+from provisioner.wire import Renewal
 
 ALICE = Identity("alice", frozenset({"ml101"}), admin=False)
 NOW = 1_750_000_000.0
@@ -181,19 +182,21 @@ def test_unknown_fields_are_named() -> None:
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ({}, {"pid": None, "execution_state": None, "last_activity": None}),
+        ({}, Renewal()),
         (
             {"pid": 1234, "execution_state": "Idle", "last_activity": NOW},
-            {"pid": 1234, "execution_state": "idle", "last_activity": NOW},
+            Renewal(pid=1234, execution_state="idle", last_activity=NOW),
         ),
+        ({"execution_state": "busy"}, Renewal(execution_state="busy")),
         (
-            {"execution_state": "busy"},
-            {"pid": None, "execution_state": "busy", "last_activity": None},
+            {"pid_ns": 4026531836, "cgroup": "/a/b", "proof": "ab" * 32},
+            Renewal(pid_ns=4026531836, cgroup="/a/b", proof="ab" * 32),
         ),
     ],
 )
-def test_heartbeat_ok(body: dict[str, Any], expected: dict[str, Any]) -> None:
+def test_heartbeat_ok(body: dict[str, Any], expected: Renewal) -> None:
     assert parse_renewal(body) == expected
+    assert parse_renewal(expected.to_json()) == expected  # the client's body, back
 
 
 @pytest.mark.parametrize(

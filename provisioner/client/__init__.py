@@ -16,6 +16,7 @@ BrokerClient, broker_env``). Its modules, each one job:
 
 from __future__ import annotations
 
+from ..wire import Renewal
 from .answers import PARK_STATES, GrantedLease, LeasedGPU, ResumeAnswer, ResumePlace, short_id
 from .http import (
     API_PREFIX,
@@ -34,21 +35,22 @@ from .quotas import QuotaCalls, quota_path
 
 __all__ = [
     "API_PREFIX",
-    "PARK_STATES",
-    "DEFAULT_USER_AGENT",
-    "HUB_TOKEN_ENV",
-    "TOKEN_ENV",
-    "URL_ENV",
     "BrokerClient",
     "BrokerEnv",
+    "DEFAULT_USER_AGENT",
     "GrantedLease",
+    "HUB_TOKEN_ENV",
     "LeaseCalls",
     "LeasedGPU",
     "NodeCalls",
+    "PARK_STATES",
     "QueuedCallback",
     "QuotaCalls",
+    "Renewal",
     "ResumeAnswer",
     "ResumePlace",
+    "TOKEN_ENV",
+    "URL_ENV",
     "broker_env",
     "no_capacity_message",
     "normalize_url",

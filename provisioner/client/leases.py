@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import errors
-from ..wire import MAX_WAIT
+from ..wire import MAX_WAIT, Renewal
 from .answers import GrantedLease, ResumeAnswer
 from .calls import Core, segment
 
@@ -146,38 +146,13 @@ class LeaseCalls:
         except errors.GPULeaseError as exc:
             log.debug("could not cancel queued request %s: %s", request_id, exc.code)
 
-    async def renew(
-        self,
-        lease_id: str,
-        *,
-        pid: int | None = None,
-        execution_state: str | None = None,
-        last_activity: float | None = None,
-        pid_ns: int | None = None,
-        cgroup: str | None = None,
-        proof: str | None = None,
-    ) -> GrantedLease:
-        """Heartbeat: ``POST /api/v1/leases/{id}/renew``; returns the renewed lease.
-
-        ``pid_ns``: the inode of the pid namespace ``pid`` is numbered in; ``cgroup``: the
-        kernel's cgroup v2 path (from the v2 root) for a driver memory limit; ``proof``: the
-        hex sha256 of the kernel's secret, which the node agent checks.
-        Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired` (410) when
-        the lease has ended; ``details['reason']`` says why.
+    async def renew(self, lease_id: str, claim: Renewal = Renewal()) -> GrantedLease:
+        """Heartbeat: ``POST /api/v1/leases/{id}/renew`` with ``claim``
+        (:class:`~provisioner.wire.Renewal`: only its fields given are sent); returns the
+        renewed lease. Raises :class:`errors.LeaseRevoked` / :class:`errors.LeaseExpired`
+        (410) when the lease has ended; ``details['reason']`` says why.
         """
-        body: dict[str, Any] = {}
-        if pid is not None:
-            body["pid"] = pid
-        if pid_ns is not None:
-            body["pid_ns"] = pid_ns
-        if cgroup is not None:
-            body["cgroup"] = cgroup
-        if proof is not None:
-            body["proof"] = proof
-        if execution_state is not None:
-            body["execution_state"] = execution_state
-        if last_activity is not None:
-            body["last_activity"] = last_activity
+        body = claim.to_json()
         return await self._lease("POST", _lease_path(lease_id, "renew"), body=body)
 
     async def release(self, lease_id: str) -> None:

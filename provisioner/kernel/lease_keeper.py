@@ -51,6 +51,7 @@ from ..errors import (
     LeaseNotFound,
     NoCapacity,
 )
+from ..wire import Renewal
 from .broker_clients import BrokerClients
 from .kernel_secret import KernelSecret
 from .kernelspecs import format_fraction
@@ -271,12 +272,14 @@ class LeaseKeeper:
         try:
             fresh = await self.clients.get(renewal=True).leases.renew(
                 lease.id,
-                pid=report.pid,
-                execution_state=report.execution_state,
-                last_activity=report.last_activity,
-                pid_ns=report.pid_ns,
-                cgroup=report.cgroup,
-                proof=self.secret.renewal_proof(lease.id),
+                Renewal(
+                    pid=report.pid,
+                    execution_state=report.execution_state,
+                    last_activity=report.last_activity,
+                    pid_ns=report.pid_ns,
+                    cgroup=report.cgroup,
+                    proof=self.secret.renewal_proof(lease.id),
+                ),
             )
         except InvalidRequest as exc:
             if (

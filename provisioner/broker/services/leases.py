@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from ...errors import GPULeaseError, LeaseGone, UnknownGPU
 from ...model import Identity, Lease, Request, ppm_to_fraction
+from ...wire import Renewal
 from ..rules import admission, scheduling
 from ..rules.policy import Ask
 from ..rules.scheduling import Existing, Grant, Queued
@@ -162,20 +163,15 @@ class LeaseService:
         self,
         ident: Identity,
         lease_id: str,
-        *,
-        pid: int | None = None,
-        execution_state: str | None = None,
-        last_activity: float | None = None,
-        pid_ns: int | None = None,
-        cgroup: str | None = None,
-        proof: str | None = None,
+        claim: Renewal = Renewal(),
     ) -> Lease:
         """``POST /api/v1/leases/{id}/renew``: a new TTL; 410 with the reason if it ended.
 
         Memory only: the reaper's next pass persists the heartbeat (``reaper.py``). A lease
-        active in the database but not in memory is adopted (memory reloaded). ``pid``,
-        ``pid_ns``, ``cgroup`` and ``proof`` (the sha256 of the kernel's secret) are the
-        holder's claim, kept in memory for the node agent to prove (``kernel_places.py``).
+        active in the database but not in memory is adopted (memory reloaded). The
+        ``claim``'s ``pid``, ``pid_ns``, ``cgroup`` and ``proof`` (the sha256 of the
+        kernel's secret) are kept in memory for the node agent to prove
+        (``kernel_places.py``).
         """
         await self.core.ready()
         lease = self.core.state.find_lease(lease_id)  # a parked lease is renewed too
@@ -183,11 +179,16 @@ class LeaseService:
             lease = await self.core.adopt(ident, lease_id)
         check_owner(ident, lease)
         fresh = scheduling.renewed(
-            lease, self.core.clock(), self.core.policy, pid, execution_state, last_activity
+            lease,
+            self.core.clock(),
+            self.core.policy,
+            claim.pid,
+            claim.execution_state,
+            claim.last_activity,
         )
         self.core.state.update_lease(fresh)
         self.core.renewed.add(lease_id)
-        self.core.kernel_places.renewed(lease_id, pid_ns, cgroup, proof)
+        self.core.kernel_places.renewed(lease_id, claim.pid_ns, claim.cgroup, claim.proof)
         return fresh
 
     async def release(self, ident: Identity, lease_id: str) -> None:

@@ -666,8 +666,8 @@ class LeaseHandler(APIHandler):
 class RenewHandler(APIHandler):
     @api
     async def post(self, lease_id: str) -> None:
-        beat = validation.parse_renewal(self.json_body())
-        lease = await self.service.leases.renew(self.ident, lease_id, **beat)
+        claim = validation.parse_renewal(self.json_body())
+        lease = await self.service.leases.renew(self.ident, lease_id, claim)
         self.write_json(await self.lease_json(lease))
 
 

@@ -60,6 +60,7 @@ from ...wire import (
     MAX_WINDOW_S,
     PRIORITY_RANGE,
     PROOF_PATTERN,
+    Renewal,
     fraction_to_ppm,
 )
 from ..rules.policy import Ask
@@ -70,7 +71,7 @@ EXECUTION_STATES = ("starting", "idle", "busy", "restarting", "autorestarting", 
 DEFAULT_USAGE_WINDOW_S = 7 * 86400
 
 ACQUIRE_FIELDS = ("kernel_id", "fraction", "node", "gpu_uuids", "group", "wait", "mps_uid")
-HEARTBEAT_FIELDS = ("pid", "execution_state", "last_activity", "pid_ns", "cgroup", "proof")
+HEARTBEAT_FIELDS = Renewal.fields()
 _PROOF = re.compile(PROOF_PATTERN)
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$", re.IGNORECASE)
@@ -241,15 +242,16 @@ def parse_revoke(body: dict[str, Any]) -> str:
     return _text(body["reason"], "reason", max_chars=MAX_REASON_CHARS).strip() or "revoked"
 
 
-def parse_renewal(body: dict[str, Any]) -> dict[str, Any]:
-    """``POST /api/v1/leases/{id}/renew`` body -> keyword arguments of ``LeaseService.renew``.
+def parse_renewal(body: dict[str, Any]) -> Renewal:
+    """``POST /api/v1/leases/{id}/renew`` body -> the :class:`~provisioner.wire.Renewal` that
+    ``LeaseService.renew`` takes.
 
     ``pid`` (an int > 0), ``execution_state`` (a kernel state such as ``idle`` or
     ``busy``: letters, digits, ``_`` and ``-``, at most 32) and ``last_activity``
     (POSIX seconds), each optional.
     """
     check_fields(body, HEARTBEAT_FIELDS, "renew request")
-    out: dict[str, Any] = {"pid": None, "execution_state": None, "last_activity": None}
+    out: dict[str, Any] = {}
     if body.get("pid") is not None:
         out["pid"] = _int(body["pid"], "pid", low=1, high=MAX_KERNEL_PID)
     state = body.get("execution_state")
@@ -277,7 +279,7 @@ def parse_renewal(body: dict[str, Any]) -> dict[str, Any]:
                 "digits (the provisioner sends it; leave it out rather than guess)."
             )
         out["proof"] = proof
-    return out
+    return Renewal(**out)
 
 
 # -- quotas ----------------------------------------------------------------------
