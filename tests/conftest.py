@@ -5,9 +5,9 @@ runs it) on a free port with a static tokens file, on a thread of the test's pro
 as a subprocess for a test marked ``broker_process`` (kill -9, signals, exit codes), with
 ``--gpus 1x32768:V100`` (override with
 ``@pytest.mark.broker_args("--gpus", "2x32768:V100", ...)``), waits for
-``/api/v1/health`` and yields a :class:`Broker`. It runs once on SQLite and once on
-PostgreSQL (``postgres`` mark; a fresh schema of the ``test`` database per test,
-dropped afterwards; skipped if the server cannot be reached).
+``/api/v1/health`` and yields a :class:`Broker`. It runs on SQLite, and in
+:data:`POSTGRES_MODULES` once more on PostgreSQL (``postgres`` mark; a fresh schema of the
+``test`` database per test, dropped afterwards; skipped if the server cannot be reached).
 """
 
 from __future__ import annotations
@@ -169,8 +169,11 @@ def _process_guard(item: pytest.Item) -> Iterator[None]:
 
 
 #: modules whose tests run a second time with the broker's HTTP served by a front process
-#: (``--http-processes 1``): the broker's API, authorization, fuzzing, crash, failover,
-#: kernel and hub tests. A ``broker`` fixture's second variant is ``[sqlite-fronts]`` (the
+#: (``--http-processes 1``): the broker's API, authorization, fuzzing, crash, failover and
+#: hub tests. Not the kernel side's (``test_provisioner``: its calls, the acquire long-poll
+#: included, are the API's, which ``test_broker_api`` runs behind a front, and a hub's
+#: kernels run behind one in ``test_hub``'s ``[fronts]``), nor the browser's on a hub (the
+#: page talks to the single-user server, not to the broker). A ``broker`` fixture's second variant is ``[sqlite-fronts]`` (the
 #: SQL is the same behind a front process); a module's hub (``hub_http_processes``) runs
 #: once more whole, its broker started by JupyterHub with ``--http-processes 1``.
 FRONTS_MODULES = {
@@ -179,14 +182,11 @@ FRONTS_MODULES = {
     "test_fuzz_bodies",
     "test_fuzz_openapi",
     "test_metrics",
-    "test_client",
     "test_cli_admin",
     "test_courses",
     "test_faults",
     "test_failover",
-    "test_provisioner",
     "test_hub",
-    "test_browser_hub",
 }
 #: set (to a number) to serve every ``broker`` fixture's HTTP from that many front
 #: processes, in every module (the fronts variants above run in every ``make test``)
@@ -197,14 +197,35 @@ EMBEDDED_BROKER_ENV = "GPU_LEASE_TEST_EMBEDDED_BROKER"
 
 
 DATABASES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+#: modules whose ``broker_db_url`` (and so ``broker``) runs on PostgreSQL too: where the SQL
+#: or the locking differs between the two databases (the store's writes and reads, the
+#: queue's order, restarts and kill -9 recovery, failover's advisory locks, nodes, parking's
+#: stored states, the MPS claims' window). Elsewhere (the kernel side, fuzzing, refusals,
+#: authorization, the CLI) a test exercises the HTTP and the rules above the store, the same
+#: code on either database: it runs on SQLite. Set ``GPU_LEASE_TEST_ALL_DATABASES=1`` to run
+#: every module on both.
+POSTGRES_MODULES = {
+    "test_store",
+    "test_broker_api",
+    "test_failover",
+    "test_faults",
+    "test_nodes",
+    "test_parking_broker",
+    "test_mps_claims",
+    "test_quota_effective",
+}
+ALL_DATABASES_ENV = "GPU_LEASE_TEST_ALL_DATABASES"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``broker_db_url``: SQLite and PostgreSQL (unless the test or its module chose); and
+    """``broker_db_url``: SQLite, and PostgreSQL in :data:`POSTGRES_MODULES` (unless the
+    test or its module chose); and
     the fronts variants of :data:`FRONTS_MODULES`: a broker's on SQLite (beside its SQLite
     and PostgreSQL runs), a module's hub whole."""
     names = metafunc.fixturenames
-    fronts = metafunc.module.__name__.rpartition(".")[2] in FRONTS_MODULES
+    module = metafunc.module.__name__.rpartition(".")[2]
+    fronts = module in FRONTS_MODULES
+    postgres = module in POSTGRES_MODULES or os.environ.get(ALL_DATABASES_ENV) == "1"
     if fronts and "hub_http_processes" in names:
         metafunc.parametrize(
             "hub_http_processes", [0, 1], ids=["", "fronts"], indirect=True, scope="module"
@@ -223,14 +244,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 ("broker_db_url", "broker_http_processes"),
                 [
                     ("sqlite", 0),
-                    pytest.param("postgresql", 0, marks=pytest.mark.postgres),
+                    *([pytest.param("postgresql", 0, marks=pytest.mark.postgres)] * postgres),
                     ("sqlite", 1),
                 ],
-                ids=["sqlite", "postgresql", "sqlite-fronts"],
+                ids=["sqlite", *(["postgresql"] * postgres), "sqlite-fronts"],
                 indirect=True,
             )
             return
-        metafunc.parametrize("broker_db_url", DATABASES, indirect=True)
+        metafunc.parametrize("broker_db_url", DATABASES if postgres else ["sqlite"], indirect=True)
     if fronts:
         metafunc.parametrize("broker_http_processes", [0, 1], ids=["", "fronts"], indirect=True)
 
