@@ -184,6 +184,7 @@ FRONTS_MODULES = {
     "test_courses",
     "test_faults",
     "test_failover",
+    "test_node_orders",
     "test_provisioner",
     "test_hub",
     "test_browser_hub",
