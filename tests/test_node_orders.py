@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def pb(tmp_path: Path, broker_db_url: str, broker_http_processes: int) -> Iterator[NodeBroker]:
     """A broker with idle reclaim (0.5 s) and agent tokens (a front process in the
     ``[sqlite-fronts]`` variant)."""
-    extra = ARGS
+    extra: tuple[str, ...] = ARGS
     if broker_http_processes:
         extra += ("--http-processes", str(broker_http_processes))
     b = NodeBroker(tmp_path, broker_db_url, extra)
