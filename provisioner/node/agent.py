@@ -42,6 +42,7 @@ from ..wire import (
     DEFAULT_ENFORCE_MODE,
     DEFAULT_MPS_DIR,
     ENFORCE_MODES,
+    MAX_WAIT,
     NODE_NAME_VARS,
     ORDERS_WAIT,
     this_node,
@@ -240,21 +241,49 @@ async def run_agent(
         readies.append(orders.due)
         watching = asyncio.ensure_future(orders.run(stop))
     try:
-        if not await _beat(
-            client,
-            node,
-            gpus,
-            sample,
-            interval,
-            stop,
-            enforce,
-            every,
-            readies,
-            kill_unleased_after,
-            kernels,
-            orders,
-        ):
-            return
+        reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
+        while not stop.is_set():
+            if orders is not None:  # this beat takes the orders changed until now
+                orders.due.clear()
+            members: dict[int, list[int]] = {}
+            raw: Sample = []
+            find = kernels.finder()
+            usage: tuple[Usage, ...] = ()
+            try:
+                raw = sample()
+                samples, members = attribute(raw, find)
+                usage = merge_samples(samples)
+            except GPULeaseError as exc:
+                log.warning("%s", exc.message)
+            beat = Beat(raw, members, find)
+            for feature in every:
+                await feature.observe(beat)
+            parts = tuple(p for f in every if (p := f.report(beat)) is not None)
+            try:
+                answer = await client.nodes.heartbeat(node, NodeReport(usage, time.time(), parts))
+                for feature in every:
+                    await feature.answer(beat, answer)
+                if enforce == "kill":
+                    for root in answer.get("kill", []):
+                        kill_processes(members.get(int(root), []))
+                if reaper is not None:  # judged against the kernels the broker names now
+                    unleased = reaper(raw, kernels.finder())
+                    kill_processes(unleased, "that belongs to no GPU lease")
+            except LeaseNotFound:
+                log.warning("The broker does not know node %s (any more); registering again", node)
+                if not await _register(client, node, gpus, stop, enforce):
+                    return
+            except (BrokerUnavailable, StoreError) as exc:
+                log.warning("Heartbeat of node %s failed: %s", node, exc.message)
+            except InvalidRequest as exc:
+                refused = set(exc.details.get("fields") or [])
+                offered = frozenset().union(*(f.offered() for f in every))
+                if not refused or not refused <= offered:
+                    raise
+                for feature in every:  # a broker older than these features
+                    feature.refused(refused, node)
+                continue  # the same beat again at once, without them
+            await _pause(stop, readies, interval)
     finally:
         if watching is not None:
             watching.cancel()
@@ -264,68 +293,6 @@ async def run_agent(
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
     except GPULeaseError as exc:
         log.warning("Could not drain node %s on the way out: %s", node, exc.message)
-
-
-async def _beat(
-    client: BrokerClient,
-    node: str,
-    gpus: list[GPU],
-    sample: Callable[[], Sample],
-    interval: float,
-    stop: asyncio.Event,
-    enforce: str,
-    every: list[NodeFeature],
-    readies: list[asyncio.Event],
-    kill_unleased_after: float,
-    kernels: KernelProofs,
-    orders: OrderWatch | None,
-) -> bool:
-    """:func:`run_agent`'s heartbeats until ``stop``; False when it was stopped while it
-    registered the node again (nothing to drain then)."""
-    reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
-    while not stop.is_set():
-        if orders is not None:  # this beat takes the orders changed until now
-            orders.due.clear()
-        members: dict[int, list[int]] = {}
-        raw: Sample = []
-        find = kernels.finder()
-        usage: tuple[Usage, ...] = ()
-        try:
-            raw = sample()
-            samples, members = attribute(raw, find)
-            usage = merge_samples(samples)
-        except GPULeaseError as exc:
-            log.warning("%s", exc.message)
-        beat = Beat(raw, members, find)
-        for feature in every:
-            await feature.observe(beat)
-        parts = tuple(p for f in every if (p := f.report(beat)) is not None)
-        try:
-            answer = await client.nodes.heartbeat(node, NodeReport(usage, time.time(), parts))
-            for feature in every:
-                await feature.answer(beat, answer)
-            if enforce == "kill":
-                for root in answer.get("kill", []):
-                    kill_processes(members.get(int(root), []))
-            if reaper is not None:  # judged against the kernels the broker names now
-                unleased = reaper(raw, kernels.finder())
-                kill_processes(unleased, "that belongs to no GPU lease")
-        except LeaseNotFound:
-            log.warning("The broker does not know node %s (any more); registering again", node)
-            if not await _register(client, node, gpus, stop, enforce):
-                return False
-        except (BrokerUnavailable, StoreError) as exc:
-            log.warning("Heartbeat of node %s failed: %s", node, exc.message)
-        except InvalidRequest as exc:
-            refused = set(exc.details.get("fields") or [])
-            offered = frozenset().union(*(f.offered() for f in every))
-            if not refused or not refused <= offered:
-                raise
-            for feature in every:  # a broker older than these features
-                feature.refused(refused, node)
-            continue  # the same beat again at once, without them
-        await _pause(stop, readies, interval)
-    return True
 
 
 async def _pause(stop: asyncio.Event, readies: list[asyncio.Event], interval: float) -> None:
@@ -452,11 +419,12 @@ class GPULeaseAgent(Application):
     orders_wait = Float(
         ORDERS_WAIT,
         min=0.0,
+        max=MAX_WAIT,
         help="Keep a long-poll open for this node's orders (park, resume), this many "
         "seconds at a time, so that an order reaches the node at once instead of with the "
         "next heartbeat. 0: no long-poll (orders come with the heartbeats only, e.g. behind "
         "a proxy that cuts requests held open). A broker without the long-poll is detected "
-        f"and asked again every 10 minutes. Default: {ORDERS_WAIT:g}.",
+        f"and asked again every 10 minutes. At most {MAX_WAIT:g}. Default: {ORDERS_WAIT:g}.",
     ).tag(config=True)
 
     park = Bool(

@@ -71,7 +71,11 @@ class OrderWatch:
     async def run(self, stop: asyncio.Event) -> None:
         """Long-poll until ``stop`` (or until cancelled)."""
         while not stop.is_set():
-            pause = await self.poll()
+            try:
+                pause = await self.poll()
+            except Exception:  # noqa: BLE001 - the heartbeats carry the orders meanwhile
+                log.exception("The orders long-poll of node %s failed", self.node)
+                pause = self.refused_retry
             if pause > 0:
                 try:
                     await asyncio.wait_for(stop.wait(), pause)
