@@ -636,6 +636,9 @@ def test_a_park_order_reaches_the_agent_long_before_its_next_heartbeat(
         assert "no orders long-poll" not in log
         checkpointed = CudaCheckpoint(str(libdir / "libcuda.so.1"))
         assert checkpointed.state(k.pid) is ProcessState.CHECKPOINTED
+        # once: the order came with a heartbeat the long-poll brought, never from both
+        calls = (tmp_path / "driver" / "calls.log").read_text().splitlines()
+        assert [c.split()[0] for c in calls].count("cuCheckpointProcessCheckpoint") == 2
     finally:
         agent.stop()
         k.stop()
