@@ -30,8 +30,9 @@ longer period (reaper, heartbeat) has passed, bob asks the broker for 0.6 of the
 node's GPU (``POST /api/v1/leases`` long-poll). (Without that random pause every round
 would meet the reaper and the agent at the same phase: the rounds move in step with the
 agent's beats.) Timed: bob's request sent -> his 201. Park: the reaper's pass orders the
-park (lease ``parking``), the agent's next heartbeat takes the order, checkpoints, and
-sends the outcome at once; the broker frees the memory and grants bob. Reclaim: the
+park (lease ``parking``), the agent's orders long-poll answers and its heartbeat at once
+takes the order (``--orders-wait 0``: the next heartbeat does), checkpoints, and sends the
+outcome at once; the broker frees the memory and grants bob. Reclaim: the
 reaper's pass revokes alice's lease and grants bob in the same pass (the provisioner then
 shuts her kernel down at its next renewal; that delay is shown, not timed into the
 waiter's figure). The breakdown comes from the broker's and the agent's logs (millisecond
@@ -41,8 +42,8 @@ timestamps) and the agent's outcome ``seconds``.
 learns it at its next renewal), bob releases, the GPU is free; after another random pause:
 park: the cell ``x`` run in the parked kernel, from ``execute`` to its reply (the
 ``%gpu`` hook sees ``parked`` in the state file and asks for the resume, the lease keeper
-calls the broker, the broker re-reserves the GPU and orders the restore at the agent's
-next heartbeat, the agent restores, the keeper's long-poll answers ``active``, the hook
+calls the broker, the broker re-reserves the GPU and orders the restore, which reaches
+the agent through its long-poll, the agent restores, the keeper's long-poll answers ``active``, the hook
 lets the cell run). Reclaim (the kernel is gone): a new kernel started through the
 provisioner (``start_kernel``, its first ``kernel_info`` reply), the cell that rebuilt
 ``x`` (``import numpy`` / ``x = 41``: numpy's import stands for re-loading data; the real
@@ -542,7 +543,7 @@ def report(data: dict[str, Any]) -> str:
     lines += [
         "",
         "The waiter, where the time goes (medians of each part, s)",
-        f"  park:    to the reaper's order {part(wp, 'to_order')}, the agent's next heartbeat "
+        f"  park:    to the reaper's order {part(wp, 'to_order')}, the order to the agent "
         f"{part(wp, 'heartbeat_wait')}, checkpoint (agent's seconds) {part(wp, 'driver')}, "
         f"outcome to the broker {part(wp, 'outcome_to_broker')}, grant to bob's reply "
         f"{part(wp, 'to_answer')}",
@@ -551,7 +552,7 @@ def report(data: dict[str, Any]) -> str:
         f"{part(wr, 'kernel_shut_down_after')}",
         "The returning student (medians, s)",
         f"  park:    cell to the broker's resume {part(rp, 'to_order')} (hook, keeper's watch, "
-        f"resume call), the agent's next heartbeat {part(rp, 'heartbeat_wait')}, restore "
+        f"resume call), the order to the agent {part(rp, 'heartbeat_wait')}, restore "
         f"(agent's seconds) {part(rp, 'driver')}, outcome to the broker "
         f"{part(rp, 'outcome_to_broker')}, to the reply {part(rp, 'to_answer')} (keeper's "
         "long-poll, state file, hook's poll, the cell)",

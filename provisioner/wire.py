@@ -112,8 +112,11 @@ LEASE_ENFORCEMENTS: tuple[str, ...] = (
 
 # -- limits ------------------------------------------------------------------------------
 
-#: the longest long-poll (s) an acquire may ask for (``wait``)
+#: the longest long-poll (s) an acquire may ask for (``wait``), and a node's orders
+#: long-poll (``timeout``)
 MAX_WAIT = 300.0
+#: a node's orders long-poll (s) when its ``timeout`` is not given, and the agent's default
+ORDERS_WAIT = 30.0
 #: the longest kernel id, node, group, user or lease id: the store's columns hold 255
 MAX_ID_CHARS = 255
 #: the most GPU uuids one acquire may name
@@ -327,6 +330,7 @@ __all__ = [
     "MAX_UUID_CHARS",
     "MAX_VERSION_CHARS",
     "MAX_WAIT",
+    "ORDERS_WAIT",
     "MAX_WINDOW_S",
     "MPS_STATES",
     "NODE_NAME_VARS",

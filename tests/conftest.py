@@ -186,6 +186,7 @@ FRONTS_MODULES = {
     "test_courses",
     "test_faults",
     "test_failover",
+    "test_node_orders",
     "test_hub",
 }
 #: set (to a number) to serve every ``broker`` fixture's HTTP from that many front
@@ -210,6 +211,7 @@ POSTGRES_MODULES = {
     "test_failover",
     "test_faults",
     "test_nodes",
+    "test_node_orders",
     "test_parking_broker",
     "test_mps_claims",
     "test_quota_effective",

@@ -49,6 +49,8 @@ class Agent:
         ]
         self.set_processes({})
         self.log_path = tmp / f"agent-{node}.log"
+        #: seconds between heartbeats (``--interval``)
+        self.interval = 0.3
         self.proc: subprocess.Popen[bytes] | None = None
 
     def set_processes(self, processes: dict[str, list[dict[str, int]]]) -> None:
@@ -62,7 +64,7 @@ class Agent:
         env["FAKE_NVML_FILE"] = str(self.nvml_file)
         env["GPU_LEASE_AGENT_TOKEN"] = self.broker.tokens[f"agent:{token_of or self.node}"]
         cmd = [sys.executable, "-m", "provisioner.node.agent", "--broker-url", self.broker.url]
-        cmd += ["--node", self.node, "--interval", "0.3", *self.args]
+        cmd += ["--node", self.node, "--interval", str(self.interval), *self.args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 

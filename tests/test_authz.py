@@ -102,6 +102,8 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("GET", "/api/v1/nodes"): USERS_200,
     ("PUT", "/api/v1/nodes/{node}"): ADMIN_ONLY,
     ("POST", "/api/v1/nodes/{node}/heartbeat"): ADMIN_ONLY,
+    # the orders long-poll (no cursor: answered at once)
+    ("GET", "/api/v1/nodes/{node}/orders"): ADMIN_ONLY,
     ("DELETE", "/api/v1/nodes/{node}"): tuple(204 if s == 200 else s for s in ADMIN_ONLY),
 }
 

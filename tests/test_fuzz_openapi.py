@@ -57,7 +57,7 @@ def broker_db_url(tmp_path: Path) -> str:
 
 
 def _short_polls(case: Any) -> Any:
-    """Keep acquire long-polls short: a fuzzed ``wait`` of 300 s would only cost time.
+    """Keep long-polls short: a fuzzed ``wait`` (``timeout``) of 300 s would only cost time.
 
     A valid ``mps_uid`` becomes this process's uid: one user runs as one Unix uid, while
     random uids would make the user's own MPS requests wait for each other (MPS serves one
@@ -66,6 +66,10 @@ def _short_polls(case: Any) -> Any:
     wait = body.get("wait") if isinstance(body, dict) else None
     if isinstance(wait, (int, float)) and not isinstance(wait, bool) and wait > 0.2:
         body["wait"] = 0.2
+    query = case.query
+    timeout = query.get("timeout") if isinstance(query, dict) else None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0.2:
+        query["timeout"] = 0.2  # a node's orders long-poll, likewise
     uid = body.get("mps_uid") if isinstance(body, dict) else None
     if isinstance(uid, int) and not isinstance(uid, bool) and 0 <= uid < 2**32 - 1:
         body["mps_uid"] = os.getuid()

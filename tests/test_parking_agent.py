@@ -9,15 +9,19 @@ the agent drives it: orders in (``take``), outcomes out (``outcomes``/``delivere
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import httpx
 import pytest
 
 from provisioner import inventory
@@ -479,3 +483,190 @@ def test_an_agent_parks_and_resumes_a_kernel_the_broker_orders(
         bob.close()
         agent.stop()
         k.stop()
+
+
+# -- orders as they arise: the agent's long-poll ------------------------------------------
+
+
+class OlderBrokerFront:
+    """A reverse proxy on loopback in front of the broker that answers the orders long-poll
+    with ``status`` (404: a broker older than it, whose answer it copies; 405: a proxy that
+    takes no GET there) and relays everything else, so the agent meets a broker without
+    the long-poll. ``orders_asked`` counts the long-polls it refused."""
+
+    def __init__(self, target: str, status: int) -> None:
+        self.orders_asked = 0
+        front = self
+
+        class Relay(http.server.BaseHTTPRequestHandler):
+            def relay(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.path.split("?")[0].endswith("/orders"):
+                    front.orders_asked += 1
+                    path = self.path.split("?")[0]
+                    code = "not_found" if status == 404 else "method_not_allowed"
+                    self.answer(
+                        status,
+                        json.dumps({"error": code, "message": f"no {path} here"}).encode(),
+                    )
+                    return
+                keep = ("authorization", "content-type")
+                headers = {k: v for k, v in self.headers.items() if k.lower() in keep}
+                r = httpx.request(
+                    self.command, target + self.path, headers=headers, content=body, timeout=30
+                )
+                self.answer(r.status_code, r.content)
+
+            def answer(self, code: int, content: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = do_PUT = do_DELETE = relay
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Relay)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def slow_beat_broker(tmp_path: Path) -> Iterator[NodeBroker]:
+    """A broker that parks idle leases (idle after 0.5 s, reaper every 0.2 s) and keeps a
+    node up for 120 s without a heartbeat (its agents beat every 30 s)."""
+    b = NodeBroker(
+        tmp_path,
+        f"sqlite:///{tmp_path / 'b.sqlite'}",
+        (
+            "--gpus",
+            "agents",
+            "--GPULeaseBroker.reap_interval=0.2",
+            "--GPULeaseBroker.idle_reclaim_after=0.5",
+            "--GPULeaseBroker.node_grace=120",
+        ),
+    )
+    with b.running(timeout=60):
+        yield b
+
+
+def _park_for_bob(broker: NodeBroker, agent: Agent, k: Kernel, within: float) -> tuple[float, str]:
+    """alice's idle kernel on the agent's one GPU; bob asks for the GPU (his request waits
+    until her kernel is idle long enough): the seconds until alice's lease is parked (at
+    most ``within``) and her lease id."""
+    alice, bob = broker.http("alice"), broker.http("bob")
+    try:
+        r = alice.post("/leases", json={"kernel_id": "k1", "fraction": 1.0})
+        assert r.status_code == 201, r.text
+        lease = r.json()["id"]
+        r = alice.post(f"/leases/{lease}/renew", json=claim(k.pid, k.proof, execution_state="idle"))
+        assert r.status_code == 200, r.text
+        asked = time.monotonic()
+        assert bob.post("/leases", json={"kernel_id": "k2", "fraction": 1.0}).status_code == 202
+        wait_for(
+            lambda: alice.get(f"/leases/{lease}").json()["state"] == "parked",
+            within,
+            "alice's lease parked",
+            interval=0.05,
+            detail=lambda: agent.log_path.read_text(),
+        )
+        return time.monotonic() - asked, lease
+    finally:
+        alice.close()
+        bob.close()
+
+
+def _wait_for_the_gpu(broker: NodeBroker, agent: Agent) -> None:
+    """Until the agent's GPU is in the pool (a node is listed as soon as it registers,
+    its GPUs a moment later)."""
+    with broker.http("admin") as admin:
+        wait_for(
+            lambda: agent.gpus[0]["uuid"] in {g["uuid"] for g in admin.get("/gpus").json()["gpus"]},
+            20,
+            "the agent's GPU in the pool",
+        )
+
+
+def _agent_on_one_gpu(
+    broker: NodeBroker,
+    tmp_path: Path,
+    libdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    interval: float,
+) -> tuple[Agent, Kernel]:
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(libdir))
+    monkeypatch.setenv("STANDIN_LIBCUDA_DIR", str(driver))
+    agent = Agent(broker, "gpu-a", tmp_path)
+    agent.interval = interval
+    # one GPU of 4 GiB: the broker parks a kernel whose usage no beat has reported yet
+    # (its lease's reservation counts then) where the host's memory holds it
+    agent.gpus = [{**agent.gpus[0], "memory_mb": 4096}]
+    k = Kernel()
+    gpu = agent.gpus[0]["uuid"]
+    agent.set_processes({gpu: [{"pid": k.pid, "used_mb": 1000}, {"pid": k.child, "used_mb": 500}]})
+    monkeypatch.setenv("FAKE_NVML_FILE", str(agent.nvml_file))
+    return agent, k
+
+
+def test_a_park_order_reaches_the_agent_long_before_its_next_heartbeat(
+    slow_beat_broker: NodeBroker, tmp_path: Path, libdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent beats every 30 s; the park order reaches it through its long-poll, and the
+    kernel is parked (bob's waiter freed) within a few seconds of bob's request."""
+    agent, k = _agent_on_one_gpu(slow_beat_broker, tmp_path, libdir, monkeypatch, 30.0)
+    try:
+        agent.start()
+        _wait_for_the_gpu(slow_beat_broker, agent)
+        took, lease = _park_for_bob(slow_beat_broker, agent, k, 8.0)
+        assert took < 8.0  # not the 30 s heartbeat
+        log = agent.log_path.read_text()
+        assert f"Parked lease {lease[:6]}: pids {k.pid} {k.child}, 1500 MiB in" in log
+        assert "no orders long-poll" not in log
+        checkpointed = CudaCheckpoint(str(libdir / "libcuda.so.1"))
+        assert checkpointed.state(k.pid) is ProcessState.CHECKPOINTED
+        # once: the order came with a heartbeat the long-poll brought, never from both
+        calls = (tmp_path / "driver" / "calls.log").read_text().splitlines()
+        assert [c.split()[0] for c in calls].count("cuCheckpointProcessCheckpoint") == 2
+    finally:
+        agent.stop()
+        k.stop()
+
+
+@pytest.mark.parametrize("status", [404, 405])
+def test_an_agent_falls_back_to_heartbeats_where_the_broker_has_no_long_poll(
+    status: int,
+    slow_beat_broker: NodeBroker,
+    tmp_path: Path,
+    libdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Behind a front that answers the long-poll 404 (an older broker) or 405, the agent
+    says so once, asks no more, and parks on the order its next heartbeat brings."""
+    front = OlderBrokerFront(slow_beat_broker.url, status)
+    monkeypatch.setattr(slow_beat_broker, "url", front.url)  # the agent's --broker-url
+    agent, k = _agent_on_one_gpu(slow_beat_broker, tmp_path, libdir, monkeypatch, 1.0)
+    try:
+        agent.start()
+        wait_for(lambda: "no orders long-poll" in agent.log_path.read_text(), 20, "the fallback")
+        _wait_for_the_gpu(slow_beat_broker, agent)
+        _, lease = _park_for_bob(slow_beat_broker, agent, k, 20.0)
+        log = agent.log_path.read_text()
+        assert f"Parked lease {lease[:6]}" in log
+        assert log.count("no orders long-poll") == 1
+        assert front.orders_asked == 1  # asked again only after 10 minutes
+    finally:
+        agent.stop()
+        k.stop()
+        front.close()

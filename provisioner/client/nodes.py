@@ -1,6 +1,7 @@
 """A client's node calls: ``client.nodes`` of a :class:`~provisioner.client.BrokerClient`.
 
-The node agent's calls (``gpu-lease agent``: register, heartbeat, drain) and the list of
+The node agent's calls (``gpu-lease agent``: register, heartbeat, the orders long-poll,
+drain) and the list of
 nodes. Each call goes through the client's core (:meth:`BrokerClient.send`).
 """
 
@@ -41,6 +42,25 @@ class NodeCalls:
         path = _node_path(node, "heartbeat")
         body = report.to_json()
         return client.json_object(await client.send("POST", path, body=body, retries=0))
+
+    async def orders(self, node: str, after: str | None, wait: float) -> dict[str, Any]:
+        """``GET /api/v1/nodes/{node}/orders?after=&timeout=``: the node's due orders
+        ``{node, cursor, orders}``, at once when their cursor differs from ``after``, else
+        when they change or after ``wait`` s (a long-poll: read for ``wait`` plus the
+        client's timeout). Not retried: the agent polls again itself. A broker older than
+        this endpoint answers 404 (``LeaseNotFound`` with no ``node`` in its details)."""
+        params = {"timeout": f"{wait:g}"}
+        if after is not None:
+            params["after"] = after
+        client = self._client
+        response = await client.send(
+            "GET",
+            _node_path(node, "orders"),
+            params=params,
+            read_timeout=wait + client.timeout,
+            retries=0,
+        )
+        return client.json_object(response)
 
     async def drain(self, node: str) -> None:
         """``DELETE /api/v1/nodes/{node}``: no new leases there (a clean agent stop)."""

@@ -40,7 +40,7 @@ from .state_file import StateFile
 RESUME_WATCH_INTERVAL = 0.25
 #: the first pause after a resume call the broker could not answer (s); doubles up to a renewal interval
 RESUME_RETRY = 0.5
-#: never ask for a resume more often than this (s), whatever the broker's long-poll does
+#: never long-poll a resume more often than this (s), whatever the broker's long-poll does
 MIN_RESUME_PERIOD = 0.5
 #: the longest one resume call long-polls (s), ``long_poll`` permitting: each answer carries
 #: the resume's place in the queue, which the waiting cell prints and the status bar shows
@@ -215,7 +215,7 @@ class ParkWatch:
             lease = holder.lease
             if lease is None:
                 return
-            asked = time.monotonic()
+            asked, polled = time.monotonic(), wait > 0
             try:
                 answer = await self.clients.get(renewal=True).leases.resume(lease.id, wait=wait)
             except GPULeaseError as exc:
@@ -259,7 +259,9 @@ class ParkWatch:
                 fresh.state,
                 (progress or {}).get("position"),
             )
-            pause = MIN_RESUME_PERIOD - (time.monotonic() - asked)
+            # the first call answered at once by design: the long-poll follows at once (the
+            # restore is ordered to the node at once too, and may be done in milliseconds)
+            pause = MIN_RESUME_PERIOD - (time.monotonic() - asked) if polled else 0.0
             if pause > 0:
                 await asyncio.sleep(pause)
 

@@ -38,10 +38,19 @@ from ..client import BrokerClient
 from ..errors import BrokerUnavailable, GPULeaseError, InvalidRequest, LeaseNotFound, StoreError
 from ..model import GPU
 from ..node_report import NodeReport, Usage
-from ..wire import DEFAULT_ENFORCE_MODE, DEFAULT_MPS_DIR, ENFORCE_MODES, NODE_NAME_VARS, this_node
+from ..wire import (
+    DEFAULT_ENFORCE_MODE,
+    DEFAULT_MPS_DIR,
+    ENFORCE_MODES,
+    MAX_WAIT,
+    NODE_NAME_VARS,
+    ORDERS_WAIT,
+    this_node,
+)
 from . import driver_limits
 from .feature import Beat, NodeFeature, Sample
 from .mps import MPS_CONTROL, MPSFeature, MPSSupervisor
+from .orders import OrderWatch
 from .parking import DEFAULT_HOST_RESERVE_MB, Parker, Parking
 from .pidns import KernelFinder
 from .proof import CHECK_ACCOUNT, KernelProofs, Prover
@@ -200,6 +209,7 @@ async def run_agent(
     kill_unleased_after: float = 0.0,
     kernels: KernelProofs | None = None,
     features: Sequence[NodeFeature] = (),
+    orders: OrderWatch | None = None,
 ) -> None:
     """Register ``node``, heartbeat ``sample()`` every ``interval`` s until ``stop``, then drain.
 
@@ -217,54 +227,67 @@ async def run_agent(
     :mod:`provisioner.node.feature`) each add their part to every heartbeat and read
     theirs of its answer, after the kernel proofs. A broker older than a feature refuses
     its fields: the feature stops sending them and the beat goes again at once. The next
-    beat comes after ``interval`` s, or sooner when a feature has something ready.
+    beat comes after ``interval`` s, or sooner when a feature has something ready, or when
+    ``orders`` (:class:`~provisioner.node.orders.OrderWatch`, the long-poll it keeps open
+    from the registration on) says the node's orders changed: the next beat takes them.
     """
     if not await _register(client, node, gpus, stop, enforce):
         return
     kernels = kernels or KernelProofs()
     every: list[NodeFeature] = [kernels, *features]
     readies = [f.ready for f in every if f.ready is not None]
-    reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
-    while not stop.is_set():
-        members: dict[int, list[int]] = {}
-        raw: Sample = []
-        find = kernels.finder()
-        usage: tuple[Usage, ...] = ()
-        try:
-            raw = sample()
-            samples, members = attribute(raw, find)
-            usage = merge_samples(samples)
-        except GPULeaseError as exc:
-            log.warning("%s", exc.message)
-        beat = Beat(raw, members, find)
-        for feature in every:
-            await feature.observe(beat)
-        parts = tuple(p for f in every if (p := f.report(beat)) is not None)
-        try:
-            answer = await client.nodes.heartbeat(node, NodeReport(usage, time.time(), parts))
+    watching: asyncio.Future[None] | None = None
+    if orders is not None:
+        readies.append(orders.due)
+        watching = asyncio.ensure_future(orders.run(stop))
+    try:
+        reaper = UnleasedReaper(kill_unleased_after) if kill_unleased_after > 0 else None
+        while not stop.is_set():
+            if orders is not None:  # this beat takes the orders changed until now
+                orders.due.clear()
+            members: dict[int, list[int]] = {}
+            raw: Sample = []
+            find = kernels.finder()
+            usage: tuple[Usage, ...] = ()
+            try:
+                raw = sample()
+                samples, members = attribute(raw, find)
+                usage = merge_samples(samples)
+            except GPULeaseError as exc:
+                log.warning("%s", exc.message)
+            beat = Beat(raw, members, find)
             for feature in every:
-                await feature.answer(beat, answer)
-            if enforce == "kill":
-                for root in answer.get("kill", []):
-                    kill_processes(members.get(int(root), []))
-            if reaper is not None:  # judged against the kernels the broker names now
-                unleased = reaper(raw, kernels.finder())
-                kill_processes(unleased, "that belongs to no GPU lease")
-        except LeaseNotFound:
-            log.warning("The broker does not know node %s (any more); registering again", node)
-            if not await _register(client, node, gpus, stop, enforce):
-                return
-        except (BrokerUnavailable, StoreError) as exc:
-            log.warning("Heartbeat of node %s failed: %s", node, exc.message)
-        except InvalidRequest as exc:
-            refused = set(exc.details.get("fields") or [])
-            offered = frozenset().union(*(f.offered() for f in every))
-            if not refused or not refused <= offered:
-                raise
-            for feature in every:  # a broker older than these features
-                feature.refused(refused, node)
-            continue  # the same beat again at once, without them
-        await _pause(stop, readies, interval)
+                await feature.observe(beat)
+            parts = tuple(p for f in every if (p := f.report(beat)) is not None)
+            try:
+                answer = await client.nodes.heartbeat(node, NodeReport(usage, time.time(), parts))
+                for feature in every:
+                    await feature.answer(beat, answer)
+                if enforce == "kill":
+                    for root in answer.get("kill", []):
+                        kill_processes(members.get(int(root), []))
+                if reaper is not None:  # judged against the kernels the broker names now
+                    unleased = reaper(raw, kernels.finder())
+                    kill_processes(unleased, "that belongs to no GPU lease")
+            except LeaseNotFound:
+                log.warning("The broker does not know node %s (any more); registering again", node)
+                if not await _register(client, node, gpus, stop, enforce):
+                    return
+            except (BrokerUnavailable, StoreError) as exc:
+                log.warning("Heartbeat of node %s failed: %s", node, exc.message)
+            except InvalidRequest as exc:
+                refused = set(exc.details.get("fields") or [])
+                offered = frozenset().union(*(f.offered() for f in every))
+                if not refused or not refused <= offered:
+                    raise
+                for feature in every:  # a broker older than these features
+                    feature.refused(refused, node)
+                continue  # the same beat again at once, without them
+            await _pause(stop, readies, interval)
+    finally:
+        if watching is not None:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
     try:
         await client.nodes.drain(node)
         log.info("Drained node %s (held leases stay; nothing new is placed there)", node)
@@ -275,7 +298,7 @@ async def run_agent(
 async def _pause(stop: asyncio.Event, readies: list[asyncio.Event], interval: float) -> None:
     """Until the next beat: ``interval`` s, less when stopping or when a feature has
     something ready (a park/resume outcome: the broker frees or re-grants the memory a
-    beat sooner)."""
+    beat sooner) or the node's orders changed."""
     waits = [asyncio.ensure_future(stop.wait())]
     waits += [asyncio.ensure_future(ready.wait()) for ready in readies]
     try:
@@ -298,6 +321,7 @@ class GPULeaseAgent(Application):
         "gpus": "GPULeaseAgent.gpus",
         "enforce": "GPULeaseAgent.enforce",
         "interval": "GPULeaseAgent.interval",
+        "orders-wait": "GPULeaseAgent.orders_wait",
         "kill-unleased-after": "GPULeaseAgent.kill_unleased_after",
         "mps-dir": "GPULeaseAgent.mps_dir",
         "mps-control": "GPULeaseAgent.mps_control",
@@ -390,6 +414,17 @@ class GPULeaseAgent(Application):
 
     mps_control = Unicode(
         MPS_CONTROL, help=f"The MPS control program. Default: {MPS_CONTROL} (on PATH)."
+    ).tag(config=True)
+
+    orders_wait = Float(
+        ORDERS_WAIT,
+        min=0.0,
+        max=MAX_WAIT,
+        help="Keep a long-poll open for this node's orders (park, resume), this many "
+        "seconds at a time, so that an order reaches the node at once instead of with the "
+        "next heartbeat. 0: no long-poll (orders come with the heartbeats only, e.g. behind "
+        "a proxy that cuts requests held open). A broker without the long-poll is detected "
+        f"and asked again every 10 minutes. At most {MAX_WAIT:g}. Default: {ORDERS_WAIT:g}.",
     ).tag(config=True)
 
     park = Bool(
@@ -502,6 +537,12 @@ class GPULeaseAgent(Application):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         client = BrokerClient(self.broker_url, token, retries=1, timeout=10.0)
+        # the orders long-poll holds a connection of its own (a retry of another call
+        # drops the client's connections)
+        orders_client = BrokerClient(self.broker_url, token, retries=0, timeout=10.0)
+        orders = (
+            OrderWatch(orders_client, self.node, self.orders_wait) if self.orders_wait else None
+        )
         mps = (
             MPSSupervisor([g.uuid for g in gpus], self.mps_dir, self.mps_control)
             if self.mps
@@ -521,6 +562,7 @@ class GPULeaseAgent(Application):
                 self.kill_unleased_after,
                 KernelProofs(Prover(self.check_account, list(self.kernel_cgroup_parents))),
                 self.features(mps, _driver_limits(nvml_sampler, gpus), parker),
+                orders,
             )
         except GPULeaseError as exc:
             log.critical("The broker refused node %s: %s", self.node, exc.message)
@@ -531,6 +573,7 @@ class GPULeaseAgent(Application):
                 stop.set()
                 await daemons
             await client.aclose()
+            await orders_client.aclose()
             if nvml_sampler is not None:
                 nvml_sampler.close()
         return 0

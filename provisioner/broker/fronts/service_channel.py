@@ -79,7 +79,9 @@ METHODS: dict[str, frozenset[str]] = {
             "usage",
         }
     ),
-    "nodes": frozenset({"register_node", "drain_node", "node_heartbeat", "list_nodes"}),
+    "nodes": frozenset(
+        {"register_node", "drain_node", "node_heartbeat", "node_orders", "list_nodes"}
+    ),
 }
 #: what a front may call besides: the broker's policy, and its metrics rendered
 ROOT_METHODS = frozenset({"policy", "render_metrics"})

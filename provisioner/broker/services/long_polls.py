@@ -1,8 +1,9 @@
 """The long-polls waiting now: acquires that wait for a grant, resumes that wait for a
-parked lease to be active again.
+parked lease to be active again, node agents that wait for their node's orders.
 
 Each waits on a :class:`Waiter` (one per ``(user, kernel_id)`` for acquires, per lease id
-for resumes, shared by the long-polls of that key) that a commit concerning the key wakes
+for resumes, per node for orders, shared by the long-polls of that key) that a commit
+concerning the key wakes
 (``ServiceCore.commit``), and looks at the state again. A broker that stops serving wakes
 them all, so that each answers 503, and waits (:meth:`LongPolls.answered`) until none
 waits before it closes the connections (``serving.py``).
@@ -37,13 +38,15 @@ class Waiter:
 
 
 class LongPolls:
-    """Who waits now, by key: :attr:`acquires` and :attr:`resumes`."""
+    """Who waits now, by key: :attr:`acquires`, :attr:`resumes` and :attr:`orders`."""
 
     def __init__(self) -> None:
         #: (user, kernel_id) -> the acquire long-polls waiting for its grant
         self.acquires: dict[tuple[str, str], Waiter] = {}
         #: lease id -> the resume long-polls waiting for it to be active again
         self.resumes: dict[str, Waiter] = {}
+        #: node name -> its agent's long-polls waiting for a change of its orders
+        self.orders: dict[str, Waiter] = {}
         self._none_waiting: asyncio.Event | None = None
 
     def for_grant(self, key: tuple[str, str]) -> contextlib.AbstractContextManager[Waiter]:
@@ -53,6 +56,10 @@ class LongPolls:
     def for_resume(self, lease_id: str) -> contextlib.AbstractContextManager[Waiter]:
         """The :class:`Waiter` of a resume of ``lease_id``, while it waits."""
         return self._waiter(self.resumes, lease_id)
+
+    def for_orders(self, node: str) -> contextlib.AbstractContextManager[Waiter]:
+        """The :class:`Waiter` of ``node``'s orders long-poll, while it waits."""
+        return self._waiter(self.orders, node)
 
     @contextlib.contextmanager
     def _waiter(self, table: dict[K, Waiter], key: K) -> Iterator[Waiter]:
@@ -72,7 +79,8 @@ class LongPolls:
     @property
     def waiting(self) -> int:
         """How many long-polls are waiting now."""
-        return sum(w.count for w in [*self.acquires.values(), *self.resumes.values()])
+        tables = (self.acquires, self.resumes, self.orders)
+        return sum(w.count for table in tables for w in table.values())
 
     async def answered(self, timeout: float) -> None:
         """Wait (at most ``timeout`` s) until no long-poll waits: after
@@ -98,9 +106,17 @@ class LongPolls:
         for waiter in self.resumes.values():
             waiter.event.set()
 
+    def wake_orders(self, nodes: Iterable[str] | None = None) -> None:
+        """The orders long-polls of ``nodes`` (None: every node's) look again."""
+        for node in list(self.orders) if nodes is None else nodes:
+            waiter = self.orders.get(node)
+            if waiter is not None:
+                waiter.event.set()
+
     def wake_all(self) -> None:
         self.wake_acquires(list(self.acquires))
         self.wake_resumes()
+        self.wake_orders()
 
 
 __all__ = ["LongPolls", "Waiter"]

@@ -19,6 +19,7 @@ from ...node_report import KernelReport, NodeProofs, NodeReport
 from ...wire import NODE_STATES
 from ..rules import node_rules, scheduling
 from .node_features import node_features
+from .node_orders import NodeOrders, OrderPush
 from .park_orders import ParkOrders
 from .service_core import ServiceCore, require_admin
 
@@ -57,6 +58,8 @@ class NodeService:
         self.parking = ParkOrders(core)
         #: every node feature's side of the heartbeats (``node_features.py``)
         self.features = node_features(core, self.parking)
+        #: each node's due orders and its agent's long-poll for them (``node_orders.py``)
+        self.push = OrderPush(core, self.parking)
 
     async def register_node(
         self,
@@ -206,6 +209,18 @@ class NodeService:
             answers.update(feature.answer(node, here, parked))
         state = node_rules.node_state(node, now, self.core.policy)
         return Heartbeat(name, state, now, watch, kill, answers)
+
+    async def node_orders(
+        self, ident: Identity, name: str, after: str | None, timeout: float
+    ) -> NodeOrders:
+        """``GET /api/v1/nodes/{node}/orders?after=CURSOR&timeout=S``: the node's due orders
+        (park, resume: the heartbeat answer's ``orders``) with their cursor, at once when
+        the cursor differs from ``after``, else when they change or ``timeout`` s have
+        passed (:mod:`.node_orders`). The node's agent (or an admin) only; 404 for a node
+        not registered."""
+        await self.core.ready()
+        self._check_node_caller(ident, name)
+        return await self.push.wait(name, after, timeout)
 
     def _account_usage(
         self,

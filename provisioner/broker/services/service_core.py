@@ -354,8 +354,17 @@ class ServiceCore:
         )
         if changes.parks or changes.ended or changes.dropped:
             self.polls.wake_resumes()
+        if self.polls.orders and (changes.parks or changes.ended):
+            self.polls.wake_orders(self._nodes_of(changes))
         mine = {x.id for x in changes.renewed}
         return {i: v for i, v in gone.items() if i in mine}
+
+    def _nodes_of(self, changes: Changes) -> set[str]:
+        """The nodes whose orders ``changes`` may have changed: those of the GPUs of the
+        leases whose park state changed or that ended while parking or resuming."""
+        leases = [*changes.parks, *(x for x, _, _ in changes.ended if x.park is not None)]
+        gpus = self.state.gpus
+        return {gpus[x.gpu_uuid].node for x in leases if x.gpu_uuid in gpus}
 
     def _note_ends(self, changes: Changes) -> None:
         by_state: dict[str, int] = {}

@@ -754,6 +754,21 @@ class NodeHeartbeatHandler(APIHandler):
         self.write_json(heartbeat_json(beat))
 
 
+class NodeOrdersHandler(LongPollHandler):
+    """``GET {p}api/v1/nodes/{node}/orders?after=CURSOR&timeout=S``: the node's agent waits
+    for its orders to change (answered at once when they differ from ``after``)."""
+
+    agent_allowed = True
+
+    @api
+    async def get(self, node: str) -> None:
+        after, timeout = validation.parse_orders_poll(self.query("after"), self.query("timeout"))
+        due = await self.answer_of(self.service.nodes.node_orders(self.ident, node, after, timeout))
+        if due is None:
+            return
+        self.write_json({"node": due.node, "cursor": due.cursor, "orders": due.orders})
+
+
 class QueueHandler(APIHandler):
     @api
     async def get(self) -> None:

@@ -683,6 +683,20 @@ _SCHEMAS: dict[str, Any] = {
             **answer_schema(),
         },
     },
+    "NodeOrders": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["node", "cursor", "orders"],
+        "properties": {
+            "node": {"type": "string"},
+            "cursor": {
+                "type": "string",
+                "description": "The due orders' cursor: send it back as `after`.",
+            },
+            # the heartbeat answer's ``orders``, the same entries
+            "orders": answer_schema()["orders"],
+        },
+    },
     "Node": {
         "type": "object",
         "required": ["node", "state", "gpus", "last_seen"],

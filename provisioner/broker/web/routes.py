@@ -33,6 +33,7 @@ from typing import Any
 from tornado import web
 
 from ...model import QUOTA_LEVEL_PLURALS
+from ...wire import MAX_ID_CHARS, MAX_WAIT, ORDERS_WAIT
 from ..services.broker_service import BrokerService
 from .auth import Authenticator
 from .handlers import (
@@ -48,6 +49,7 @@ from .handlers import (
     MyQuotaHandler,
     NodeHandler,
     NodeHeartbeatHandler,
+    NodeOrdersHandler,
     NodesHandler,
     NotFoundHandler,
     OpenAPIHandler,
@@ -457,6 +459,48 @@ TABLE: tuple[Route, ...] = (
                 "responses": {
                     "200": json_response(schema_ref("NodeBeat"), "The node's state."),
                     **error_refs("400", "401", "403", "404", "413"),
+                },
+            },
+        },
+    ),
+    Route(
+        "/api/v1/nodes/{node}/orders",
+        NodeOrdersHandler,
+        parameters=(_NODE,),
+        operations={
+            "get": {
+                "tags": ["nodes"],
+                "summary": "Long-poll: the node's due orders (park, resume), answered as soon "
+                "as they differ from those the agent last saw (its agent's token, or an admin).",
+                "description": "Answers at once when the cursor of the node's due orders "
+                "differs from `after` (or `after` is left out), else when they change, else "
+                "after `timeout` seconds with the same cursor. Orders are state: the agent "
+                "heartbeats at once when they changed and takes them from the heartbeat's "
+                "answer, which repeats each until its outcome arrives.",
+                "operationId": "node_orders",
+                "parameters": [
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
+                        "description": "The `cursor` of the last answer (opaque); left out: "
+                        "answer at once.",
+                    },
+                    {
+                        "name": "timeout",
+                        "in": "query",
+                        "schema": {
+                            "type": "number",
+                            "minimum": 0,
+                            "maximum": MAX_WAIT,
+                            "default": ORDERS_WAIT,
+                        },
+                        "description": "Seconds to wait for a change at most.",
+                    },
+                ],
+                "responses": {
+                    "200": json_response(schema_ref("NodeOrders"), "The node's due orders."),
+                    **error_refs("400", "401", "403", "404", "503"),
                 },
             },
         },

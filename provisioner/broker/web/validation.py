@@ -58,6 +58,7 @@ from ...wire import (
     MAX_VERSION_CHARS,
     MAX_WAIT,
     MAX_WINDOW_S,
+    ORDERS_WAIT,
     PRIORITY_RANGE,
     PROOF_PATTERN,
     Renewal,
@@ -440,6 +441,7 @@ __all__ = [
     "parse_duration",
     "parse_flag",
     "parse_path_arg",
+    "parse_orders_poll",
     "parse_query_text",
     "parse_fraction",
     "parse_renewal",
@@ -520,6 +522,28 @@ def parse_node_parking(body: dict[str, Any]) -> NodeParkReport:
     """A heartbeat's parking fields, as :class:`NodeParkReport` reads them (all absent:
     the empty report)."""
     return NodeParkReport.from_json(body) or NodeParkReport()
+
+
+def parse_orders_poll(after: str | None, timeout: str | None) -> tuple[str | None, float]:
+    """``GET /api/v1/nodes/{node}/orders?after=CURSOR&timeout=S`` -> the cursor the agent
+    last saw (None: none, answer at once) and the long-poll's seconds (0 to ``MAX_WAIT``,
+    default ``ORDERS_WAIT``)."""
+    if after is not None and (not after or len(after) > MAX_ID_CHARS):
+        raise InvalidRequest(
+            f"'after' must be the cursor of an earlier answer (1 to {MAX_ID_CHARS} "
+            "characters), or left out."
+        )
+    if timeout is None:
+        return after, ORDERS_WAIT
+    try:
+        seconds = float(timeout)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_WAIT:
+        raise InvalidRequest(
+            f"'timeout' must be a number of seconds from 0 to {MAX_WAIT:g}, not {_show(timeout)}."
+        )
+    return after, seconds
 
 
 RESUME_FIELDS = ("wait",)
