@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from provisioner.devtools.testing import BrokerProcess
+from provisioner.devtools.zygote import Zygote
 
 from .conformance import Conformance, served_document
 
@@ -292,10 +293,19 @@ class Broker(BrokerProcess):
         extra: tuple[str, ...] = (),
         env: Any = None,
         in_process: bool = False,
+        forked: bool = True,
     ):
         super().__init__(tmp, db_url, USERS, extra=extra, env=env, in_process=in_process)
+        #: forked from :func:`shared_zygote` (else ``python -m``) where nothing asks for a
+        #: process of its own (a profile, another source tree, an environment)
+        self.forked = forked and self.profile is None and self.source == ROOT and env is None
         #: every answer its clients got, checked against its document when it stops
         self.conformance = Conformance()
+
+    def launch(self) -> None:
+        if self.forked:
+            self.zygote = shared_zygote()
+        super().launch()
 
     def problems(self) -> list[str]:
         """Lines of every run's log that show a crash inside the broker."""
@@ -366,14 +376,42 @@ def postgres_schema(prefix: str = "gl_test") -> Iterator[str]:
         conn.close()
 
 
+#: set to 0 to start every test broker with ``python -m`` instead of forking it from the
+#: zygote
+ZYGOTE_ENV = "GPU_LEASE_TEST_ZYGOTE"
+_zygote: Zygote | None = None
+
+
+def shared_zygote() -> Zygote | None:
+    """This pytest process's broker zygote (:mod:`provisioner.devtools.zygote`), started at
+    the first broker a test makes (a slow test's: it is a process) and stopped when the
+    session ends: it has imported the broker and forks a real broker process for each
+    start, without the 1.2 s of CPU its imports cost. None with ``GPU_LEASE_TEST_ZYGOTE=0``."""
+    global _zygote
+    if os.environ.get(ZYGOTE_ENV) == "0":
+        return None
+    if _zygote is None or not _zygote.alive():
+        _zygote = Zygote(ROOT)
+    return _zygote
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _zygote is not None:
+        _zygote.close()
+
+
 @pytest.fixture
 def broker(
-    request: pytest.FixtureRequest, tmp_path: Path, broker_db_url: str, broker_http_processes: int
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    broker_db_url: str,
+    broker_http_processes: int,
 ) -> Iterator[Broker]:
-    """A running broker subprocess (see the module docstring); with
-    ``GPU_LEASE_TEST_EMBEDDED_BROKER=1``, on a thread of the test's process unless the test
-    is marked ``broker_process`` (it kills, signals or times the process) or front
-    processes serve its HTTP."""
+    """A running broker process (see the module docstring), forked from the zygote
+    (:func:`shared_zygote`); a test marked ``broker_process`` (it kills, signals or times the
+    process) gets one started by ``python -m``. With ``GPU_LEASE_TEST_EMBEDDED_BROKER=1``,
+    the broker runs on a thread of the test's process instead, unless the test is marked
+    ``broker_process`` or front processes serve its HTTP."""
     marker = request.node.get_closest_marker("broker_args")
     extra = tuple(marker.args) if marker else ()
     if broker_http_processes and "--http-processes" not in extra:
@@ -387,7 +425,10 @@ def broker(
         and request.node.get_closest_marker("broker_process") is None
         and "--http-processes" not in extra
     )
-    with Broker(tmp_path, broker_db_url, extra, in_process=in_process).running() as b:
+    forked = request.node.get_closest_marker("broker_process") is None
+    with Broker(
+        tmp_path, broker_db_url, extra, in_process=in_process, forked=forked
+    ).running() as b:
         yield b
 
 

@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from .zygote import ForkedProcess, Zygote
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the pool the broker declares when the caller's options name none
@@ -101,7 +103,8 @@ async def wait_for_async(
 
 
 class Polled(Protocol):
-    """What :func:`wait_for_http` watches: a ``Popen``, or an :class:`EmbeddedBroker`."""
+    """What :func:`wait_for_http` watches: a ``Popen``, a
+    :class:`~provisioner.devtools.zygote.ForkedProcess` or an :class:`EmbeddedBroker`."""
 
     returncode: int | Any
 
@@ -311,7 +314,10 @@ class BrokerProcess:
     moves ``url``). Every start logs to its own file, ``<name>-<n>.log`` (``log_path``
     is the current one). ``profile`` (a file) runs the broker under cProfile; the
     profile is written when it exits on SIGTERM. ``source`` is the source tree put first
-    on ``PYTHONPATH`` (this checkout by default; another for A/B benchmarks).
+    on ``PYTHONPATH`` (this checkout by default; another for A/B benchmarks). ``zygote``
+    (:class:`~provisioner.devtools.zygote.Zygote`) forks the broker from a process that
+    has imported it instead of starting ``python -m`` (not with a profile, another source
+    or an environment of its own).
     """
 
     def __init__(
@@ -327,6 +333,7 @@ class BrokerProcess:
         name: str = "broker",
         source: Path = ROOT,
         in_process: bool = False,
+        zygote: Zygote | None = None,
     ) -> None:
         self.tmp = tmp
         self.source = source
@@ -353,11 +360,14 @@ class BrokerProcess:
                 }
             ),
         )
-        self.proc: subprocess.Popen[bytes] | EmbeddedBroker | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | EmbeddedBroker | None = None
         self.starts = 0
         #: run it as an :class:`EmbeddedBroker` (where the test needs no process; a
         #: profile, another source tree or an environment of its own need one)
         self.in_process = in_process and profile is None and source == ROOT and env is None
+        #: fork it from ``zygote`` (:mod:`provisioner.devtools.zygote`: the broker already
+        #: imported) instead of ``python -m``, under the same conditions
+        self.zygote = zygote if profile is None and source == ROOT and env is None else None
 
     # -- life cycle -------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -412,6 +422,11 @@ class BrokerProcess:
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.source), env.get("PYTHONPATH")]))
         env.pop("JUPYTERHUB_API_TOKEN", None)
+        if self.zygote is not None and self.zygote.alive():
+            self.proc = self.zygote.spawn(
+                self.command()[3:], cwd=self.tmp, log_path=self.log_path, env=env
+            )
+            return
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
@@ -423,7 +438,7 @@ class BrokerProcess:
             raise RuntimeError(f"/api/v1/health answered {r.status_code}")
         return dict(r.json())
 
-    def process_for(self, what: str) -> subprocess.Popen[bytes]:
+    def process_for(self, what: str) -> subprocess.Popen[bytes] | ForkedProcess:
         """The running broker's process, for ``what`` only a process can do."""
         if isinstance(self.proc, EmbeddedBroker):
             raise RuntimeError(
