@@ -55,7 +55,9 @@ export function showStarting(context: ISessionContext, name: string): boolean {
     return false;
   }
   const pending = context as unknown as IPending;
-  if (!pending[FIELD]) {
+  // unset, or JupyterLab's "No Kernel" (what it sets when a session is shut down)
+  const noKernel = (context as unknown as { noKernelName?: string }).noKernelName;
+  if (!pending[FIELD] || pending[FIELD] === noKernel) {
     pending[FIELD] = name;
   }
   return true;

@@ -53,12 +53,16 @@ export class NotebookGuard {
   private _guard(panel: NotebookPanel): void {
     const context = panel.sessionContext;
     const initialize = context.initialize.bind(context);
+    const shutdown = context.shutdown.bind(context);
     context.initialize = async () => {
       const held = await this._beforeStart(panel);
       const result = await initialize();
       const kernel = context.session?.kernel;
       if (held && !kernel) {
         this._hold(panel, held);
+        // JupyterLab's own "No Kernel" (as when a student picks it): without this its
+        // kernel status stayed "Initializing", the last status it was told
+        await shutdown();
       } else if (held) {
         context.kernelPreference = held.preference; // it had a session: nothing held
       }
@@ -68,7 +72,6 @@ export class NotebookGuard {
       }
       return result;
     };
-    const shutdown = context.shutdown.bind(context);
     context.shutdown = async () => {
       await this._withdraw(panel);
       return shutdown();
