@@ -124,6 +124,12 @@ def wait_until(what: str, check: Any, timeout: float = 60) -> Any:
         time.sleep(0.25)
 
 
+def quiet_pool(hub: Hub) -> None:
+    """Wait until no lease is held: a server an earlier test stopped may leave its kernel's
+    lease to expire (TTL 6 s), which would free a share under a test's filler."""
+    wait_until("no lease held", lambda: hub.leases() == [])
+
+
 def next_polls(page: Any, n: int = 2) -> None:
     """Wait until the page has asked the server about its GPU kernels ``n`` more times
     (what it shows then is what it knows now)."""
@@ -151,6 +157,7 @@ def test_a_cell_run_while_waiting_survives_a_reload_and_is_never_saved(
 ) -> None:
     user = "student11"
     code = "print(6 * 7)"
+    quiet_pool(hub)
     with filling(hub) as filler:
         context, page = open_lab(chromium, hub, user)
         open_gpu_notebook(page)
@@ -211,6 +218,7 @@ def test_a_reopened_gpu_notebook_starts_no_kernel_until_asked(
     assert status_text(page) == ""
     page.screenshot(path=str(shots / "lab-held.png"))
     # the GPU fills: the banner says where the kernel would wait
+    quiet_pool(hub)
     with filling(hub):
         wait_until(
             "the banner's queue place", lambda: "1st in queue" in held.inner_text(), timeout=30
@@ -269,6 +277,7 @@ def test_an_old_revocation_stays_old(chromium: Any, hub: Hub, shots: Path) -> No
     assert page.locator(TOAST).filter(has_text=reason).count() == 0
     assert status_text(page) in ("", "GPU lease revoked")
     # the kernel again, waiting first; a reload while it waits; the GPU comes
+    quiet_pool(hub)
     with filling(hub) as filler:
         start_if_held(page)
         wait_status(page, r"^GPU queue: 1st of 1")
@@ -311,6 +320,7 @@ def test_a_jupyterlab_without_the_private_field_says_so_and_still_reattaches(
     chromium: Any, hub: Hub
 ) -> None:
     user = "student14"
+    quiet_pool(hub)
     with filling(hub):
         context, page = open_lab(chromium, hub, user)
         open_gpu_notebook(page)
