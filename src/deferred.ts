@@ -27,6 +27,9 @@ interface IKept {
   cells: { id: string; index: number; source: string }[];
 }
 
+/** The class of a cell's output wrapper while it shows a line. */
+const LINED = 'jp-GPULease-lined';
+
 /** A line under a cell: "waits for a GPU" or "did not run". Not part of the notebook. */
 class CellLine extends Widget {
   constructor(kind: 'waiting' | 'not-run', text: string) {
@@ -167,7 +170,13 @@ export class DeferredCells {
       if (line.isDisposed || cell.isDisposed || !(wrapper instanceof Panel)) {
         return;
       }
+      wrapper.addClass(LINED); // the line takes a row of its own, under the outputs
       wrapper.addWidget(line);
+      line.disposed.connect(() => {
+        if (!wrapper.isDisposed && !wrapper.widgets.some(w => w instanceof CellLine)) {
+          wrapper.removeClass(LINED);
+        }
+      });
     });
   }
 

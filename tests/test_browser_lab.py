@@ -201,6 +201,7 @@ def test_waiting_kernel_shows_its_place_and_runs_the_kept_cell(
         page.keyboard.press("Shift+Enter")
         kept = page.locator(".jp-NotebookPanel .jp-Cell").first
         kept.locator(LINE, has_text="Waiting for a GPU").wait_for(timeout=10_000)
+        assert_whole(page, f"{TOAST} .jp-toast-message")  # slid in
         page.screenshot(path=str(shots / "lab-waiting.png"))
         page.locator(".jp-StatusBar-Widget").screenshot(path=str(shots / "lab-status-queue.png"))
         # student01's kernel ends: student03 gets that share, student02 moves up

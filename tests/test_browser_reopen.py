@@ -33,6 +33,7 @@ from .test_browser_lab import (
     TOAST,
     WAITING,
     _extension_installed,
+    assert_whole,
     filling,
     open_gpu_notebook,
     open_lab,
@@ -176,6 +177,7 @@ def test_a_cell_run_while_waiting_survives_a_reload_and_is_never_saved(
         # the line is the page's, not an output of the notebook
         assert cell.locator(".jp-OutputArea-output").count() == 0
         assert cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
+        assert_whole(page, f"{TOAST} .jp-toast-message")  # the notification slid in
         page.screenshot(path=str(shots / "lab-waiting-reloaded.png"))
         hub.req("DELETE", f"{hub.broker}/api/v1/leases/{filler['id']}", hub.token("student59"))
         wait_status(page, r"^GPU 0\.02 · V100", timeout=KERNEL_MS / 1000)

@@ -480,7 +480,7 @@ def test_browser_history_plots_course_view_and_revoke(chromium: Any, tmp_path: P
         assert "Your GPU allocation" in page.inner_text("#history")
         assert "Your requests in the queue" in page.inner_text("#history")
         for plot in ("allocation", "queue"):  # no value twice on an axis
-            ticks = page.locator(f"svg[data-plot={plot}] text.tick").all_inner_texts()
+            ticks = page.locator(f"svg[data-plot={plot}] text.tick").all_text_contents()
             values = [t for t in ticks if re.fullmatch(r"[\d.]+", t)]
             assert len(values) == 3 and len(set(values)) == 3, (plot, ticks)
         assert page.locator("#view").is_hidden() and page.locator("#courses-section").is_hidden()

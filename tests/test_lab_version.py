@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_hub import ROOT
+ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGE = json.loads((ROOT / "package.json").read_text())
 
