@@ -119,3 +119,43 @@ export async function whyNotKernel(
     return null;
   }
 }
+
+/** What starting a GPU kernelspec would take now: `GET .../kernelspecs/{name}/outlook`. */
+export interface IOutlook {
+  name: string;
+  display_name: string;
+  fraction: number;
+  /** the GPU model it would most likely get (the one with the most room), if known */
+  gpu_name?: string | null;
+  /** a GPU has room for it and nobody waits: it would start at once */
+  free_now: boolean;
+  /** else: the place it would take at the end of the GPU queue */
+  position?: number | null;
+  queue_length?: number | null;
+}
+
+/** What starting kernelspec `name` would take now, or null when the server cannot say. */
+export async function fetchOutlook(name: string): Promise<IOutlook | null> {
+  try {
+    const response = await request(`kernelspecs/${encodeURIComponent(name)}/outlook`);
+    return (await response.json()) as IOutlook;
+  } catch {
+    return null;
+  }
+}
+
+/** The provisioner of GPU kernels, as kernelspecs name it (pyproject's entry point). */
+export const PROVISIONER = 'gpu-lease-provisioner';
+
+/** The GPU fraction of a kernelspec (as the kernelspec API lists it), or null for a CPU one. */
+export function gpuFraction(spec: { metadata?: unknown } | undefined | null): number | null {
+  const metadata = (spec?.metadata ?? {}) as {
+    kernel_provisioner?: { provisioner_name?: string; config?: { fraction?: unknown } };
+  };
+  const provisioner = metadata.kernel_provisioner;
+  if (provisioner?.provisioner_name !== PROVISIONER) {
+    return null;
+  }
+  const fraction = provisioner.config?.fraction;
+  return typeof fraction === 'number' && fraction > 0 ? fraction : null;
+}

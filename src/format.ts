@@ -1,7 +1,7 @@
 // Pure text for the status bar and notifications.
 import { TranslationBundle } from '@jupyterlab/translation';
 
-import { IKernelLease } from './api';
+import { IKernelLease, IOutlook } from './api';
 
 /** 1 -> "1st", 2 -> "2nd", 3 -> "3rd", 11 -> "11th", 22 -> "22nd". */
 export function ordinal(n: number): string {
@@ -196,4 +196,25 @@ export function endedToast(k: IKernelLease, trans: TranslationBundle): string {
     ) + (k.reason ? ' ' + trans.__('Read why above the notebook.') : ''),
     trans.__('A GPU lease %1, so its kernel was shut down.', how(k, trans))
   );
+}
+
+/**
+ * What starting a GPU kernel would take now, as the banner of a notebook opened without
+ * starting it says: "GPU 1 · 100 % of a V100 · free now", "GPU 0.02 · 2 % of a V100 · 2nd
+ * in queue"; without the server's outlook only "GPU 0.02".
+ */
+export function outlookText(f: number, outlook: IOutlook | null, trans: TranslationBundle): string {
+  const parts = [trans.__('GPU %1', fraction(f))];
+  const percent = fraction(Number((f * 100).toPrecision(4)));
+  parts.push(
+    outlook?.gpu_name
+      ? trans.__('%1 % of a %2', percent, outlook.gpu_name)
+      : trans.__('%1 % of a GPU', percent)
+  );
+  if (outlook?.free_now) {
+    parts.push(trans.__('free now'));
+  } else if (outlook?.position) {
+    parts.push(trans.__('%1 in queue', ordinal(outlook.position)));
+  }
+  return parts.join(' · ');
 }

@@ -1,7 +1,9 @@
 // jupyter-gpu-lease in JupyterLab: the current kernel's GPU lease or queue place in the
 // status bar, notifications while waiting ("Stop waiting") and when a lease ends, cells
-// run while the kernel waits that are not lost, and a notebook that keeps its waiting
-// kernel over a reload. Data: the server extension provisioner.lab.
+// run while the kernel waits that are not lost (also over a reload), a notebook that keeps
+// its waiting kernel over a reload, and a notebook saved with a GPU kernel that opens
+// without taking a GPU until the student starts it. Data: the server extension
+// provisioner.lab.
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
@@ -32,8 +34,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
   ) => {
     const trans = (translator ?? nullTranslator).load('jupyter_gpu_lease');
     const model = new GPULeaseModel();
-    const deferred = new DeferredCells(tracker, trans);
-    new NotebookGuard(model, tracker, deferred, trans);
+    const deferred = new DeferredCells(
+      tracker,
+      trans,
+      path => model.waitingFor(path)?.kernel_id ?? null
+    );
+    // the settings, once loaded (a notebook restored at start waits for them)
+    const loaded = settings.load(PLUGIN_ID);
+    const startOnOpen = async () => (await loaded).get('startGpuKernelsOnOpen').composite === true;
+    new NotebookGuard(model, tracker, deferred, trans, startOnOpen);
     new GPULeaseNotifier(model, tracker, trans);
     if (statusBar) {
       const item = new GPULeaseStatus(model, tracker, trans);
@@ -48,7 +57,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       panel.sessionContext.statusChanged.connect(() => model.refreshSoon());
     });
     // the refresh interval's default lives in the schema (schema/plugin.json) only
-    void settings.load(PLUGIN_ID).then(s => {
+    void loaded.then(s => {
       const apply = () => {
         const seconds = s.get('refreshInterval').composite as number;
         model.interval = Math.max(500, seconds * 1000);

@@ -121,12 +121,13 @@ export class GPULeaseModel {
   }
 
   /**
-   * The most recent revoked or expired lease of a notebook. Unless `evenIfNewer`, only
-   * while no newer kernel of that notebook waits or runs (the status bar's choice); a
-   * notebook opened again is told anyway, once (the notification's choice).
+   * The most recent lease of a notebook when it was revoked or expired (null when the
+   * notebook's last lease ended normally: an old revocation is old news then). Unless
+   * `evenIfNewer`, only while no newer kernel of that notebook waits or runs (the status
+   * bar's choice); a notebook opened again is told anyway (the notification's choice).
    */
   lastEnded(path: string, evenIfNewer = false): IKernelLease | null {
-    let found: IKernelLease | null = null;
+    let last: IKernelLease | null = null;
     for (const k of this._kernels) {
       if (k.path !== path) {
         continue;
@@ -135,13 +136,13 @@ export class GPULeaseModel {
         return null;
       }
       if (
-        (k.state === 'revoked' || k.state === 'expired') &&
-        (!found || (k.ended_at ?? 0) >= (found.ended_at ?? 0))
+        (k.state === 'revoked' || k.state === 'expired' || k.state === 'released') &&
+        (!last || (k.ended_at ?? 0) >= (last.ended_at ?? 0))
       ) {
-        found = k;
+        last = k;
       }
     }
-    return found;
+    return last && last.state !== 'released' ? last : null;
   }
 
   dispose(): void {

@@ -14,6 +14,7 @@ import {
   parkedMessage,
   waitingMessage
 } from './format';
+import { RememberedIds } from './memory';
 import { GPULeaseModel } from './model';
 
 export class GPULeaseNotifier {
@@ -61,7 +62,7 @@ export class GPULeaseNotifier {
     }
   }
 
-  /** A notebook opened or focused again: tell why its last GPU lease ended. */
+  /** A notebook opened or focused: tell why its last GPU lease ended (unless told). */
   private _onPanel(_: INotebookTracker, panel: NotebookPanel | null): void {
     if (!panel) {
       return;
@@ -69,7 +70,7 @@ export class GPULeaseNotifier {
     void panel.context.ready.then(() => {
       const k = this._model.lastEnded(panel.context.path, true);
       if (k) {
-        this._ended(k, panel);
+        this._ended(k);
       }
     });
   }
@@ -85,11 +86,14 @@ export class GPULeaseNotifier {
         ),
         displayType: 'warn' as const,
         callback: () => {
-          void this._model.stopWaiting(k.kernel_id).catch(reason => {
-            Notification.error(
-              trans.__('Could not stop waiting: %1', reason.message ?? String(reason))
-            );
-          });
+          void this._model.stopWaiting(k.kernel_id).then(
+            () => this._gaveUp(k),
+            reason => {
+              Notification.error(
+                trans.__('Could not stop waiting: %1', reason.message ?? String(reason))
+              );
+            }
+          );
         }
       }
     ];
@@ -103,6 +107,19 @@ export class GPULeaseNotifier {
     } else if (this._lastText.get(k.kernel_id) !== message) {
       Notification.update({ id, message, type: 'in-progress', autoClose: false, actions });
       this._lastText.set(k.kernel_id, message);
+    }
+  }
+
+  /**
+   * The student stopped waiting: the notebook has no kernel now, on purpose. JupyterLab
+   * still counted it as initializing ("No Kernel | Initializing" for good) since the start
+   * it began failed; nothing is to start by itself any more.
+   */
+  private _gaveUp(k: IKernelLease): void {
+    const panel = this._tracker.find(p => p.sessionContext.path === k.path);
+    const context = panel?.sessionContext;
+    if (context && !context.session?.kernel) {
+      context.kernelPreference = { ...context.kernelPreference, shouldStart: false };
     }
   }
 
@@ -124,18 +141,19 @@ export class GPULeaseNotifier {
     const trans = this._trans;
     const share = fraction(k.fraction);
     const gpu = k.lease?.gpu?.name;
+    // the broker's grant reaches this page with the next poll, by when the kernel has
+    // often started already: say which
+    const started = this._tracker.find(p => p.sessionContext.session?.kernel?.id === k.kernel_id);
+    const then = started
+      ? trans.__('The kernel has started.')
+      : trans.__('The kernel is starting.');
     Notification.update({
       id,
       message: fitting(
         gpu
-          ? trans.__(
-              '%1 got its GPU: %2 of a %3. The kernel is starting.',
-              label(k, trans),
-              share,
-              gpu
-            )
-          : trans.__('%1 got its GPU: %2 of one. The kernel is starting.', label(k, trans), share),
-        trans.__('Your kernel got its GPU (%1 of one). The kernel is starting.', share)
+          ? trans.__('%1 got its GPU: %2 of a %3. %4', label(k, trans), share, gpu, then)
+          : trans.__('%1 got its GPU: %2 of one. %3', label(k, trans), share, then),
+        trans.__('Your kernel got its GPU (%1 of one). %2', share, then)
       ),
       type: 'success',
       autoClose: 5000,
@@ -144,23 +162,18 @@ export class GPULeaseNotifier {
   }
 
   /**
-   * Tell why a lease ended: once in this page, and once more each time its notebook is
-   * opened again (a new panel); never twice on screen at once.
+   * Tell why a lease ended, once in this browser (a reload does not tell it again; the
+   * banner above the notebook keeps the whole reason until it is dismissed); never twice
+   * on screen at once.
    */
-  private _ended(k: IKernelLease, panel?: NotebookPanel): void {
+  private _ended(k: IKernelLease): void {
     const waitingId = this._waitingToasts.get(k.kernel_id);
     if (waitingId !== undefined) {
       Notification.dismiss(waitingId);
       this._waitingToasts.delete(k.kernel_id);
     }
-    panel = panel ?? this._tracker.find(p => p.context.path === k.path);
-    const toldPanel = panel ? (this._toldPanels.get(panel) ?? new Set<string>()) : null;
-    const fresh = panel ? !toldPanel!.has(k.kernel_id) : !this._toldPage.has(k.kernel_id);
-    this._toldPage.add(k.kernel_id);
-    if (panel && toldPanel) {
-      toldPanel.add(k.kernel_id);
-      this._toldPanels.set(panel, toldPanel);
-    }
+    const fresh = !this._told.has(k.kernel_id) && !this._dismissed.has(k.kernel_id);
+    this._told.add(k.kernel_id);
     const shown = this._endedToasts.get(k.kernel_id);
     if (!fresh || (shown !== undefined && Notification.manager.has(shown))) {
       return;
@@ -195,7 +208,8 @@ export class GPULeaseNotifier {
   private _parked = new Set<string>();
   private _lastText = new Map<string, string>();
   private _endedToasts = new Map<string, string>();
-  private _toldPage = new Set<string>();
+  /** ended leases told (this browser), and those whose banner was dismissed */
+  private _told = new RememberedIds('told');
+  private _dismissed = new RememberedIds('dismissed');
   private _seenLive = new Set<string>();
-  private _toldPanels = new WeakMap<NotebookPanel, Set<string>>();
 }

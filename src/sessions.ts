@@ -3,7 +3,13 @@
 // - a page opened (or reloaded) while the notebook's kernel waits for its GPU re-attaches
 //   to that kernel instead of starting a second one: JupyterLab knows a session only once
 //   its kernel has started, so it found none and started another kernel, which joined the
-//   queue too;
+//   queue too; cells this tab ran while it waited wait again (src/deferred.ts);
+// - a notebook saved with a GPU kernel opens without starting it (unless the setting
+//   startGpuKernelsOnOpen says to): a banner says what starting it would take and offers
+//   Start. JupyterLab starts a notebook's kernel whenever it opens it, also when it
+//   restores the last layout at login: in a class each re-login took a GPU share or a
+//   place in the queue for nobody at the keyboard. A notebook made from the launcher
+//   (its file names no kernel yet) and CPU kernels start as before;
 // - "Shut Down Kernel" (or anything that shuts the notebook's session down) while the
 //   kernel waits withdraws its request: JupyterLab had no session to shut down, and the
 //   request stayed queued for nobody;
@@ -11,23 +17,34 @@
 //   JupyterLab asks to select another kernel;
 // - a lease that ended by the broker's decision: the notebook's session is let go (its
 //   kernel was shut down; the indicator said "Idle"), and a banner above the notebook gives
-//   the whole reason (a notification shows 140 characters), also after a reload.
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+//   the whole reason (a notification shows 140 characters), also after a reload, until
+//   it is dismissed or a later kernel of the notebook ends normally.
+import { Dialog, ISessionContext, showDialog } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { TranslationBundle } from '@jupyterlab/translation';
-import { Widget } from '@lumino/widgets';
 
-import { attachSession, fetchKernels, IKernelLease, whyNotKernel } from './api';
+import { attachSession, fetchKernels, gpuFraction, IKernelLease, whyNotKernel } from './api';
+import { EndedBanner, HeldBanner } from './banners';
 import { DeferredCells } from './deferred';
 import { endedMessage } from './format';
 import { GPULeaseModel } from './model';
+import { clearStarting, showStarting } from './pending';
+
+/** A notebook's GPU kernel not started on opening. */
+interface IHeld {
+  name: string;
+  display: string;
+  fraction: number;
+  preference: ISessionContext.IKernelPreference;
+}
 
 export class NotebookGuard {
   constructor(
     private _model: GPULeaseModel,
     private _tracker: INotebookTracker,
     private _deferred: DeferredCells,
-    private _trans: TranslationBundle
+    private _trans: TranslationBundle,
+    private _startOnOpen: () => Promise<boolean> = async () => false
   ) {
     _tracker.widgetAdded.connect((_, panel) => this._guard(panel));
     _model.changed.connect(this._onChanged, this);
@@ -36,48 +53,130 @@ export class NotebookGuard {
   private _guard(panel: NotebookPanel): void {
     const context = panel.sessionContext;
     const initialize = context.initialize.bind(context);
-    context.initialize = async () => {
-      await this._beforeStart(panel);
-      return initialize();
-    };
     const shutdown = context.shutdown.bind(context);
+    context.initialize = async () => {
+      const held = await this._beforeStart(panel);
+      const result = await initialize();
+      const kernel = context.session?.kernel;
+      if (held && !kernel) {
+        this._hold(panel, held);
+        // JupyterLab's own "No Kernel" (as when a student picks it): without this its
+        // kernel status stayed "Initializing", the last status it was told
+        await shutdown();
+      } else if (held) {
+        context.kernelPreference = held.preference; // it had a session: nothing held
+      }
+      if (kernel) {
+        // started while this tab was reloaded: the cells it kept for that kernel run now
+        this._deferred.restore(panel, kernel.id, true);
+      }
+      return result;
+    };
     context.shutdown = async () => {
       await this._withdraw(panel);
       return shutdown();
     };
-    const banner = new Banner(this._trans);
+    const banner = new EndedBanner(this._trans);
     this._banners.set(panel, banner);
     panel.contentHeader.addWidget(banner);
     panel.disposed.connect(() => this._banners.delete(panel));
     this._showBanner(panel);
   }
 
-  /** Before JupyterLab looks for the notebook's session (and starts a kernel if none). */
-  private async _beforeStart(panel: NotebookPanel): Promise<void> {
+  /**
+   * Before JupyterLab looks for the notebook's session (and starts a kernel if none). The
+   * kernel it would start when it is a GPU kernel held until the student asks, else null.
+   */
+  private async _beforeStart(panel: NotebookPanel): Promise<IHeld | null> {
     const context = panel.sessionContext;
     let kernels: IKernelLease[];
     try {
       kernels = await fetchKernels();
     } catch {
-      return; // no GPU lease status here: JupyterLab as usual
+      return null; // no GPU lease status here: JupyterLab as usual
     }
     const waiting = kernels.find(k => k.state === 'waiting' && k.path === context.path);
     if (waiting) {
       await this._attach(panel, waiting);
-      return;
+      return null;
+    }
+    const held = await this._toHold(panel);
+    if (held) {
+      // JupyterLab still connects to a session of the notebook's path, if there is one
+      context.kernelPreference = { ...held.preference, shouldStart: false };
+      return held;
     }
     await this._explainKernel(panel);
+    return null;
+  }
+
+  /** The notebook's saved kernel, when it is a GPU kernel JupyterLab is about to start. */
+  private async _toHold(panel: NotebookPanel): Promise<IHeld | null> {
+    const context = panel.sessionContext;
+    const preference = context.kernelPreference;
+    const name = preference.name;
+    // a notebook made from the launcher names no kernel in its file yet: the student chose
+    if (
+      !name ||
+      name !== panel.context.model.defaultKernelName ||
+      preference.id ||
+      preference.shouldStart === false ||
+      preference.canStart === false ||
+      this._asked.has(context.path)
+    ) {
+      return null;
+    }
+    let startOnOpen = false;
+    try {
+      startOnOpen = await this._startOnOpen();
+    } catch {
+      // settings unavailable: hold (the default)
+    }
+    if (startOnOpen) {
+      return null;
+    }
+    await context.specsManager.ready;
+    const spec = context.specsManager.specs?.kernelspecs[name];
+    const fraction = gpuFraction(spec);
+    if (!spec || fraction === null) {
+      return null; // a CPU kernel, or one this user cannot start (_explainKernel says why)
+    }
+    return { name, display: spec.display_name || name, fraction, preference };
+  }
+
+  /** Show what starting the held kernel would take, and Start; gone once a kernel runs. */
+  private _hold(panel: NotebookPanel, held: IHeld): void {
+    const context = panel.sessionContext;
+    const start = () => {
+      this._asked.add(context.path);
+      context.kernelPreference = held.preference;
+      context.changeKernel({ name: held.name }).catch(() => {
+        // JupyterLab shows "Error Starting Kernel" with the broker's sentence
+      });
+    };
+    const banner = new HeldBanner(this._trans, held, start);
+    panel.contentHeader.insertWidget(0, banner);
+    const onKernel = () => {
+      if (context.session?.kernel || context.kernelDisplayStatus === 'starting') {
+        banner.dispose();
+        context.kernelPreference = held.preference;
+        context.kernelChanged.disconnect(onKernel);
+        context.statusChanged.disconnect(onKernel);
+      }
+    };
+    context.kernelChanged.connect(onKernel);
+    context.statusChanged.connect(onKernel);
+    banner.show();
   }
 
   private async _attach(panel: NotebookPanel, k: IKernelLease): Promise<void> {
     const context = panel.sessionContext;
     // Meanwhile the notebook shows the kernel as starting, as the page that started it
-    // did: JupyterLab's session context has no public way to say "a kernel of this name
-    // is on its way", and without it a cell run now would start a second kernel.
-    const pending = context as unknown as { _pendingKernelName: string };
-    if (k.kernel_name && !pending._pendingKernelName) {
-      pending._pendingKernelName = k.kernel_name;
+    // did (src/pending.ts): without it a cell run now would start a second kernel.
+    if (k.kernel_name) {
+      showStarting(context, k.kernel_name);
     }
+    this._deferred.restore(panel, k.kernel_id);
     try {
       await attachSession(k.kernel_id, {
         path: context.path,
@@ -86,7 +185,7 @@ export class NotebookGuard {
       });
     } catch (error) {
       // its start failed (stopped waiting, shut down, refused): start nothing else now
-      pending._pendingKernelName = '';
+      clearStarting(context);
       context.kernelPreference = { ...context.kernelPreference, shouldStart: false };
       void context.ready.then(() => this._deferred.notRun(panel));
       if (!this._withdrawn.delete(panel)) {
@@ -171,76 +270,8 @@ export class NotebookGuard {
     banner.showFor(k, k ? endedMessage(k, this._trans) : '');
   }
 
-  private _banners = new WeakMap<NotebookPanel, Banner>();
+  private _banners = new WeakMap<NotebookPanel, EndedBanner>();
   private _withdrawn = new WeakSet<NotebookPanel>();
-}
-
-/** Why the notebook's last GPU lease ended, whole, above the notebook; closable. */
-class Banner extends Widget {
-  constructor(trans: TranslationBundle) {
-    super();
-    this.addClass('jp-GPULease-banner');
-    this.node.setAttribute('role', 'alert');
-    this._text = document.createElement('div');
-    this._text.className = 'jp-GPULease-banner-text';
-    const close = document.createElement('button');
-    close.className = 'jp-Button jp-mod-minimal jp-GPULease-banner-close';
-    close.textContent = trans.__('Dismiss');
-    close.title = trans.__('Hide this message');
-    close.addEventListener('click', () => {
-      if (this._kernelId) {
-        this._dismissed.add(this._kernelId);
-      }
-      this.hide();
-    });
-    this.node.append(this._text, close);
-    this.hide();
-  }
-
-  showFor(k: IKernelLease | null, text: string): void {
-    if (!k || this._dismissed.has(k.kernel_id)) {
-      this.hide();
-      return;
-    }
-    this._kernelId = k.kernel_id;
-    this.node.dataset.state = k.state;
-    if (this._text.textContent !== text) {
-      this._text.textContent = text;
-      this._fit();
-    }
-    super.show();
-  }
-
-  protected onAfterShow(): void {
-    this._fit();
-  }
-
-  protected onResize(): void {
-    this._fit();
-  }
-
-  /** The notebook's header is a BoxPanel, which sizes a child by its CSS minimum only:
-   * make that the wrapped text's height, whatever the width. */
-  private _fit(): void {
-    requestAnimationFrame(() => {
-      if (this.isHidden || this.isDisposed) {
-        return;
-      }
-      const style = getComputedStyle(this.node);
-      const needed = Math.ceil(
-        this._text.getBoundingClientRect().height +
-          parseFloat(style.paddingTop) +
-          parseFloat(style.paddingBottom) +
-          parseFloat(style.borderBottomWidth)
-      );
-      if (this.node.style.minHeight !== `${needed}px`) {
-        this.node.style.minHeight = `${needed}px`;
-        this.parent?.fit();
-      }
-    });
-  }
-
-  private _text: HTMLDivElement;
-  private _kernelId = '';
-  private _dismissed = new Set<string>();
+  /** notebooks whose GPU kernel the student started in this page */
+  private _asked = new Set<string>();
 }

@@ -442,6 +442,20 @@ def test_browser_history_plots_course_view_and_revoke(chromium: Any, tmp_path: P
         assert lease_id in page.inner_text("#revoke-what")
         page.click("#revoke-confirm")  # no reason: refused in the page
         assert "Say why" in page.inner_text("#revoke-error")
+        # a long reason is seen whole while typed; the box says where its limit is
+        long_reason = ("The V100 of node gpu01 is needed for the exam of ml101 at 18:00. " * 5)[
+            :320
+        ]
+        page.fill("#revoke-reason", long_reason)
+        box = page.locator("#revoke-reason").evaluate(
+            "e => ({scroll: e.scrollHeight, client: e.clientHeight, width: e.scrollWidth,"
+            " shown: e.clientWidth})"
+        )
+        assert box["scroll"] <= box["client"] + 1 and box["width"] <= box["shown"] + 1, box
+        assert page.inner_text("#revoke-count") == "320 of 500 characters"
+        page.fill("#revoke-reason", "x" * 600)
+        assert len(page.input_value("#revoke-reason")) == 500
+        assert page.inner_text("#revoke-count") == "500 of 500 characters: a reason holds no more"
         page.fill("#revoke-reason", "maintenance at 18:00")
         page.click("#revoke-confirm")
         page.wait_for_selector("#revoke-dialog", state="hidden")
@@ -464,6 +478,11 @@ def test_browser_history_plots_course_view_and_revoke(chromium: Any, tmp_path: P
         page.click("button[type=submit]")
         page.wait_for_selector("#history svg[data-plot=allocation]")
         assert "Your GPU allocation" in page.inner_text("#history")
+        assert "Your requests in the queue" in page.inner_text("#history")
+        for plot in ("allocation", "queue"):  # no value twice on an axis
+            ticks = page.locator(f"svg[data-plot={plot}] text.tick").all_text_contents()
+            values = [t for t in ticks if re.fullmatch(r"[\d.]+", t)]
+            assert len(values) == 3 and len(set(values)) == 3, (plot, ticks)
         assert page.locator("#view").is_hidden() and page.locator("#courses-section").is_hidden()
         assert page.locator("#leases button.danger").count() == 0
         assert page.locator("#leases tbody tr").count() == 1

@@ -101,6 +101,29 @@ def test_needs_the_servers_authentication(stack: Any) -> None:
     assert server.gpu_kernels() == []
 
 
+def test_what_starting_a_gpu_kernelspec_would_take(stack: Any) -> None:
+    """``GET .../kernelspecs/{name}/outlook``: a notebook opened without starting its GPU
+    kernel says what starting it would take; on an empty pool, a V100 free now."""
+    _, server = stack
+    r = server.http.get(f"/gpu-lease/api/kernelspecs/{server.spec}/outlook")
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "name": server.spec,
+        "display_name": r.json()["display_name"],
+        "fraction": 0.5,
+        "gpu_name": "V100",
+        "free_now": True,
+        "position": None,
+        "queue_length": 0,
+    }
+    assert "GPU 0.5" in r.json()["display_name"]
+    for name in ("python3", "no-such-kernel"):  # a CPU kernel, none: 404
+        r = server.http.get(f"/gpu-lease/api/kernelspecs/{name}/outlook")
+        assert r.status_code == 404, r.text
+    r = httpx.get(f"{server.url}/gpu-lease/api/kernelspecs/{server.spec}/outlook")
+    assert r.status_code == 403
+
+
 def test_waiting_kernel_shows_its_place_which_moves_then_runs(stack: Any) -> None:
     broker, server = stack
     first, second = Start(server, "a.ipynb"), Start(server, "b.ipynb")

@@ -16,6 +16,7 @@ the broker at most one request per server per interval.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..client import BrokerClient, broker_env
 from ..errors import GPULeaseError
+from ..kernel.kernelspecs import PROVISIONER_NAME
 from ..kernel.status import ENDED, LeaseBoard, board_for
 
 
@@ -57,6 +59,8 @@ class GPULeaseLab(LoggingConfigurable):
         self._paths: dict[str, str] = {}
         #: broker requests this extension made (the polling benchmark reads it)
         self.broker_requests = 0
+        #: the pool and the queue's length as last asked (outlooks), and when
+        self._pool: tuple[float, list[dict[str, Any]], int] | None = None
 
     # -- what the handlers call ---------------------------------------------------------------
     @property
@@ -152,6 +156,74 @@ class GPULeaseLab(LoggingConfigurable):
             return None
         answer = await why_not(name)
         return dict(answer) if answer is not None else None
+
+    async def outlook(self, name: str) -> dict[str, Any] | None:
+        """``GET .../kernelspecs/{name}/outlook``: what starting GPU kernelspec ``name`` would
+        take now (a notebook saved with it opened without starting it): ``{name,
+        display_name, fraction, gpu_name, free_now, position, queue_length}``; ``free_now``
+        when a GPU has room for it and nobody waits, else ``position``, the place at the
+        end of the queue. None if this server offers no such GPU kernelspec. The pool is
+        asked at most every ``queue_refresh_interval`` seconds, whoever asks."""
+        specs = getattr(self.parent, "kernel_spec_manager", None)
+        if specs is None:
+            return None
+        listed = specs.get_all_specs()
+        if inspect.isawaitable(listed):
+            listed = await listed
+        entry = (listed or {}).get(name)
+        spec = entry.get("spec") if isinstance(entry, dict) else None
+        provisioner = ((spec or {}).get("metadata") or {}).get("kernel_provisioner") or {}
+        fraction = (provisioner.get("config") or {}).get("fraction")
+        if provisioner.get("provisioner_name") != PROVISIONER_NAME or not isinstance(
+            fraction, (int, float)
+        ):
+            return None
+        out: dict[str, Any] = {
+            "name": name,
+            "display_name": str((spec or {}).get("display_name") or name),
+            "fraction": float(fraction),
+            "gpu_name": None,
+            "free_now": False,
+            "position": None,
+            "queue_length": None,
+        }
+        pool = await self._pool_now()
+        if pool is None:
+            return out  # the broker did not answer: the kernel's size only
+        gpus, length = pool
+        room = sorted(
+            gpus,
+            key=lambda g: float(g.get("capacity_fraction", 1)) - float(g["allocated_fraction"]),
+            reverse=True,
+        )
+        best = room[0] if room else None
+        free = (
+            float(best.get("capacity_fraction", 1)) - float(best["allocated_fraction"])
+            if best
+            else 0.0
+        )
+        out["gpu_name"] = best.get("name") if best else None
+        out["queue_length"] = length
+        out["free_now"] = length == 0 and free + 1e-9 >= float(fraction)
+        if not out["free_now"]:
+            out["position"] = length + 1
+        return out
+
+    async def _pool_now(self) -> tuple[list[dict[str, Any]], int] | None:
+        now = time.monotonic()
+        if self._pool is not None and now - self._pool[0] < max(1.0, self.queue_refresh_interval):
+            return self._pool[1], self._pool[2]
+        try:
+            client = self._broker()
+            self.broker_requests += 2
+            gpus = [g for g in await client.gpus() if isinstance(g, dict)]
+            answer = await client.leases.queue_page()
+        except GPULeaseError as exc:
+            self.log.debug("jupyter-gpu-lease: no outlook this time: %s", exc)
+            return None
+        length = answer.get("length")
+        self._pool = (now, gpus, length if isinstance(length, int) else 0)
+        return gpus, self._pool[2]
 
     # -- the queue look-up --------------------------------------------------------------------
     def _maybe_refresh_queue(self, board: LeaseBoard) -> None:

@@ -5,6 +5,7 @@
 ``DELETE {base_url}gpu-lease/api/kernels/{kernel_id}/request``   stop waiting for a GPU
 ``POST   {base_url}gpu-lease/api/kernels/{kernel_id}/session``   re-attach to a waiting kernel
 ``GET    {base_url}gpu-lease/api/kernelspecs/{name}``             why a kernel is not for you
+``GET    {base_url}gpu-lease/api/kernelspecs/{name}/outlook``     what starting it would take
 ==============================================================  ==============================
 
 Both are jupyter_server ``APIHandler``s: the caller is authenticated as this server's
@@ -102,6 +103,19 @@ class KernelspecHandler(_Base):
         self.finish(json.dumps(answer))
 
 
+class OutlookHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def get(self, name: str) -> None:
+        """``{name, display_name, fraction, gpu_name, free_now, position, queue_length}``;
+        404 if this server offers no GPU kernelspec of that name."""
+        answer = await self.lab.outlook(name)
+        if answer is None:
+            raise web.HTTPError(404, f"No GPU kernelspec {name!r} on this server.")
+        self.set_header("Cache-Control", "no-store")
+        self.finish(json.dumps(answer))
+
+
 def setup_handlers(web_app: Any, lab: GPULeaseLab) -> None:
     """Called by ``_load_jupyter_server_extension`` when the server starts."""
     base = web_app.settings["base_url"]
@@ -114,6 +128,10 @@ def setup_handlers(web_app: Any, lab: GPULeaseLab) -> None:
             (api + r"/([^/]+)/request/?", RequestHandler),
             (api + r"/([^/]+)/session/?", SessionHandler),
             (
+                url_path_join(base, "gpu-lease", "api", "kernelspecs") + r"/([^/]+)/outlook/?",
+                OutlookHandler,
+            ),
+            (
                 url_path_join(base, "gpu-lease", "api", "kernelspecs") + r"/([^/]+)/?",
                 KernelspecHandler,
             ),
@@ -124,6 +142,7 @@ def setup_handlers(web_app: Any, lab: GPULeaseLab) -> None:
 __all__ = [
     "KernelsHandler",
     "KernelspecHandler",
+    "OutlookHandler",
     "RequestHandler",
     "SessionHandler",
     "setup_handlers",

@@ -96,6 +96,17 @@ describe('the kernel a notebook shows', () => {
     expect(model.lastEnded('other.ipynb', true)).toBeNull();
   });
 
+  it('with no kernel, is nothing once a later kernel of the notebook ended normally', () => {
+    const released = kernel('k3', { state: 'released', ended_at: 30 });
+    model.update([revokedNew, released, revokedOld], 0);
+    expect(model.forPanel(panel({}))).toBeNull();
+    expect(model.lastEnded(NB, true)).toBeNull();
+    // a revocation after that normal end is news again
+    const revokedLater = kernel('r4', { state: 'revoked', ended_at: 40, reason: 'later' });
+    model.update([revokedNew, released, revokedLater], 0);
+    expect(model.forPanel(panel({}))).toBe(revokedLater);
+  });
+
   it('is nothing for no panel or a closed one', () => {
     model.update([activeK], 0);
     expect(model.forPanel(null)).toBeNull();

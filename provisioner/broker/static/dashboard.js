@@ -408,9 +408,21 @@
       pct(x.fraction) + " of a GPU, kernel " + x.kernel_id.slice(0, 8) + ").");
     $("revoke-error").textContent = "";
     $("revoke-reason").value = "";
+    countReason();
     $("revoke-confirm").disabled = false;
     $("revoke-dialog").showModal();
     $("revoke-reason").focus();
+  }
+
+  // the reason box holds REASON_MAX characters (the broker's limit): say how many are left,
+  // and plainly when the box is full, rather than dropping what is typed without a word
+  const REASON_MAX = 500;
+  function countReason() {
+    const n = $("revoke-reason").value.length;
+    $("revoke-count").textContent = n >= REASON_MAX
+      ? REASON_MAX + " of " + REASON_MAX + " characters: a reason holds no more"
+      : n + " of " + REASON_MAX + " characters";
+    $("revoke-count").classList.toggle("error", n >= REASON_MAX);
   }
 
   async function submitRevoke(ev) {
@@ -580,7 +592,8 @@
           ? "Peak " + gpusText(allocPeak.allocated_max) + " at " + when(allocPeak) + " · mean " + gpusText(allocMean)
           : "Nothing held",
         max: allocMax,
-        yLabel: (v) => (Math.round(v * 100) / 100).toString(),
+        // three significant digits: a peak of 0.01 GPU has its middle line at 0.005, not a second "0.01"
+        yLabel: (v) => Number(v.toPrecision(3)).toString(),
         layers: [
           { kind: "area", key: "allocated", cls: "s-mean", label: "mean (GPUs)" },
           { kind: "line", key: "allocated_max", cls: "s-peak", label: "peak" },
@@ -589,7 +602,7 @@
       },
       {
         id: "queue",
-        title: scope + "Queue length",
+        title: own ? "Your requests in the queue" : scope + "Queue length",
         summary: queuePeak && queuePeak.queue_max > 0
           ? "Peak " + queuePeak.queue_max + " waiting at " + when(queuePeak) + (withdrawn ? " · " + withdrawn + " gave up" : "")
           : "Nobody waited",
@@ -727,6 +740,7 @@
       b.addEventListener("click", () => setRange(b));
     }
     $("revoke-form").addEventListener("submit", submitRevoke);
+    $("revoke-reason").addEventListener("input", countReason);
     $("revoke-cancel").addEventListener("click", () => {
       revoking = null;
       $("revoke-dialog").close();
