@@ -297,13 +297,14 @@ class Broker(BrokerProcess):
     ):
         super().__init__(tmp, db_url, USERS, extra=extra, env=env, in_process=in_process)
         #: forked from :func:`shared_zygote` (else ``python -m``) where nothing asks for a
-        #: process of its own (a profile, another source tree, an environment)
-        self.forked = forked and self.profile is None and self.source == ROOT and env is None
+        #: process of its own (:meth:`forkable`: a profile, another source tree, an
+        #: environment)
+        self.forked = forked
         #: every answer its clients got, checked against its document when it stops
         self.conformance = Conformance()
 
     def launch(self) -> None:
-        if self.forked:
+        if self.forked and self.forkable():
             self.zygote = shared_zygote()
         super().launch()
 

@@ -102,6 +102,13 @@ def saved(hub: Hub, user: str, path: str) -> dict[str, Any]:
     return dict(r.json()["content"])
 
 
+def last_modified(hub: Hub, user: str, path: str) -> str:
+    url = f"{hub.url}/user/{user}/api/contents/{path}?content=0"
+    r = hub.req("GET", url, hub.token(user))
+    assert r.status_code == 200, r.text
+    return str(r.json()["last_modified"])
+
+
 def sessions(hub: Hub, user: str) -> list[dict[str, Any]]:
     r = hub.req("GET", f"{hub.url}/user/{user}/api/sessions", hub.token(user))
     assert r.status_code == 200, r.text
@@ -219,6 +226,13 @@ def test_a_reopened_gpu_notebook_starts_no_kernel_until_asked(
     assert sessions(hub, user) == [] and hub.leases(user) == []
     assert status_text(page) == ""
     page.screenshot(path=str(shots / "lab-held.png"))
+    # saving the held notebook keeps its GPU kernel in the file (held is not "No Kernel")
+    before = last_modified(hub, user, "gpu.ipynb")
+    page.locator(".jp-Cell .jp-InputPrompt").first.click()
+    page.keyboard.press("Control+s")
+    wait_until("gpu.ipynb saved", lambda: last_modified(hub, user, "gpu.ipynb") != before)
+    assert saved(hub, user, "gpu.ipynb")["metadata"]["kernelspec"]["name"] == "python3-gpu-0.02"
+    assert sessions(hub, user) == [] and hub.leases(user) == []
     # the GPU fills: the banner says where the kernel would wait
     quiet_pool(hub)
     with filling(hub):

@@ -366,8 +366,8 @@ class BrokerProcess:
         #: profile, another source tree or an environment of its own need one)
         self.in_process = in_process and profile is None and source == ROOT and env is None
         #: fork it from ``zygote`` (:mod:`provisioner.devtools.zygote`: the broker already
-        #: imported) instead of ``python -m``, under the same conditions
-        self.zygote = zygote if profile is None and source == ROOT and env is None else None
+        #: imported) instead of ``python -m``, under the same conditions (:meth:`forkable`)
+        self.zygote = zygote
 
     # -- life cycle -------------------------------------------------------------------
     def command(self) -> list[str]:
@@ -422,7 +422,7 @@ class BrokerProcess:
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.source), env.get("PYTHONPATH")]))
         env.pop("JUPYTERHUB_API_TOKEN", None)
-        if self.zygote is not None and self.zygote.alive():
+        if self.zygote is not None and self.forkable() and self.zygote.alive():
             self.proc = self.zygote.spawn(
                 self.command()[3:], cwd=self.tmp, log_path=self.log_path, env=env
             )
@@ -431,6 +431,12 @@ class BrokerProcess:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp, env=env
             )
+
+    def forkable(self) -> bool:
+        """Whether a zygote's fork is this start: the zygote imported this checkout's
+        broker, with the test's environment (checked at each start: a test may point
+        ``source`` at an older tree after making the broker)."""
+        return self.profile is None and self.source == ROOT and self.env is None
 
     def health(self) -> dict[str, Any]:
         r = httpx.get(f"{self.url}/api/v1/health", timeout=10.0)
