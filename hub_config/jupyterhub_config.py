@@ -572,6 +572,15 @@ if env("GPU_LEASE_KERNELS_PREFIX"):  # kernelspecs installed outside sys.prefix 
 # (_private_dirs) and private to it; the roots are root's, 0711: a student passes through
 # to their own directory, and lists nobody's.
 RUNTIME_ROOT = Path(env("GPU_LEASE_RUNTIME_DIR") or STATE / "rt")
+#: the longest runtime root whose kernels' sockets fit (<root>/<id>/kernel-<uuid>-ipc-N)
+MAX_RUNTIME_ROOT = 50
+if KERNEL_TRANSPORT == "ipc" and len(str(RUNTIME_ROOT)) > MAX_RUNTIME_ROOT:
+    sys.exit(
+        f"The servers' runtime directory {RUNTIME_ROOT} is {len(str(RUNTIME_ROOT))} bytes "
+        f"long: kernels' Unix sockets under it would exceed Linux's 107 bytes and every "
+        f"kernel start would fail. Name one of at most {MAX_RUNTIME_ROOT} bytes with "
+        "GPU_LEASE_RUNTIME_DIR (or use GPU_LEASE_KERNEL_TRANSPORT=tcp)."
+    )
 TMP_DIR = STATE / "tmp"
 TMP_DIR.mkdir(exist_ok=True)
 if ACCOUNTS:

@@ -190,10 +190,24 @@ def test_hub_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setenv("GPU_LEASE_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("GPU_LEASE_GPUS", "1x32768:V100")
-    cfg = Config()
     path = ROOT / "hub_config" / "jupyterhub_config.py"
-    ns: dict[str, Any] = {"get_config": lambda: cfg, "__file__": str(path)}
-    exec(compile(path.read_text(), str(path), "exec"), ns)
+
+    def load() -> Config:
+        cfg = Config()
+        ns: dict[str, Any] = {"get_config": lambda: cfg, "__file__": str(path)}
+        exec(compile(path.read_text(), str(path), "exec"), ns)
+        return cfg
+
+    # kernels' Unix sockets under a long runtime directory: refused at the start, by name
+    long_root = f"/tmp/{'x' * 60}"
+    monkeypatch.setenv("GPU_LEASE_RUNTIME_DIR", long_root)
+    with pytest.raises(SystemExit, match=f"runtime directory {long_root} is 65 bytes"):
+        load()
+    monkeypatch.setenv("GPU_LEASE_KERNEL_TRANSPORT", "tcp")
+    load()  # TCP kernels have no socket paths
+    monkeypatch.delenv("GPU_LEASE_KERNEL_TRANSPORT")
+    monkeypatch.setenv("GPU_LEASE_RUNTIME_DIR", "/tmp/gpu-lease-rt-test")
+    cfg = load()
     services = {s["name"]: s for s in cfg.JupyterHub.services}
     cmd = services["gpu-lease"]["command"]
     assert cmd[:3] == [sys.executable, "-m", "provisioner.broker.app"] and "hub" in cmd

@@ -15,6 +15,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,13 @@ def test_ctrl_c_with_ten_servers_stops_everything_and_leaves_nothing(demo: DemoH
         ("/tmp/pytest-of-someone/pytest-123/test_a_long_name0/.demo", False),
     ],
 )
-def test_runtime_dir_stays_in_the_state_dir_when_short_enough(state: str, inside: bool) -> None:
+@pytest.mark.parametrize(
+    "tmpdir", ["/tmp", "/tmp/pytest-of-root/pytest-68/popen-gw1/test_a_long_name0/systmp"]
+)
+def test_runtime_dir_stays_in_the_state_dir_when_short_enough(
+    state: str, inside: bool, tmpdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", tmpdir)  # what TMPDIR sets
     where = runtime_dir(Path(state), 8000)
     assert where.is_relative_to(state) is inside
     assert len(str(where)) <= MAX_RUNTIME_DIR

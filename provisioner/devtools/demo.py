@@ -122,11 +122,15 @@ MAX_RUNTIME_DIR = 50
 
 
 def runtime_dir(state: Path, port: int) -> Path:
-    """Where the servers' runtime files go: ``<state>/rt`` unless that path is too long."""
-    here = state / "rt"
-    if len(str(here)) <= MAX_RUNTIME_DIR:
-        return here
-    return Path(tempfile.gettempdir()) / f"gpu-lease-rt-{port}"
+    """Where the servers' runtime files go: ``<state>/rt`` unless that path is too long for
+    a kernel's Unix sockets; then ``gpu-lease-rt-PORT`` in the system's temporary folder
+    (``TMPDIR``), or in ``/tmp`` when that is too long as well (a long ``TMPDIR``: the
+    ten-server demo's kernel start answered 500, "File name too long", under pytest-xdist's
+    longer folders)."""
+    for where in (state / "rt", Path(tempfile.gettempdir()) / f"gpu-lease-rt-{port}"):
+        if len(str(where)) <= MAX_RUNTIME_DIR:
+            return where
+    return Path("/tmp") / f"gpu-lease-rt-{port}"
 
 
 def hub_environment(args: argparse.Namespace, state: Path) -> dict[str, str]:
