@@ -9,6 +9,7 @@ the agent drives it: orders in (``take``), outcomes out (``outcomes``/``delivere
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import importlib.util
 import json
@@ -396,9 +397,10 @@ def test_orders_parse_as_the_wire_says() -> None:
 # -- the agent as a process, against a real broker ---------------------------------------
 
 
-@pytest.fixture
-def park_broker(tmp_path: Path) -> Iterator[NodeBroker]:
-    """A broker that parks idle leases (idle after 0.5 s, reaper every 0.2 s)."""
+@contextlib.contextmanager
+def parking_broker(tmp_path: Path, node_grace: float) -> Iterator[NodeBroker]:
+    """A broker that parks idle leases (idle after 0.5 s, reaper every 0.2 s) and keeps a
+    silent node up for ``node_grace`` s."""
     b = NodeBroker(
         tmp_path,
         f"sqlite:///{tmp_path / 'b.sqlite'}",
@@ -407,10 +409,16 @@ def park_broker(tmp_path: Path) -> Iterator[NodeBroker]:
             "agents",
             "--GPULeaseBroker.reap_interval=0.2",
             "--GPULeaseBroker.idle_reclaim_after=0.5",
-            "--GPULeaseBroker.node_grace=5",
+            f"--GPULeaseBroker.node_grace={node_grace:g}",
         ),
     )
     with b.running(timeout=60):
+        yield b
+
+
+@pytest.fixture
+def park_broker(tmp_path: Path) -> Iterator[NodeBroker]:
+    with parking_broker(tmp_path, node_grace=5) as b:
         yield b
 
 
@@ -543,20 +551,9 @@ class OlderBrokerFront:
 
 @pytest.fixture
 def slow_beat_broker(tmp_path: Path) -> Iterator[NodeBroker]:
-    """A broker that parks idle leases (idle after 0.5 s, reaper every 0.2 s) and keeps a
-    node up for 120 s without a heartbeat (its agents beat every 30 s)."""
-    b = NodeBroker(
-        tmp_path,
-        f"sqlite:///{tmp_path / 'b.sqlite'}",
-        (
-            "--gpus",
-            "agents",
-            "--GPULeaseBroker.reap_interval=0.2",
-            "--GPULeaseBroker.idle_reclaim_after=0.5",
-            "--GPULeaseBroker.node_grace=120",
-        ),
-    )
-    with b.running(timeout=60):
+    """:func:`parking_broker` keeping a node up for 120 s without a heartbeat (its agents
+    beat every 30 s)."""
+    with parking_broker(tmp_path, node_grace=120) as b:
         yield b
 
 
