@@ -96,6 +96,7 @@ WORKERS ?= 0
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
+	@if [ "$(WORKERS)" != "0" ]; then $(BIN)/python -m pytest -m alone $(PYTEST_ARGS); fi
 
 # jupyter_client's and jupyter_server's own kernel and session tests, from the sdists of
 # the installed versions (fetched once into .upstream/), with our provisioner as the default;

@@ -50,6 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
+        "alone: the test disturbs what other tests share (it restarts the PostgreSQL "
+        "server): never beside them on pytest-xdist workers (make unit runs it after them)",
+    )
+    config.addinivalue_line(
+        "markers",
         "broker_process: the broker fixture runs as a subprocess (python -m "
         "provisioner.broker.app), for a test that kills, signals or times it; without the "
         "mark it runs on a thread of the test's process (devtools.testing.EmbeddedBroker)",
@@ -90,10 +95,17 @@ PROCESS_FIXTURES = {"broker", "chromium"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # beside other tests on xdist workers, a test marked ``alone`` (it restarts the shared
+    # PostgreSQL server) would break theirs: ``make unit WORKERS=N`` runs those afterwards
+    if hasattr(config, "workerinput"):  # this process is a pytest-xdist worker
+        alone = [item for item in items if item.get_closest_marker("alone") is not None]
+        if alone:
+            config.hook.pytest_deselected(items=alone)
+            items[:] = [item for item in items if item.get_closest_marker("alone") is None]
     # the modules that run whole on one worker first: the longest units start earliest
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in SHARED_FIXTURE_MODULES)
 
@@ -431,6 +443,17 @@ def broker(
         tmp_path, broker_db_url, extra, in_process=in_process, forked=forked
     ).running() as b:
         yield b
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a browser test's screenshots go: ``docs/img/`` with
+    ``GPU_LEASE_SCREENSHOTS=1`` (to retake the docs' images), else a temporary folder."""
+    if os.environ.get("GPU_LEASE_SCREENSHOTS") == "1":
+        out = ROOT / "docs" / "img"
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    return tmp_path_factory.mktemp("shots")
 
 
 # -- a real browser: Debian's chromium driven by Playwright (never `playwright install`) --

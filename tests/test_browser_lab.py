@@ -21,7 +21,6 @@ test's ``tmp_path``. Skipped when the JupyterLab extension is not installed in t
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -36,7 +35,7 @@ import pytest
 from jupyter_core.paths import jupyter_path
 
 from .test_browser_hub import KERNEL_MS, SPAWN_MS, launcher_card, log_in
-from .test_hub import ROOT, Hub, running_hub
+from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -56,15 +55,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
     with running_hub(tmp_path_factory.mktemp("hub")) as h:
         yield h
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get("GPU_LEASE_SCREENSHOTS") == "1":
-        out = ROOT / "docs" / "img"
-        out.mkdir(parents=True, exist_ok=True)
-        return out
-    return tmp_path_factory.mktemp("shots")
 
 
 @contextmanager

@@ -17,7 +17,6 @@ temporary folder. Skipped when the JupyterLab extension is not installed in this
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -43,7 +42,7 @@ from .test_browser_lab import (
     session_kernel,
     wait_status,
 )
-from .test_hub import ROOT, Hub, running_hub
+from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -135,13 +134,6 @@ def parking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, Age
             yield h, agent
         finally:
             agent.stop()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if os.environ.get("GPU_LEASE_SCREENSHOTS") == "1":
-        return ROOT / "docs" / "img"
-    return tmp_path_factory.mktemp("shots")
 
 
 @contextmanager

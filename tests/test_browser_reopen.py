@@ -42,7 +42,7 @@ from .test_browser_lab import (
     status_text,
     wait_status,
 )
-from .test_hub import ROOT, Hub, running_hub
+from .test_hub import Hub, running_hub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -58,17 +58,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
     with running_hub(tmp_path_factory.mktemp("hub")) as h:
         yield h
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import os
-
-    if os.environ.get("GPU_LEASE_SCREENSHOTS") == "1":
-        out = ROOT / "docs" / "img"
-        out.mkdir(parents=True, exist_ok=True)
-        return out
-    return tmp_path_factory.mktemp("shots")
 
 
 def put_notebook(hub: Hub, user: str, path: str, kernel: str, display: str, code: str) -> None:

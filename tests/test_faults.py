@@ -829,6 +829,7 @@ def pg_restart() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the server restarts under every other test's PostgreSQL connections
 @PG_ONLY
 @pytest.mark.broker_args(
     "--gpus", "2x32768:V100", "--ttl", "10", "--GPULeaseBroker.reap_interval=1"
