@@ -490,30 +490,46 @@ def test_a_long_revoke_reason_is_shown_whole(chromium: Any, hub: Hub, shots: Pat
     hub.stop_server(user)
 
 
-def test_a_notebook_with_a_kernel_not_for_you_says_why(chromium: Any, hub: Hub) -> None:
-    """guest01 (in no course) opens a notebook saved with ml101's kernel, which the kernel
-    list leaves out for them: the reason first, then JupyterLab's "Select Kernel"."""
-    user = "guest01"
-    hub.spawn(user)
-    notebook = {
-        "cells": [],
-        "metadata": {
-            "kernelspec": {
-                "name": "ml101-gpu-0.05",
-                "display_name": "Python 3 (GPU 0.05, ml101)",
-                "language": "python",
+def put_notebook(
+    hub: Hub, user: str, path: str, kernel: str, display: str, code: str | None
+) -> None:
+    """Save ``path`` in ``user``'s server: a notebook of ``kernel`` with one code cell of
+    ``code`` (none for None)."""
+    cells = (
+        [
+            {
+                "cell_type": "code",
+                "id": "first-cell",
+                "metadata": {},
+                "execution_count": None,
+                "outputs": [],
+                "source": code,
             }
-        },
+        ]
+        if code is not None
+        else []
+    )
+    notebook = {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": kernel, "display_name": display, "language": "python"}},
         "nbformat": 4,
         "nbformat_minor": 5,
     }
     r = hub.req(
         "PUT",
-        f"{hub.url}/user/{user}/api/contents/course.ipynb",
+        f"{hub.url}/user/{user}/api/contents/{path}",
         hub.token(user),
         json={"type": "notebook", "format": "json", "content": notebook},
     )
     assert r.status_code in (200, 201), r.text
+
+
+def test_a_notebook_with_a_kernel_not_for_you_says_why(chromium: Any, hub: Hub) -> None:
+    """guest01 (in no course) opens a notebook saved with ml101's kernel, which the kernel
+    list leaves out for them: the reason first, then JupyterLab's "Select Kernel"."""
+    user = "guest01"
+    hub.spawn(user)
+    put_notebook(hub, user, "course.ipynb", "ml101-gpu-0.05", "Python 3 (GPU 0.05, ml101)", None)
     context, page = open_lab(chromium, hub, user, "lab/tree/course.ipynb")
     dialog = page.locator(".jp-Dialog")
     dialog.wait_for(timeout=60_000)

@@ -37,6 +37,7 @@ from .test_browser_lab import (
     filling,
     open_gpu_notebook,
     open_lab,
+    put_notebook,
     queued_for,
     session_kernel,
     status_text,
@@ -58,31 +59,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         pytest.skip("the JupyterLab extension is not installed here (make install builds it)")
     with running_hub(tmp_path_factory.mktemp("hub")) as h:
         yield h
-
-
-def put_notebook(hub: Hub, user: str, path: str, kernel: str, display: str, code: str) -> None:
-    notebook = {
-        "cells": [
-            {
-                "cell_type": "code",
-                "id": "first-cell",
-                "metadata": {},
-                "execution_count": None,
-                "outputs": [],
-                "source": code,
-            }
-        ],
-        "metadata": {"kernelspec": {"name": kernel, "display_name": display, "language": "python"}},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-    r = hub.req(
-        "PUT",
-        f"{hub.url}/user/{user}/api/contents/{path}",
-        hub.token(user),
-        json={"type": "notebook", "format": "json", "content": notebook},
-    )
-    assert r.status_code in (200, 201), r.text
 
 
 def saved(hub: Hub, user: str, path: str) -> dict[str, Any]:
