@@ -29,6 +29,7 @@ httpx, NVML, tornado) are translated into these once, at the edge that meets the
     ├── BodyTooLarge                   413  request body above the broker's limit
     ├── CannotFit                      422  can never be placed (too large, or below the context overhead)
     ├── NoCapacity                     --   (client side) still queued when the caller stopped waiting
+    ├── KernelLaunchFailed             --   (client side) a remote kernel did not start; the node's reason
     ├── StoreError                     503  the database failed; nothing was changed
     ├── NotActive                      503  this broker may not answer now: standing by, deposed, shutting down
     ├── BrokerUnavailable              503  (client side) the broker cannot be reached or answered 5xx
@@ -63,6 +64,7 @@ __all__ = [
     "GPULeaseError",
     "InvalidRequest",
     "InventoryError",
+    "KernelLaunchFailed",
     "LeaseExpired",
     "LeaseGone",
     "LeaseNotFound",
@@ -228,6 +230,14 @@ class NoCapacity(GPULeaseError):
 
     code = "queued"
     status = 202
+
+
+class KernelLaunchFailed(GPULeaseError):
+    """Client side: a remote kernel (on its lease's node) did not start; the message is
+    the node's (or the scheduler's) reason, never a bare timeout."""
+
+    code = "kernel_launch_failed"
+    status = 502
 
 
 class StoreError(GPULeaseError):

@@ -16,6 +16,7 @@ Pure, nothing happens at import.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -686,10 +687,428 @@ class NodeParkReport(ReportPart):
         return out
 
 
+# -- remote kernels --------------------------------------------------------------------------
+
+PORTS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": list(wire.KERNEL_CHANNELS),
+    "properties": {
+        name: {"type": "integer", "minimum": 1, "maximum": 65535} for name in wire.KERNEL_CHANNELS
+    },
+    "description": "The kernel's ZMQ ports, as a connection file names them.",
+}
+REMOTE_KERNEL_FIELDS = (
+    "lease_id",
+    "generation",
+    "state",
+    "ip",
+    "ports",
+    "pid",
+    "pid_ns",
+    "cgroup",
+    "cwd",
+    "cwd_shared",
+    "exit_code",
+    "reason",
+    "signaled",
+)
+
+
+def kernel_ports(raw: Any) -> dict[str, int]:
+    """A kernel's ``ports`` object: one port (1-65535) for each of its five channels."""
+    entry = json_object(raw, "'ports'")
+    check_fields(entry, wire.KERNEL_CHANNELS, "kernel ports")
+    missing = [c for c in wire.KERNEL_CHANNELS if c not in entry]
+    if missing:
+        raise InvalidRequest(f"A kernel's 'ports' lacks {', '.join(missing)}.")
+    return {c: _int(entry[c], c, low=1, high=65535) for c in wire.KERNEL_CHANNELS}
+
+
+@dataclass(frozen=True)
+class RemoteKernelStatus:
+    """One kernel the agent launched, as its heartbeat's ``remote_kernels`` reports it
+    (and, kept by the broker, as ``GET /api/v1/leases/{id}/kernel`` answers it)."""
+
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lease_id", "generation", "state"],
+        "properties": {
+            "lease_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
+            "generation": {"type": "integer", "minimum": 1, "maximum": wire.MAX_PID},
+            "state": enum_schema(
+                wire.REMOTE_KERNEL_STATES[1:],
+                description="running: started, listening at `ip`/`ports`; exited: it ended "
+                "(`exit_code`); failed: it never started (`reason`).",
+            ),
+            "ip": {"type": "string", "minLength": 1, "maxLength": 64},
+            "ports": PORTS_SCHEMA,
+            "pid": PID_SCHEMA,
+            "pid_ns": PID_NS_SCHEMA,
+            "cgroup": CGROUP_SCHEMA,
+            "cwd": {"type": "string", "minLength": 1, "maxLength": wire.MAX_PATH_CHARS},
+            "cwd_shared": {"type": "boolean"},
+            "exit_code": {"type": "integer", "minimum": -255, "maximum": 255},
+            "reason": {"type": "string", "minLength": 1, "maxLength": wire.MAX_REASON_CHARS},
+            "signaled": {
+                "type": "integer",
+                "minimum": 0,
+                "maximum": wire.MAX_PID,
+                "description": "The last signal order (`seq`) sent to the kernel.",
+            },
+        },
+    }
+
+    lease_id: str
+    generation: int
+    state: str  # running | exited | failed
+    ip: str | None = None
+    ports: dict[str, int] | None = None
+    pid: int | None = None
+    pid_ns: int | None = None
+    cgroup: str | None = None
+    cwd: str | None = None
+    cwd_shared: bool | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    signaled: int = 0
+
+    @classmethod
+    def from_json(cls, raw: Any) -> RemoteKernelStatus:
+        entry = json_object(raw, "'remote_kernels'")
+        check_fields(entry, REMOTE_KERNEL_FIELDS, "remote kernel")
+        state = entry.get("state")
+        if state not in wire.REMOTE_KERNEL_STATES[1:]:
+            raise InvalidRequest(
+                f"A remote kernel's 'state' is {', '.join(wire.REMOTE_KERNEL_STATES[1:])}, "
+                f"not {show(state)}."
+            )
+        if state == "running" and (entry.get("ip") is None or entry.get("ports") is None):
+            raise InvalidRequest("A running remote kernel's report names its 'ip' and 'ports'.")
+        cwd_shared = entry.get("cwd_shared")
+        if cwd_shared is not None and not isinstance(cwd_shared, bool):
+            raise InvalidRequest(
+                f"'cwd_shared' must be true or false, not a JSON {json_type(cwd_shared)}."
+            )
+
+        def opt(name: str, parse: Any) -> Any:
+            return None if entry.get(name) is None else parse(entry[name])
+
+        return cls(
+            lease_id=_text(entry.get("lease_id"), "lease_id"),
+            generation=_int(entry.get("generation"), "generation", low=1, high=MAX_PID),
+            state=str(state),
+            ip=opt("ip", lambda v: _text(v, "ip", max_chars=64)),
+            ports=opt("ports", kernel_ports),
+            pid=opt("pid", lambda v: _int(v, "pid", low=1, high=MAX_PID)),
+            pid_ns=opt("pid_ns", lambda v: _int(v, "pid_ns", low=1, high=MAX_PID_NS)),
+            cgroup=opt("cgroup", cgroup),
+            cwd=opt("cwd", lambda v: _text(v, "cwd", max_chars=wire.MAX_PATH_CHARS)),
+            cwd_shared=cwd_shared,
+            exit_code=opt("exit_code", lambda v: _int(v, "exit_code", low=-255, high=255)),
+            reason=opt("reason", lambda v: _text(v, "reason", max_chars=MAX_REASON_CHARS)),
+            signaled=_int(entry.get("signaled", 0), "signaled", low=0, high=MAX_PID),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "lease_id": self.lease_id,
+            "generation": self.generation,
+            "state": self.state,
+        }
+        for name in REMOTE_KERNEL_FIELDS[3:]:
+            value = getattr(self, name)
+            if value is not None and not (name == "signaled" and value == 0):
+                out[name] = dict(value) if name == "ports" else value
+        return out
+
+
+LAUNCH_FIELDS = ("kernel_id", "argv", "env", "cwd", "key", "signature_scheme")
+ORDER_FIELDS = ("lease_id", "generation", "user", *LAUNCH_FIELDS)
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """What a lease's holder asks its node to start (``PUT /api/v1/leases/{id}/kernel``):
+    the kernel's argv (``{connection_file}`` where the node's connection file goes), the
+    environment it gets on top of the account's login environment, the notebook's
+    directory on the server, and the HMAC key with its scheme. Kept in the broker's memory
+    only until the node's agent has it; never stored or logged."""
+
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["kernel_id", "argv", "key"],
+        "properties": {
+            "kernel_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
+            "argv": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": wire.MAX_ARGV,
+                "items": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ARG_CHARS},
+                "description": "The kernel's command line; `{connection_file}` stands for "
+                "the connection file the node writes.",
+            },
+            "env": {
+                "type": "object",
+                "maxProperties": wire.MAX_ENV,
+                "additionalProperties": {"type": "string", "maxLength": wire.MAX_ARG_CHARS},
+                "description": "Variables on top of the account's login environment.",
+            },
+            "cwd": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_PATH_CHARS,
+                "description": "The notebook's directory on the server; the node uses it "
+                "where that path is shared (else a scratch directory).",
+            },
+            "key": {
+                "type": "string",
+                "minLength": 16,
+                "maxLength": wire.MAX_KEY_CHARS,
+                "description": "The kernel's HMAC key (kept in memory until the node has "
+                "it; never stored or logged).",
+            },
+            "signature_scheme": enum_schema(wire.SIGNATURE_SCHEMES),
+        },
+    }
+
+    kernel_id: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    key: str
+    cwd: str | None = None
+    signature_scheme: str = "hmac-sha256"
+
+    @classmethod
+    def from_json(cls, body: Any) -> KernelLaunch:
+        body = json_object(body, "the launch")
+        check_fields(body, LAUNCH_FIELDS, "kernel launch")
+        argv = [_arg(a, "argv", allow_empty=False) for a in json_list(body, "argv", wire.MAX_ARGV)]
+        if not argv:
+            raise InvalidRequest("'argv' must name the kernel's command.")
+        raw_env = body.get("env") or {}
+        if not isinstance(raw_env, dict):
+            raise InvalidRequest(f"'env' must be an object, not a JSON {json_type(raw_env)}.")
+        if len(raw_env) > wire.MAX_ENV:
+            raise InvalidRequest(
+                f"'env' has {len(raw_env)} variables; send at most {wire.MAX_ENV}."
+            )
+        env: dict[str, str] = {}
+        for name, value in raw_env.items():
+            if not _ENV_NAME.match(name):
+                raise InvalidRequest(
+                    f"'env' names {show(name)}, not a variable name (letters, digits, _)."
+                )
+            env[name] = _arg(value, f"env {name}", allow_empty=True)
+        key = body.get("key")
+        if not isinstance(key, str) or not 16 <= len(key) <= wire.MAX_KEY_CHARS:
+            raise InvalidRequest(
+                f"'key' must be the kernel's HMAC key, 16 to {wire.MAX_KEY_CHARS} characters."
+            )
+        if not key.isascii() or not key.isprintable():
+            raise InvalidRequest("'key' must be printable ASCII.")
+        scheme = body.get("signature_scheme", "hmac-sha256")
+        if scheme not in wire.SIGNATURE_SCHEMES:
+            raise InvalidRequest(
+                f"'signature_scheme' is one of {', '.join(wire.SIGNATURE_SCHEMES)}, not "
+                f"{show(scheme)}."
+            )
+        cwd = body.get("cwd")
+        if cwd is not None:
+            cwd = _text(cwd, "cwd", max_chars=wire.MAX_PATH_CHARS)
+            if not cwd.startswith("/"):
+                raise InvalidRequest(f"'cwd' must be an absolute path, not {show(cwd)}.")
+        return cls(
+            kernel_id=_text(body.get("kernel_id"), "kernel_id"),
+            argv=tuple(argv),
+            env=env,
+            key=key,
+            cwd=cwd,
+            signature_scheme=str(scheme),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kernel_id": self.kernel_id,
+            "argv": list(self.argv),
+            "env": dict(self.env),
+            "key": self.key,
+            "signature_scheme": self.signature_scheme,
+        }
+        if self.cwd is not None:
+            out["cwd"] = self.cwd
+        return out
+
+    def __repr__(self) -> str:  # never the key or the environment in a log line
+        return f"KernelLaunch(kernel_id={self.kernel_id!r}, argv={list(self.argv)!r})"
+
+
+@dataclass(frozen=True)
+class LaunchOrder:
+    """A heartbeat answer's ``launch`` entry: the launch, for whom and which generation."""
+
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lease_id", "generation", "user", "kernel_id", "argv", "key"],
+        "properties": {
+            "lease_id": {"type": "string", "minLength": 1, "maxLength": wire.MAX_ID_CHARS},
+            "generation": {"type": "integer", "minimum": 1},
+            "user": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": wire.MAX_ID_CHARS,
+                "description": "The lease's holder: the Unix account the kernel runs as.",
+            },
+            **KernelLaunch.SCHEMA["properties"],
+        },
+    }
+
+    lease_id: str
+    generation: int
+    user: str
+    launch: KernelLaunch
+
+    @classmethod
+    def from_json(cls, raw: Any) -> LaunchOrder:
+        entry = dict(json_object(raw, "'launch'"))
+        check_fields(entry, ORDER_FIELDS, "launch order")
+        lease_id = _text(entry.pop("lease_id", None), "lease_id")
+        generation = _int(entry.pop("generation", None), "generation", low=1, high=MAX_PID)
+        user = _text(entry.pop("user", None), "user")
+        return cls(lease_id, generation, user, KernelLaunch.from_json(entry))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lease_id": self.lease_id,
+            "generation": self.generation,
+            "user": self.user,
+            **self.launch.to_json(),
+        }
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,254}$")
+
+
+def _arg(value: Any, name: str, *, allow_empty: bool) -> str:
+    """An argv entry or an environment value: a string without NUL, of bounded length."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name!r} must be a string, not a JSON {json_type(value)}.")
+    if (not value and not allow_empty) or "\x00" in value or len(value) > wire.MAX_ARG_CHARS:
+        raise InvalidRequest(
+            f"{name!r} must be 1 to {wire.MAX_ARG_CHARS} characters without NUL."
+            if not allow_empty
+            else f"{name!r} must be at most {wire.MAX_ARG_CHARS} characters without NUL."
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class RemoteKernelsReport(ReportPart):
+    """``launches_kernels`` (the agent launches remote kernels: ``--launch-kernels``) and
+    ``remote_kernels``, the state of every kernel it launched and has not forgotten (each
+    beat, whole: the broker ends the kernels whose lease ended through the answer)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("launches_kernels", "remote_kernels")
+    SCHEMA: ClassVar[dict[str, Any]] = {
+        "launches_kernels": {
+            "type": "boolean",
+            "description": "The agent launches kernels for leases on its node "
+            "(`gpu-lease agent --launch-kernels`).",
+        },
+        "remote_kernels": {
+            "type": "array",
+            "maxItems": wire.MAX_USAGE_SAMPLES,
+            "items": {"$ref": "#/components/schemas/RemoteKernelStatus"},
+            "description": "Every kernel the agent launched, and its state now.",
+        },
+    }
+    ANSWER_SCHEMA: ClassVar[dict[str, Any]] = {
+        "launch": {
+            "type": "array",
+            "description": "Kernels to launch (each lease's holder asked for it; repeated "
+            "until the agent reports its generation).",
+            "items": {"$ref": "#/components/schemas/LaunchOrder"},
+        },
+        "kernel_signals": {
+            "type": "array",
+            "description": "Signals to send to launched kernels (repeated until the "
+            "agent's `signaled` reaches `seq`).",
+            "items": {
+                "type": "object",
+                "required": ["lease_id", "generation", "seq", "signal"],
+                "properties": {
+                    "lease_id": {"type": "string"},
+                    "generation": {"type": "integer"},
+                    "seq": {"type": "integer"},
+                    "signal": enum_schema(wire.KERNEL_SIGNALS),
+                },
+            },
+        },
+        "kernel_ends": {
+            "type": "array",
+            "description": "Launched kernels to end: their lease ended, or a newer "
+            "generation replaces them.",
+            "items": {
+                "type": "object",
+                "required": ["lease_id", "generation"],
+                "properties": {
+                    "lease_id": {"type": "string"},
+                    "generation": {"type": "integer"},
+                },
+            },
+        },
+        "kernel_expiry": {
+            "type": "object",
+            "additionalProperties": {"type": "number"},
+            "description": "Lease id -> when the lease of each launched kernel expires "
+            "unless renewed: an agent that cannot reach the broker ends the kernel then.",
+        },
+    }
+
+    launches_kernels: bool | None = None
+    kernels: tuple[RemoteKernelStatus, ...] = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RemoteKernelsReport | None:
+        if all(body.get(f) is None for f in cls.FIELDS):
+            return None
+        flag = body.get("launches_kernels")
+        if flag is not None and not isinstance(flag, bool):
+            raise InvalidRequest(
+                f"'launches_kernels' must be true or false, not a JSON {json_type(flag)}."
+            )
+        kernels: list[RemoteKernelStatus] = []
+        if body.get("remote_kernels") is not None:
+            kernels = [
+                RemoteKernelStatus.from_json(raw)
+                for raw in json_list(body, "remote_kernels", MAX_USAGE_SAMPLES)
+            ]
+        if len({k.lease_id for k in kernels}) != len(kernels):
+            raise InvalidRequest("Two remote kernels name the same lease; report its latest.")
+        return cls(flag, tuple(kernels))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.launches_kernels is not None:
+            out["launches_kernels"] = self.launches_kernels
+        if self.kernels or self.launches_kernels:
+            out["remote_kernels"] = [k.to_json() for k in self.kernels]
+        return out
+
+
 # -- the report ------------------------------------------------------------------------------
 
 #: every node feature's part, in the order the broker parses them
-PARTS: tuple[type[ReportPart], ...] = (MPSReport, KernelReport, DriverLimitsReport, NodeParkReport)
+PARTS: tuple[type[ReportPart], ...] = (
+    MPSReport,
+    KernelReport,
+    DriverLimitsReport,
+    NodeParkReport,
+    RemoteKernelsReport,
+)
 #: the fields agents have sent since before the report was typed, in the order the broker
 #: has listed them in a refusal (``FIELDS``) and the order agents wrote them (``to_json``);
 #: a new part's fields come after them, in the order of :data:`PARTS`
@@ -807,15 +1226,20 @@ __all__ = [
     "FIELDS",
     "PARTS",
     "DriverLimitsReport",
+    "KernelLaunch",
     "KernelReport",
+    "LaunchOrder",
     "MPSReport",
     "NodeParkReport",
     "NodeProofs",
     "NodeReport",
     "ParkOutcome",
     "ProvenKernel",
+    "RemoteKernelStatus",
+    "RemoteKernelsReport",
     "ReportPart",
     "Usage",
+    "kernel_ports",
     "answer_schema",
     "heartbeat_schema",
     "parse_core",

@@ -158,6 +158,44 @@ MAX_EXECUTION_STATE_CHARS = 32
 MAX_REASON_CHARS = 500
 #: the latest POSIX time a heartbeat's ``at`` or a renewal's ``last_activity`` may carry
 MAX_TIME = 100_000_000_000
+
+# -- remote kernels (a kernel launched on its lease's node by the node's agent) ------------
+#: a remote kernel's states: ``launching`` (ordered, the agent has not answered),
+#: ``running`` (the agent started it: its address and ports are known), ``exited`` (it
+#: ended; ``exit_code`` says how) and ``failed`` (it never started; ``reason`` says why)
+REMOTE_KERNEL_STATES: tuple[str, ...] = ("launching", "running", "exited", "failed")
+#: the states a remote kernel does not leave (a new launch starts a new generation)
+REMOTE_KERNEL_ENDED: tuple[str, ...] = ("exited", "failed")
+#: the signals a provisioner may have the node send to its kernel (jupyter_client's
+#: interrupt, terminate and kill, and the ones users send with ``signal_kernel``)
+KERNEL_SIGNALS: tuple[str, ...] = (
+    "SIGINT",
+    "SIGTERM",
+    "SIGKILL",
+    "SIGHUP",
+    "SIGQUIT",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGCONT",
+    "SIGSTOP",
+)
+#: a kernel's ZMQ ports, as its connection file names them
+KERNEL_CHANNELS: tuple[str, ...] = (
+    "shell_port",
+    "iopub_port",
+    "stdin_port",
+    "control_port",
+    "hb_port",
+)
+#: the HMAC schemes a launch may name (jupyter_client's ``Session.signature_scheme``)
+SIGNATURE_SCHEMES: tuple[str, ...] = ("hmac-sha256", "hmac-sha512", "hmac-md5", "hmac-sha1")
+#: a launch's limits: argv entries, environment variables, characters of each
+MAX_ARGV = 256
+MAX_ENV = 512
+MAX_ARG_CHARS = 8192
+MAX_PATH_CHARS = 4096
+#: the longest HMAC key a launch may carry
+MAX_KEY_CHARS = 512
 #: the longest budget window (s): ten years
 MAX_WINDOW_S = 10 * 366 * 86400
 #: a quota's bounds: ``max_fraction`` (summed over GPUs), ``max_leases``,
@@ -304,12 +342,19 @@ __all__ = [
     "ENFORCE_MODES",
     "ERROR_BY_STATUS",
     "ERROR_TEXT",
+    "KERNEL_CHANNELS",
     "KERNEL_LEASE_STATES",
+    "KERNEL_SIGNALS",
     "KERNEL_SECRET_ENV",
     "LEASE_ENFORCEMENTS",
     "LEASE_STATES",
     "LIVE_LEASE_STATES",
+    "MAX_ARGV",
+    "MAX_ARG_CHARS",
     "MAX_BUDGET_FRACTION_HOURS",
+    "MAX_ENV",
+    "MAX_KEY_CHARS",
+    "MAX_PATH_CHARS",
     "MAX_CGROUP_CHARS",
     "MAX_EXECUTION_STATE_CHARS",
     "MAX_GPU_INDEX",
@@ -340,6 +385,9 @@ __all__ = [
     "PARK_STATES",
     "PPM",
     "PROOF_PATTERN",
+    "REMOTE_KERNEL_ENDED",
+    "REMOTE_KERNEL_STATES",
+    "SIGNATURE_SCHEMES",
     "PRIORITY_RANGE",
     "EndedLeaseState",
     "LeaseState",

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .. import errors
 from ..errors import InvalidRequest
 
 # a parked lease's wire states: the lease lives on, its GPU memory is being parked, is in
@@ -164,6 +165,61 @@ class GrantedLease:
     def short_id(self) -> str:
         """The id shortened for logs, as the broker logs it."""
         return short_id(self.id)
+
+
+@dataclass(frozen=True)
+class NodeKernelAnswer:
+    """The broker's answer about a lease's remote kernel (``/leases/{id}/kernel``)."""
+
+    lease_id: str
+    node: str
+    generation: int
+    #: launching | running | exited | failed
+    state: str
+    cursor: str
+    ip: str | None = None
+    ports: dict[str, int] | None = None
+    pid: int | None = None
+    pid_ns: int | None = None
+    cgroup: str | None = None
+    cwd: str | None = None
+    cwd_shared: bool | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> NodeKernelAnswer:
+        if not isinstance(data, dict) or not isinstance(data.get("state"), str):
+            raise errors.BrokerUnavailable(
+                "The broker's answer about a remote kernel is not what this client reads; "
+                "is the broker as recent as the provisioner?"
+            )
+        ports = data.get("ports")
+
+        def num(name: str) -> int | None:
+            v = data.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+        def txt(name: str) -> str | None:
+            v = data.get(name)
+            return v if isinstance(v, str) else None
+
+        return cls(
+            lease_id=str(data.get("lease_id") or ""),
+            node=str(data.get("node") or ""),
+            generation=int(data.get("generation") or 0),
+            state=str(data["state"]),
+            cursor=str(data.get("cursor") or ""),
+            ip=txt("ip"),
+            ports={str(k): int(v) for k, v in ports.items()} if isinstance(ports, dict) else None,
+            pid=num("pid"),
+            pid_ns=num("pid_ns"),
+            cgroup=txt("cgroup"),
+            cwd=txt("cwd"),
+            cwd_shared=data.get("cwd_shared") if isinstance(data.get("cwd_shared"), bool) else None,
+            exit_code=num("exit_code"),
+            reason=txt("reason"),
+        )
 
 
 @dataclass(frozen=True)
@@ -350,6 +406,7 @@ __all__ = [
     "PARK_STATES",
     "GrantedLease",
     "LeasedGPU",
+    "NodeKernelAnswer",
     "ResumeAnswer",
     "ResumePlace",
     "short_id",

@@ -18,8 +18,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import errors
+from ..node_report import KernelLaunch
 from ..wire import MAX_WAIT, Renewal
-from .answers import GrantedLease, ResumeAnswer
+from .answers import GrantedLease, NodeKernelAnswer, ResumeAnswer
 from .calls import Core, segment
 
 log = logging.getLogger("gpu_lease.client")
@@ -190,6 +191,43 @@ class LeaseCalls:
         )
         waiting = response.status_code == 202
         return ResumeAnswer.from_json(client.json_object(response), waiting=waiting)
+
+    async def launch_kernel(self, lease_id: str, launch: KernelLaunch) -> NodeKernelAnswer:
+        """``PUT /api/v1/leases/{id}/kernel``: have the lease's node start the kernel (a new
+        generation); the answer says ``launching``: follow it with :meth:`kernel`. Not
+        retried after a refusal; the body (its key) is never logged."""
+        client = self._client
+        response = await client.send(
+            "PUT", _lease_path(lease_id, "kernel"), body=launch.to_json(), retries=0
+        )
+        return NodeKernelAnswer.from_json(client.json_object(response))
+
+    async def kernel(
+        self, lease_id: str, after: str | None = None, wait: float = 0.0
+    ) -> NodeKernelAnswer:
+        """``GET /api/v1/leases/{id}/kernel``: the remote kernel now, or (``after``: the
+        cursor of the last answer) once it changed or ``wait`` s passed."""
+        client = self._client
+        params: dict[str, str] = {}
+        poll_wait = max(0.0, min(float(wait), MAX_WAIT))
+        if after is not None:
+            params["after"] = after
+            params["timeout"] = f"{poll_wait:g}"
+        response = await client.send(
+            "GET",
+            _lease_path(lease_id, "kernel"),
+            params=params,
+            read_timeout=(poll_wait + client.timeout) if poll_wait > 0 else None,
+        )
+        return NodeKernelAnswer.from_json(client.json_object(response))
+
+    async def signal_kernel(self, lease_id: str, signal: str) -> NodeKernelAnswer:
+        """``POST /api/v1/leases/{id}/kernel/signal {signal}``: the node signals the kernel."""
+        client = self._client
+        response = await client.send(
+            "POST", _lease_path(lease_id, "kernel/signal"), body={"signal": signal}
+        )
+        return NodeKernelAnswer.from_json(client.json_object(response))
 
     async def revoke(self, lease_id: str, reason: str) -> GrantedLease:
         """Admin: ``POST /api/v1/leases/{id}/revoke {reason}``; returns the ended lease.

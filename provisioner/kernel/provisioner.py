@@ -51,7 +51,6 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.multikernelmanager import MultiKernelManager
-from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Enum, Float, List, TraitError, Unicode, default, validate
 
 from ..client import TOKEN_ENV, broker_env
@@ -63,16 +62,18 @@ from ..wire import COOPERATIVE, DEFAULT_MPS_DIR, ENFORCEMENTS, KERNEL_SECRET_ENV
 from .broker_clients import BrokerClients
 from .cgroup_keeper import CgroupKeeper
 from .death_watch import DeathWatch
+from .elsewhere import RemoteCapable
 from .env import REMOVE_FROM_KERNEL, kernel_argv, lease_environment
 from .lease_keeper import KernelReport, LeaseAsk, LeaseKeeper
 from .loops import renewal_loop
 from .placement import discover, resolve_indexes
 from .refusals import check_mps_daemon, for_jupyter_server, no_fraction, wait_for_mps_limit
+from .remote import LOCAL
 from .state_file import StateFile, state_file_path
 from .status import LeaseBoard, board_for
 
 
-class GPULeaseProvisioner(LocalProvisioner):
+class GPULeaseProvisioner(RemoteCapable):
     """Launch a local kernel holding a lease on a fraction of a GPU (see the module docstring).
 
     Configured by the kernelspec's ``metadata.kernel_provisioner.config`` (which wins) or
@@ -225,15 +226,17 @@ class GPULeaseProvisioner(LocalProvisioner):
             if board is not None and self.kernel_id:
                 board.forget(str(self.kernel_id), str(error))  # its start error says why
             raise error from exc
+        remote = self._remote()
         try:
-            kwargs = await super().pre_launch(**kwargs)  # calls _finalize_env
+            kwargs = await self._pre_launch_process(remote, kwargs)  # calls _finalize_env
             env: dict[str, str] = kwargs["env"]
+            server_env = dict(env)
             if self.lease_keeper.state_file is None:
                 path = state_file_path(getattr(self.parent, "connection_file", ""), self.kernel_id)
                 self.lease_keeper.state_file = StateFile(
                     path, kernel_id=self.kernel_id, log=self.log
                 )
-            if self.enforcement == "mps":
+            if self.enforcement == "mps" and remote is None:  # a remote node checks its own
                 check_mps_daemon(self.mps_dir, lease.gpu.uuid or "")
                 await self._wait_for_mps_limit(lease.id, lease.gpu.uuid or "")
             env.update(
@@ -257,6 +260,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             # parked lease back, so the keeper resumes it when the kernel is busy instead
             self.lease_keeper.park_watch.resume_when_busy = not wrapped.extension
             self.lease_keeper.save_state()
+            if remote is not None:
+                self._prepare_remote(remote, server_env, env)
         except BaseException:
             await self.lease_keeper.end("the kernel could not be prepared for launch")
             raise
@@ -282,8 +287,9 @@ class GPULeaseProvisioner(LocalProvisioner):
 
         Called from ``KernelManager._launch_kernel()`` right after ``pre_launch``.
         """
+        remote = self.elsewhere if self.launcher != LOCAL else None
         try:
-            info = await super().launch_kernel(cmd, **kwargs)
+            info = await self._launch_process(remote, cmd, kwargs)
         except BaseException as exc:
             self.log.warning(
                 "Kernel %s could not be launched (%s); releasing its GPU lease.",
@@ -293,7 +299,8 @@ class GPULeaseProvisioner(LocalProvisioner):
             await self.lease_keeper.end("the kernel could not be launched")
             raise
         self._death.launched()
-        self.cgroup.enter(self.kernel_id, self.pid, self.cgroup_parent)
+        if remote is None:
+            self.cgroup.enter(self.kernel_id, self.pid, self.cgroup_parent)
         return info
 
     async def _wait_for_mps_limit(self, lease_id: str, gpu_uuid: str) -> None:
@@ -391,10 +398,15 @@ class GPULeaseProvisioner(LocalProvisioner):
         (jupyter_server's ``ServerKernelManager`` has both; others report none)."""
         km = self.parent
         state = _trait(km, "execution_state")
+        activity = _epoch(_trait(km, "last_activity"))
+        busy = state if isinstance(state, str) else None
+        if self.launcher != LOCAL:  # its pid on its node, which that node's agent proves
+            pid, ns, group = self._remote_place()
+            return KernelReport(pid, busy, activity, ns, group)
         return KernelReport(
             self.pid,
-            state if isinstance(state, str) else None,
-            _epoch(_trait(km, "last_activity")),
+            busy,
+            activity,
             own_pid_ns() if self.pid else None,  # self.pid is numbered in our namespace
             self.cgroup.path,
         )
@@ -427,6 +439,8 @@ class GPULeaseProvisioner(LocalProvisioner):
         """:meth:`_ask` on the node and GPUs the server's engine gives it (configured
         ``node``/``gpu_uuids`` win); GPU indexes are looked up in the broker's pool."""
         ask = self._ask()
+        if self.launcher != LOCAL:  # the kernel goes to the GPU: any node of the pool
+            return ask
         placement = discover(os.environ)
         node = ask.node if ask.node is not None else placement.node
         uuids = ask.gpu_uuids or placement.gpu_uuids

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..client.answers import GrantedLease
+from ..wire import KERNEL_CHANNELS
 
 #: the provisioner's ``launcher`` values
 LOCAL, NODE, SLURM = "local", "node", "slurm"
@@ -39,7 +40,7 @@ CONNECTION_FILE = "{connection_file}"
 PASSED_THROUGH = re.compile(r"^(LANG|LANGUAGE|LC_[A-Z]+|TZ|JPY_SESSION_NAME)$")
 
 #: the ZMQ channels of a kernel, as a connection file names their ports
-CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+CHANNELS = KERNEL_CHANNELS
 
 
 @dataclass(frozen=True)

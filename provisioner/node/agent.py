@@ -49,6 +49,7 @@ from ..wire import (
 )
 from . import driver_limits
 from .feature import Beat, NodeFeature, Sample
+from .launcher import KernelLauncher, LaunchSettings, address_towards
 from .mps import MPS_CONTROL, MPSFeature, MPSSupervisor
 from .orders import OrderWatch
 from .parking import DEFAULT_HOST_RESERVE_MB, Parker, Parking
@@ -328,6 +329,11 @@ class GPULeaseAgent(Application):
         "park-host-reserve-mb": "GPULeaseAgent.park_host_reserve_mb",
         "check-account": "GPULeaseAgent.check_account",
         "kernel-cgroup-parents": "GPULeaseAgent.kernel_cgroup_parents",
+        "kernel-ip": "GPULeaseAgent.kernel_ip",
+        "kernel-dir": "GPULeaseAgent.kernel_dir",
+        "scratch-dir": "GPULeaseAgent.scratch_dir",
+        "shared-dirs": "GPULeaseAgent.shared_dirs",
+        "launch-cgroup-parent": "GPULeaseAgent.launch_cgroup_parent",
         "log-level": "Application.log_level",
     }
 
@@ -344,6 +350,10 @@ class GPULeaseAgent(Application):
         "no-park": (
             {"GPULeaseAgent": {"park": False}},
             "Never park kernels here: the broker reclaims idle ones instead.",
+        ),
+        "launch-kernels": (
+            {"GPULeaseAgent": {"launch_kernels": True}},
+            "Launch remote kernels for this node's leases (their holders ask the broker).",
         ),
     }
 
@@ -460,6 +470,46 @@ class GPULeaseAgent(Application):
         "layout: a leaf named kernel-<kernel id> in a directory named gpu-lease.",
     ).tag(config=True)
 
+    launch_kernels = Bool(
+        False,
+        help="Launch the kernels that this node's leases' holders ask for through the "
+        "broker (remote kernels: provisioners with launcher='node'), each as its student's "
+        "Unix account (the same name on every node), in a cgroup of its own. The node "
+        "opens no listener: launches come in the answers to its heartbeats. Default: False.",
+    ).tag(config=True)
+
+    kernel_ip = Unicode(
+        "",
+        help="The address remote kernels listen on: this node's cluster address, which the "
+        "students' servers reach (allow the ephemeral port range from them in the "
+        "firewall). Default: the address this node reaches the broker from.",
+    ).tag(config=True)
+
+    kernel_dir = Unicode(
+        "/var/lib/gpu-lease/kernels",
+        help="Where each remote kernel's private folder goes (its connection file with its "
+        "key, its output, the agent's record that finds it again after a restart).",
+    ).tag(config=True)
+
+    scratch_dir = Unicode(
+        "/var/tmp/gpu-lease",
+        help="Where a remote kernel works when its notebook's folder is not shared with this "
+        "node: <dir>/<user>/<kernel id>, the student's own.",
+    ).tag(config=True)
+
+    shared_dirs = List(
+        Unicode(),
+        help="Folders every node and every student server see at the same path (a shared "
+        "home: /home); a remote kernel whose notebook lies below one works in the "
+        "notebook's folder. Default: none (scratch folders).",
+    ).tag(config=True)
+
+    launch_cgroup_parent = Unicode(
+        "",
+        help="Where each remote kernel's cgroup (v2) is made, from the hierarchy's root. "
+        "Default: the agent's own cgroup + /gpu-lease.",
+    ).tag(config=True)
+
     nvml_module = Unicode(
         inventory.NVML_MODULE,
         help="The NVML binding's module name (nvidia-ml-py installs 'pynvml').",
@@ -492,10 +542,13 @@ class GPULeaseAgent(Application):
         mps: MPSSupervisor | None,
         limits: driver_limits.DriverLimits | None,
         parker: Parker,
+        launcher: KernelLauncher | None = None,
     ) -> list[NodeFeature]:
         """This agent's node features, in the order each heartbeat calls them (after the
         kernel proofs): the one list a new node feature joins (docs/developers.md)."""
         features: list[NodeFeature] = [Parking(parker)]
+        if launcher is not None:  # --launch-kernels
+            features.append(launcher)
         if limits is not None:  # the driver offers per-cgroup memory limits
             features.append(driver_limits.DriverLimitsFeature(limits))
         if mps is not None:  # --mps
@@ -550,6 +603,7 @@ class GPULeaseAgent(Application):
         )
         daemons = asyncio.ensure_future(mps.run(stop)) if mps is not None else None
         parker = _parker(nvml_sampler, gpus, self.park, self.park_host_reserve_mb)
+        launcher = self._launcher()
         try:
             await run_agent(
                 client,
@@ -561,7 +615,7 @@ class GPULeaseAgent(Application):
                 self.enforce,
                 self.kill_unleased_after,
                 KernelProofs(Prover(self.check_account, list(self.kernel_cgroup_parents))),
-                self.features(mps, _driver_limits(nvml_sampler, gpus), parker),
+                self.features(mps, _driver_limits(nvml_sampler, gpus), parker, launcher),
                 orders,
             )
         except GPULeaseError as exc:
@@ -569,6 +623,8 @@ class GPULeaseAgent(Application):
             return 1
         finally:
             await parker.close()  # an order in progress ends first: nothing left LOCKED
+            if launcher is not None:  # its kernels run on; the next start finds them
+                await launcher.close()
             if daemons is not None:  # the daemons stop with the agent (``quit``)
                 stop.set()
                 await daemons
@@ -577,6 +633,23 @@ class GPULeaseAgent(Application):
             if nvml_sampler is not None:
                 nvml_sampler.close()
         return 0
+
+    def _launcher(self) -> KernelLauncher | None:
+        """``--launch-kernels``: the remote kernels' launcher, with this agent's options."""
+        if not self.launch_kernels:
+            return None
+        ip = self.kernel_ip or address_towards(self.broker_url)
+        log.info("Launching remote kernels on %s (kernels listen on %s)", self.node, ip)
+        return KernelLauncher(
+            LaunchSettings(
+                node=self.node,
+                ip=ip,
+                kernel_dir=self.kernel_dir,
+                scratch_dir=self.scratch_dir,
+                shared_dirs=tuple(self.shared_dirs),
+                cgroup_parent=self.launch_cgroup_parent,
+            )
+        )
 
 
 def _driver_limits(

@@ -55,6 +55,7 @@ MAX_FRAME = 256 * 1024 * 1024
 METHODS: dict[str, frozenset[str]] = {
     "leases": frozenset({"acquire", "release", "renew", "revoke"}),
     "resumes": frozenset({"resume"}),
+    "kernels": frozenset({"launch", "kernel", "signal"}),
     "queries": frozenset(
         {
             "get_lease",

@@ -6,6 +6,7 @@ call the service that does the job, one call per request:
 
 - ``service.leases`` (``leases.py``): acquire, renew, release, revoke;
 - ``service.resumes`` (``resume.py``): resuming parked leases, with its long-poll;
+- ``service.kernels`` (``node_kernels.py``): remote kernels, launched by the lease's node;
 - ``service.quotas`` (``quotas.py``): quotas and usage;
 - ``service.nodes`` (``nodes.py``): node agents' registrations, heartbeats and over-use;
 - ``service.queries`` (``queries.py``): reads (leases, queue, GPUs, health, history);
@@ -30,6 +31,7 @@ from ...wire import ENDED_LEASE_STATES
 from ..rules.policy import Policy
 from ..store.store import Store
 from .leases import AcquireResult, LeaseService
+from .node_kernels import NodeKernelService
 from .nodes import Heartbeat, NodeService, NodeView
 from .queries import GPUHolding, Health, History, LeaseUsage, QueryService, Waiting
 from .quotas import QuotaService, QuotaStanding
@@ -67,6 +69,7 @@ class BrokerService:
         )
         self.leases = LeaseService(self.core)
         self.resumes = ResumeService(self.core)
+        self.kernels = NodeKernelService(self.core)
         self.quotas = QuotaService(self.core)
         self.nodes = NodeService(self.core)
         self.queries = QueryService(self.core)

@@ -1,5 +1,6 @@
 """The long-polls waiting now: acquires that wait for a grant, resumes that wait for a
-parked lease to be active again, node agents that wait for their node's orders.
+parked lease to be active again, node agents that wait for their node's orders,
+provisioners that wait for their remote kernel to start or end.
 
 Each waits on a :class:`Waiter` (one per ``(user, kernel_id)`` for acquires, per lease id
 for resumes, per node for orders, shared by the long-polls of that key) that a commit
@@ -47,6 +48,8 @@ class LongPolls:
         self.resumes: dict[str, Waiter] = {}
         #: node name -> its agent's long-polls waiting for a change of its orders
         self.orders: dict[str, Waiter] = {}
+        #: lease id -> the long-polls waiting for its remote kernel's state to change
+        self.kernels: dict[str, Waiter] = {}
         self._none_waiting: asyncio.Event | None = None
 
     def for_grant(self, key: tuple[str, str]) -> contextlib.AbstractContextManager[Waiter]:
@@ -60,6 +63,10 @@ class LongPolls:
     def for_orders(self, node: str) -> contextlib.AbstractContextManager[Waiter]:
         """The :class:`Waiter` of ``node``'s orders long-poll, while it waits."""
         return self._waiter(self.orders, node)
+
+    def for_kernel(self, lease_id: str) -> contextlib.AbstractContextManager[Waiter]:
+        """The :class:`Waiter` of a long-poll on ``lease_id``'s remote kernel."""
+        return self._waiter(self.kernels, lease_id)
 
     @contextlib.contextmanager
     def _waiter(self, table: dict[K, Waiter], key: K) -> Iterator[Waiter]:
@@ -79,7 +86,7 @@ class LongPolls:
     @property
     def waiting(self) -> int:
         """How many long-polls are waiting now."""
-        tables = (self.acquires, self.resumes, self.orders)
+        tables = (self.acquires, self.resumes, self.orders, self.kernels)
         return sum(w.count for table in tables for w in table.values())
 
     async def answered(self, timeout: float) -> None:
@@ -113,10 +120,18 @@ class LongPolls:
             if waiter is not None:
                 waiter.event.set()
 
+    def wake_kernels(self, lease_ids: Iterable[str] | None = None) -> None:
+        """The remote-kernel long-polls of ``lease_ids`` (None: all) look again."""
+        for lease_id in list(self.kernels) if lease_ids is None else lease_ids:
+            waiter = self.kernels.get(lease_id)
+            if waiter is not None:
+                waiter.event.set()
+
     def wake_all(self) -> None:
         self.wake_acquires(list(self.acquires))
         self.wake_resumes()
         self.wake_orders()
+        self.wake_kernels()
 
 
 __all__ = ["LongPolls", "Waiter"]

@@ -23,7 +23,14 @@ from typing import Any, Protocol
 
 from ...errors import Forbidden
 from ...model import GPU, Lease, Node
-from ...node_report import DriverLimitsReport, KernelReport, MPSReport, NodeParkReport, NodeReport
+from ...node_report import (
+    DriverLimitsReport,
+    KernelReport,
+    MPSReport,
+    NodeParkReport,
+    NodeReport,
+    RemoteKernelsReport,
+)
 from .park_orders import ParkOrders
 from .service_core import NodeParking, ServiceCore
 
@@ -162,9 +169,88 @@ class Parking:
         return {"orders": self.orders.orders(here)}
 
 
+class RemoteKernels:
+    """Remote kernels (``launches_kernels``, ``remote_kernels``): what the agent launched
+    and how each runs, checked (a kernel of another node's lease: 403) and kept
+    (:class:`~provisioner.broker.rules.node_kernels.NodeKernels`, in memory); the answer's
+    ``launch``, ``kernel_signals``, ``kernel_ends`` and ``kernel_expiry``."""
+
+    def __init__(self, core: ServiceCore) -> None:
+        self.core = core
+
+    def check(self, node: Node, mine: dict[str, GPU], report: NodeReport) -> None:
+        part = report.part(RemoteKernelsReport)
+        if part is None:
+            return
+        for status in part.kernels:
+            lease = self.core.state.find_lease(status.lease_id)
+            kernel = self.core.node_kernels.on(status.lease_id)
+            elsewhere = (lease is not None and lease.gpu_uuid not in mine) or (
+                kernel is not None and kernel.node != node.name
+            )
+            if elsewhere:
+                log.warning(
+                    "Node %s reported a kernel of lease %s…, which is not on it: refused",
+                    node.name,
+                    status.lease_id[:6],
+                )
+                raise Forbidden(
+                    f"Lease {status.lease_id} is not on node {node.name}; an agent reports "
+                    "only the kernels it launched for its own node's leases."
+                )
+
+    def read(self, node: Node, report: NodeReport) -> None:
+        part = report.part(RemoteKernelsReport) or RemoteKernelsReport()
+        book = self.core.node_kernels
+        changed = book.read(node.name, part.launches_kernels, part.kernels, self.core.clock())
+        for lease_id in changed:
+            kernel, lease = book.on(lease_id), self.core.state.find_lease(lease_id)
+            if kernel is not None and lease is not None and not kernel.user:
+                kernel.user = lease.user  # adopted after a restart: its holder
+            if kernel is not None:
+                log.info(
+                    "Kernel of lease %s… on node %s: %s (generation %d)%s",
+                    lease_id[:6],
+                    node.name,
+                    kernel.state,
+                    kernel.generation,
+                    f": {kernel.status.reason}"
+                    if kernel.status is not None and kernel.status.reason
+                    else "",
+                )
+        alive = set(self.core.state.leases) | set(self.core.state.parked)
+        book.forget(alive)
+        if changed:
+            self.core.polls.wake_kernels(changed)
+
+    async def settle(self, node: Node, report: NodeReport) -> None:
+        pass
+
+    def answer(self, node: Node, here: list[Lease], parked: list[Lease]) -> dict[str, Any]:
+        book = self.core.node_kernels
+        if not book.launchers.get(node.name) and not book.reported.get(node.name):
+            return {}
+        alive = {x.id: x.expires_at for x in [*here, *parked]}
+        return book.orders(node.name, alive)
+
+
 def node_features(core: ServiceCore, orders: ParkOrders) -> list[NodeFeature]:
     """Every node feature of the broker, in the order each point calls them."""
-    return [KernelProofs(core), DriverLimits(core), MPSDaemons(core), Parking(core, orders)]
+    return [
+        KernelProofs(core),
+        DriverLimits(core),
+        MPSDaemons(core),
+        Parking(core, orders),
+        RemoteKernels(core),
+    ]
 
 
-__all__ = ["DriverLimits", "KernelProofs", "MPSDaemons", "NodeFeature", "Parking", "node_features"]
+__all__ = [
+    "DriverLimits",
+    "KernelProofs",
+    "MPSDaemons",
+    "NodeFeature",
+    "Parking",
+    "RemoteKernels",
+    "node_features",
+]

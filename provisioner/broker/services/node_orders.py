@@ -15,9 +15,8 @@ is handed twice or lost when a long-poll and a heartbeat race: both only read th
 
 Who calls this: :meth:`~provisioner.broker.services.nodes.NodeService.node_orders`. The
 long-polls wait on ``LongPolls.orders``, woken by each commit that changes a lease's park
-state on the node (``ServiceCore.commit``). A later order kind (a kernel to launch or to
-signal) joins :meth:`OrderPush.due` and :meth:`OrderPush.cursor`; agents ignore an
-``action`` they do not know (logged).
+state on the node (``ServiceCore.commit``), and by each remote kernel's launch or signal
+(``node_kernels.py``): those join the cursor of :meth:`OrderPush.due`.
 """
 
 from __future__ import annotations
@@ -63,11 +62,34 @@ class OrderPush:
         return [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
 
     def due(self, node: Node) -> tuple[str, list[dict[str, Any]]]:
-        """The node's orders now and their cursor."""
+        """The node's orders now and their cursor: park and resume orders, and its remote
+        kernels' (launch, signal, end; in the cursor only: the agent takes them from the
+        heartbeat's answer, and the launch's key goes nowhere else)."""
         here = self._here(node)
         orders = self.parking.orders(here)
         issued = {x.id: x.parked_at for x in here}
-        return orders_cursor([(o, issued.get(o["lease_id"])) for o in orders]), orders
+        marks = [(o, issued.get(o["lease_id"])) for o in orders]
+        mine = {g.uuid for g in node.gpus}
+        alive = {
+            x.id: x.expires_at
+            for x in [*here, *self.core.state.parked.values()]
+            if x.gpu_uuid in mine
+        }
+        kernels = self.core.node_kernels.orders(node.name, alive)
+        marks += [
+            (
+                {
+                    "remote": kind,
+                    "lease_id": o["lease_id"],
+                    "generation": o["generation"],
+                    "seq": o.get("seq"),
+                },
+                None,
+            )
+            for kind in ("launch", "kernel_signals", "kernel_ends")
+            for o in kernels[kind]
+        ]
+        return orders_cursor(marks), orders
 
     async def wait(self, name: str, after: str | None, timeout: float) -> NodeOrders:
         """The node's orders once their cursor differs from ``after`` (at once when it does

@@ -72,6 +72,9 @@ class ParkPolicy:
             node = node_rules.node_of(core.state, core.nodes, lease.gpu_uuid)
             if node is None:
                 return NotParked("no node agent reports its GPU")
+            if core.node_kernels.remote(lease.id):
+                # its cells' resume requests come from a server the node does not see
+                return NotParked(f"its kernel runs on node {node.name}, launched there")
             info = core.node_parking.get(node.name)
             if info is None:
                 return NotParked(

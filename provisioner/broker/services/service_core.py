@@ -75,6 +75,7 @@ from ...model import (
 )
 from ..rules import estimates, node_rules, scheduling
 from ..rules.kernel_places import KernelPlaces
+from ..rules.node_kernels import NodeKernels
 from ..rules.policy import Policy
 from ..store.commit_thread import Writer
 from ..store.store import Store
@@ -263,6 +264,8 @@ class ServiceCore:
         self.renewed: set[str] = set()
         #: each lease kernel's pid namespace and cgroup (renewals; see :mod:`.kernel_places`)
         self.kernel_places = KernelPlaces()
+        #: the kernels node agents launch for their leases, in memory only (``node_kernels``)
+        self.node_kernels = NodeKernels()
         #: the parking options (``options.py``)
         self.park = park or ParkSettings()
         #: node name -> what its agent last said about parking (``nodes.py`` heartbeats)
@@ -356,13 +359,23 @@ class ServiceCore:
             self.polls.wake_resumes()
         if self.polls.orders and (changes.parks or changes.ended):
             self.polls.wake_orders(self._nodes_of(changes))
+        if self.polls.kernels and changes.ended:
+            self.polls.wake_kernels([x.id for x, _, _ in changes.ended])
         mine = {x.id for x in changes.renewed}
         return {i: v for i, v in gone.items() if i in mine}
 
     def _nodes_of(self, changes: Changes) -> set[str]:
         """The nodes whose orders ``changes`` may have changed: those of the GPUs of the
-        leases whose park state changed or that ended while parking or resuming."""
-        leases = [*changes.parks, *(x for x, _, _ in changes.ended if x.park is not None)]
+        leases whose park state changed, that ended while parking or resuming, or that
+        ended with a kernel their node launched (the node ends it)."""
+        leases = [
+            *changes.parks,
+            *(
+                x
+                for x, _, _ in changes.ended
+                if x.park is not None or self.node_kernels.remote(x.id)
+            ),
+        ]
         gpus = self.state.gpus
         return {gpus[x.gpu_uuid].node for x in leases if x.gpu_uuid in gpus}
 

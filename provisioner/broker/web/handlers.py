@@ -698,6 +698,38 @@ class ResumeHandler(LongPollHandler):
         )
 
 
+class KernelHandler(LongPollHandler):
+    """``PUT {p}api/v1/leases/{id}/kernel``: the holder has the lease's node launch its kernel
+    (202, the new generation ``launching``); ``GET`` (``?after=CURSOR&timeout=S``): the
+    kernel's state, its address and ports once it runs (long-poll on a change)."""
+
+    @api
+    async def put(self, lease_id: str) -> None:
+        launch = validation.parse_kernel_launch(self.json_body())
+        kernel = await self.service.kernels.launch(self.ident, lease_id, launch)
+        self.write_json(kernel.to_json(), status=202)
+
+    @api
+    async def get(self, lease_id: str) -> None:
+        after, timeout = validation.parse_kernel_poll(self.query("after"), self.query("timeout"))
+        kernel = await self.answer_of(
+            self.service.kernels.kernel(self.ident, lease_id, after, timeout)
+        )
+        if kernel is None:
+            return
+        self.write_json(kernel.to_json())
+
+
+class KernelSignalHandler(APIHandler):
+    """``POST {p}api/v1/leases/{id}/kernel/signal {signal}``: the node signals the kernel."""
+
+    @api
+    async def post(self, lease_id: str) -> None:
+        name = validation.parse_kernel_signal(self.json_body())
+        kernel = await self.service.kernels.signal(self.ident, lease_id, name)
+        self.write_json(kernel.to_json(), status=202)
+
+
 class RevokeHandler(APIHandler):
     """``POST {p}api/v1/leases/{id}/revoke {reason}``: an admin ends someone's lease."""
 

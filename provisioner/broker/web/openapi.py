@@ -23,7 +23,10 @@ from ...node_report import (
     PID_NS_SCHEMA,
     PID_SCHEMA,
     UID_SCHEMA,
+    KernelLaunch,
+    LaunchOrder,
     ParkOutcome,
+    RemoteKernelStatus,
     answer_schema,
     heartbeat_schema,
 )
@@ -433,6 +436,45 @@ _SCHEMAS: dict[str, Any] = {
         },
     },
     "ParkOutcome": ParkOutcome.SCHEMA,
+    "KernelLaunch": KernelLaunch.SCHEMA,
+    "LaunchOrder": LaunchOrder.SCHEMA,
+    "RemoteKernelStatus": RemoteKernelStatus.SCHEMA,
+    "RemoteKernel": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lease_id", "node", "generation", "state", "cursor"],
+        "properties": {
+            "lease_id": {"type": "string"},
+            "node": {"type": "string", "description": "The node that runs (or will run) it."},
+            "generation": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "1 for the first launch; each relaunch (a restart) adds one.",
+            },
+            "state": enum_schema(
+                wire.REMOTE_KERNEL_STATES,
+                description="launching: the node has not started it yet; running: it "
+                "listens at `ip`/`ports`; exited: it ended (`exit_code`); failed: it never "
+                "started (`reason`, the node's own words).",
+            ),
+            "cursor": {
+                "type": "string",
+                "description": "Send it back as `after` to wait for the next change.",
+            },
+            "kernel_id": {"type": "string"},
+            **{
+                name: schema
+                for name, schema in RemoteKernelStatus.SCHEMA["properties"].items()
+                if name not in ("lease_id", "generation", "state", "signaled")
+            },
+        },
+    },
+    "KernelSignal": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["signal"],
+        "properties": {"signal": enum_schema(wire.KERNEL_SIGNALS)},
+    },
     "Revoke": {
         "type": "object",
         "additionalProperties": False,

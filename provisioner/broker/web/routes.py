@@ -43,6 +43,8 @@ from .handlers import (
     HealthHandler,
     HistoryHandler,
     IndexHandler,
+    KernelHandler,
+    KernelSignalHandler,
     LeaseHandler,
     LeasesHandler,
     MetricsHandler,
@@ -382,6 +384,73 @@ TABLE: tuple[Route, ...] = (
                     "200": _lease_response("The lease, active again."),
                     "202": json_response(schema_ref("Resuming"), "Not active yet."),
                     **error_refs("400", "401", "403", "404", "410", "413", "503"),
+                },
+            },
+        },
+    ),
+    Route(
+        "/api/v1/leases/{lease_id}/kernel",
+        KernelHandler,
+        parameters=(_LEASE_ID,),
+        operations={
+            "put": {
+                "tags": ["leases"],
+                "summary": "Launch the lease's kernel on the lease's node (its holder only).",
+                "description": "The node's agent takes the launch from its next heartbeat "
+                "(at once: its orders long-poll wakes) and starts the kernel as the holder's "
+                "account; follow it with GET. Each launch is a new generation: the node "
+                "ends an older one. The key and environment stay in the broker's memory "
+                "until the node has them; they are never stored or logged. Another user's "
+                "lease is 404 (an admin's 403: the kernel would run as another account); "
+                "an ended lease 410; a parked lease, a node whose agent does not launch "
+                "kernels, or a lost node 409.",
+                "operationId": "launch_kernel",
+                "requestBody": _body("KernelLaunch"),
+                "responses": {
+                    "202": json_response(schema_ref("RemoteKernel"), "Ordered: launching."),
+                    **error_refs("400", "401", "403", "404", "409", "410", "413", "503"),
+                },
+            },
+            "get": {
+                "tags": ["leases"],
+                "summary": "The lease's remote kernel: its state, address and ports (holder "
+                "or admin); long-polls with `after`.",
+                "operationId": "get_kernel",
+                "parameters": [
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS},
+                        "description": "The `cursor` of the last answer: wait until it changes.",
+                    },
+                    {
+                        "name": "timeout",
+                        "in": "query",
+                        "schema": {"type": "number", "minimum": 0, "maximum": MAX_WAIT},
+                        "description": "Seconds to wait for a change at most (default 0).",
+                    },
+                ],
+                "responses": {
+                    "200": json_response(schema_ref("RemoteKernel"), "The kernel."),
+                    **error_refs("400", "401", "403", "404", "503"),
+                },
+            },
+        },
+    ),
+    Route(
+        "/api/v1/leases/{lease_id}/kernel/signal",
+        KernelSignalHandler,
+        parameters=(_LEASE_ID,),
+        operations={
+            "post": {
+                "tags": ["leases"],
+                "summary": "Have the node send a signal to the running remote kernel "
+                "(holder or admin): SIGINT interrupts, SIGTERM/SIGKILL end it.",
+                "operationId": "signal_kernel",
+                "requestBody": _body("KernelSignal"),
+                "responses": {
+                    "202": json_response(schema_ref("RemoteKernel"), "Ordered."),
+                    **error_refs("400", "401", "403", "404", "409", "410", "413", "503"),
                 },
             },
         },

@@ -30,6 +30,7 @@ from ...json_checks import whole as _int
 from ...model import GPU, QUOTA_FIELDS, Identity, Quota, validate_fraction
 from ...node_report import FIELDS as NODE_REPORT_FIELDS
 from ...node_report import (
+    KernelLaunch,
     KernelReport,
     MPSReport,
     NodeParkReport,
@@ -40,6 +41,7 @@ from ...node_report import (
 from ...wire import (
     DEFAULT_ENFORCE_MODE,
     ENFORCE_MODES,
+    KERNEL_SIGNALS,
     MAX_BUDGET_FRACTION_HOURS,
     MAX_EXECUTION_STATE_CHARS,
     MAX_GPU_INDEX,
@@ -544,6 +546,32 @@ def parse_orders_poll(after: str | None, timeout: str | None) -> tuple[str | Non
             f"'timeout' must be a number of seconds from 0 to {MAX_WAIT:g}, not {_show(timeout)}."
         )
     return after, seconds
+
+
+def parse_kernel_poll(after: str | None, timeout: str | None) -> tuple[str | None, float]:
+    """``GET /api/v1/leases/{id}/kernel?after=CURSOR&timeout=S``: as the orders' long-poll
+    (an unchanged ``after`` waits up to ``timeout`` s; left out: answer at once), but a
+    timeout left out is 0."""
+    after, seconds = parse_orders_poll(after, timeout)
+    return after, (0.0 if timeout is None else seconds)
+
+
+SIGNAL_FIELDS = ("signal",)
+
+
+def parse_kernel_signal(body: dict[str, Any]) -> str:
+    """``POST /api/v1/leases/{id}/kernel/signal`` body ``{"signal": "SIGINT"}`` -> its name."""
+    check_fields(body, SIGNAL_FIELDS, "kernel signal")
+    name = body.get("signal")
+    if name not in KERNEL_SIGNALS:
+        raise InvalidRequest(f"'signal' is one of {', '.join(KERNEL_SIGNALS)}, not {_show(name)}.")
+    return str(name)
+
+
+def parse_kernel_launch(body: dict[str, Any]) -> KernelLaunch:
+    """``PUT /api/v1/leases/{id}/kernel`` body -> the launch (every check in
+    :meth:`~provisioner.node_report.KernelLaunch.from_json`)."""
+    return KernelLaunch.from_json(body)
 
 
 RESUME_FIELDS = ("wait",)

@@ -333,6 +333,11 @@ def wait_for_resume(path, *, out=print, poll=RESUME_POLL, clock=time.monotonic, 
         sleep(poll)
 
 
+#: set by the node agent for a remote kernel: where it runs and in which folder; the first
+#: cell prints it once (``provisioner/node/launcher.py``)
+REMOTE_NOTE = "GPU_LEASE_REMOTE_NOTE"
+
+
 class ParkedCellHook:
     """The ``pre_run_cell`` hook: a cell run while the kernel is parked waits for its GPU.
 
@@ -356,6 +361,9 @@ class ParkedCellHook:
 
     def __call__(self, info=None):
         self.pending = None
+        note = os.environ.pop(REMOTE_NOTE, None)  # once: the first cell's output says it
+        if note:
+            self.out(note)
         path = self.path
         if not path or quick_state(path) not in PARK_STATES:
             return
