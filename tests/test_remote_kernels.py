@@ -11,6 +11,7 @@ What each test breaks on purpose is in its name and its first line. Network name
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
@@ -37,12 +38,22 @@ from .test_agent import FAKE_NVML, ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 NODE = "gpu-r"
+#: the lease TTL of these tests' brokers (s): a kernel cut off from its lease ends after it
+TTL = 10
 
 
 class Site:
-    """Two students with Unix accounts, a broker that knows them, one node agent."""
+    """Students with Unix accounts, a broker that knows them, node agents that launch."""
 
-    def __init__(self, tmp: Path, students: list[str], python: str, node_root: Path) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        students: list[str],
+        python: str,
+        node_root: Path,
+        nodes: tuple[str, ...] = (NODE,),
+        broker_extra: tuple[str, ...] = (),
+    ) -> None:
         self.tmp = tmp
         self.students = students
         self.python = python
@@ -55,66 +66,69 @@ class Site:
             (
                 "--GPULeaseBroker.node_grace=4",
                 "--GPULeaseBroker.reap_interval=0.2",
-                "--GPULeaseBroker.ttl=10",
+                f"--GPULeaseBroker.ttl={TTL}",
+                *broker_extra,
             ),
+            forked=False,  # started from the calling thread (its network namespace)
         )
-        # the tokens file: the test's users (not conftest's) and the node's agent
+        # the tokens file: the test's users (not conftest's) and one agent per node
         self.broker.tokens = {u: f"tok-{u}-{uuid.uuid4().hex}" for u in users}
-        data = {
+        data: dict[str, Any] = {
             self.broker.tokens[u]: {"user": u, "groups": list(g), "admin": a}
             for u, (g, a) in users.items()
         }
-        self.agent_token = f"agent-{NODE}-{uuid.uuid4().hex}"
-        data[self.agent_token] = {"agent": True, "node": NODE}
+        self.agent_tokens: dict[str, str] = {}
+        self.gpus: dict[str, str] = {}
+        for node in nodes:
+            token = self.agent_tokens[node] = f"agent-{node}-{uuid.uuid4().hex}"
+            data[token] = {"agent": True, "node": node}
+            self.gpus[node] = f"GPU-{node}-0-{uuid.uuid4().hex[:8]}"
+            (tmp / f"nvml-{node}.json").write_text(
+                json.dumps(
+                    {
+                        "gpus": [{"uuid": self.gpus[node], "name": "T4", "memory_mb": 16384}],
+                        "processes": {},
+                    }
+                )
+            )
         self.broker.tokens_file.write_text(json.dumps(data))
         self.ghost = next(u for u in users if u.startswith("ghost-"))
-        self.nvml_file = tmp / "nvml.json"
-        self.gpu = f"GPU-{NODE}-0-{uuid.uuid4().hex[:8]}"
-        self.nvml_file.write_text(
-            json.dumps(
-                {"gpus": [{"uuid": self.gpu, "name": "T4", "memory_mb": 16384}], "processes": {}}
-            )
-        )
-        # the node's folders: where a student may pass (the test's tmp_path is root's alone)
-        self.kernel_dir = node_root / "kernels"
-        self.scratch = node_root / "scratch"
-        self.agent: subprocess.Popen[bytes] | None = None
-        self.agent_log = tmp / "agent.log"
+        self.gpu = self.gpus[nodes[0]]
+        # the nodes' folders: where a student may pass (the test's tmp_path is root's alone)
+        self.node_root = node_root
+        self.kernel_dir = node_root / f"kernels-{nodes[0]}"
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start_agent(self, *extra: str) -> None:
+    def agent_log(self, node: str = NODE) -> Path:
+        return self.tmp / f"agent-{node}.log"
+
+    def start_agent(
+        self, node: str = NODE, *extra: str, url: str | None = None, ip: str = "127.0.0.1"
+    ) -> None:
+        """The node's agent, started from the calling thread (its network namespace)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(FAKE_NVML), str(ROOT), env.get("PYTHONPATH", "")])
-        env["FAKE_NVML_FILE"] = str(self.nvml_file)
-        env["GPU_LEASE_AGENT_TOKEN"] = self.agent_token
+        env["FAKE_NVML_FILE"] = str(self.tmp / f"nvml-{node}.json")
+        env["GPU_LEASE_AGENT_TOKEN"] = self.agent_tokens[node]
         cmd = [
-            sys.executable,
-            "-m",
-            "provisioner.node.agent",
-            "--broker-url",
-            self.broker.url,
-            "--node",
-            NODE,
-            "--interval",
-            "1",
-            "--launch-kernels",
-            "--kernel-ip",
-            "127.0.0.1",
-            "--kernel-dir",
-            str(self.kernel_dir),
-            "--scratch-dir",
-            str(self.scratch),
-            "--shared-dirs",
-            "/home",
-            *extra,
-        ]
-        with open(self.agent_log, "ab") as log:
-            self.agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        wait_for(lambda: NODE in self.nodes(), timeout=30)
+            sys.executable, "-m", "provisioner.node.agent",
+            "--broker-url", url or self.broker.url,
+            "--node", node, "--interval", "1", "--launch-kernels", "--kernel-ip", ip,
+            "--kernel-dir", str(self.node_root / f"kernels-{node}"),
+            "--scratch-dir", str(self.node_root / f"scratch-{node}"),
+            "--shared-dirs", "/home", *extra,
+        ]  # fmt: skip
+        with open(self.agent_log(node), "ab") as log:
+            self.agents[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
-    def kill_agent(self) -> None:
-        if self.agent is not None and self.agent.poll() is None:
-            self.agent.kill()
-            self.agent.wait()
+    def wait_registered(self, node: str = NODE) -> None:
+        wait_for(lambda: node in self.nodes(), timeout=30)
+
+    def kill_agent(self, node: str = NODE) -> None:
+        agent = self.agents.get(node)
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
 
     def nodes(self) -> dict[str, Any]:
         r = httpx.get(f"{self.broker.url}/api/v1/nodes", headers=self.broker.headers("admin"))
@@ -145,6 +159,13 @@ class Site:
             timeout=30,
             event_hooks=self.broker.conformance.sync_hooks(),
         )
+
+    def kill_students(self) -> None:
+        """Nothing of theirs survives a test."""
+        for name in self.students:
+            for pid in pids_of(pwd.getpwnam(name).pw_uid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -177,12 +198,11 @@ def site(
         monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "hub-token-of-the-server")
         try:
             s.start_agent()
+            s.wait_registered()
             yield s
         finally:
             s.kill_agent()
-            for name in names:  # nothing of theirs survives a test
-                for pid in pids_of(pwd.getpwnam(name).pw_uid):
-                    os.kill(pid, signal.SIGKILL)
+            s.kill_students()
 
 
 def pids_of(uid: int) -> list[int]:
@@ -265,7 +285,7 @@ async def test_a_remote_kernel_runs_as_the_student_on_the_node_and_says_where(
     assert (folder.stat().st_mode & 0o077) == 0
     # ... and not in the broker's database or logs, nor the agent's log
     key = km.session.key.decode()
-    assert key not in site.agent_log.read_text()
+    assert key not in site.agent_log().read_text()
     for path in site.broker.logs():
         assert key not in path.read_text(errors="replace")
     assert key.encode() not in (site.tmp / "b.sqlite").read_bytes()
@@ -299,9 +319,9 @@ async def test_interrupt_restart_and_shutdown_go_through_the_node(
     assert lease_of(site, km) == lease_id
     new_pid = (await probe(km))["pid"]
     assert new_pid != pid
-    wait_for(lambda: not alive(pid), timeout=15)
+    await wait_for_async(lambda: not alive(pid), timeout=15)
     await km.shutdown_kernel()
-    wait_for(lambda: not alive(new_pid), timeout=15)
+    await wait_for_async(lambda: not alive(new_pid), timeout=15)
     with site.api("admin") as c:
         assert c.get(f"/leases/{lease_id}").json()["state"] == "released"
 
@@ -382,12 +402,17 @@ async def test_the_node_ends_a_kernel_whose_lease_is_revoked_and_a_killed_agent_
     site.kill_agent()
     assert alive(pid)
     site.start_agent()
-    wait_for(lambda: "Found kernel of lease" in site.agent_log.read_text(), timeout=20)
+    site.wait_registered()
+    await wait_for_async(
+        lambda: "Found kernel of lease" in site.agent_log().read_text(), timeout=20
+    )
     assert (await probe(km))["pid"] == pid
     lease_id = lease_of(site, km)
     with site.api("admin") as c:
         assert c.post(f"/leases/{lease_id}/revoke", json={"reason": "test"}).status_code == 200
-    wait_for(lambda: not alive(pid), timeout=20)
+    await wait_for_async(lambda: not alive(pid), timeout=20)
+    # the lease keeper shuts its kernel down (jupyter_client's managers take one at a time)
+    await wait_for_async(lambda: not km.has_kernel, timeout=20)
 
 
 async def test_a_killed_kernel_is_seen_dead(site: Site, km: AsyncKernelManager) -> None:
