@@ -867,6 +867,7 @@ class KernelLaunch:
                 "type": "string",
                 "minLength": 16,
                 "maxLength": wire.MAX_KEY_CHARS,
+                "pattern": "^[ -~]+$",
                 "description": "The kernel's HMAC key (kept in memory until the node has "
                 "it; never stored or logged).",
             },

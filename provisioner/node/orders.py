@@ -112,7 +112,7 @@ class OrderWatch:
             self.older = False
         cursor = answer.get("cursor")
         orders = answer.get("orders") or []
-        if cursor != self.cursor and orders:
+        if cursor != self.cursor and (orders or answer.get("remote_kernel_orders")):
             self.pushed += 1
             log.debug("Orders for node %s changed (%d due): heartbeat now", self.node, len(orders))
             self.due.set()

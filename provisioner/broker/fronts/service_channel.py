@@ -367,7 +367,7 @@ class _RemoteQueries(_RemotePart):
 class RemoteService:
     """The service's API, as the handlers use it, answered by the broker process.
 
-    ``leases``, ``resumes``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's
+    ``leases``, ``resumes``, ``kernels``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's
     services: every method returns a future (the handlers await what may be remote);
     ``clock`` is this process's ``time.time`` and ``policy`` is asked once at
     :meth:`connect`.
@@ -387,6 +387,7 @@ class RemoteService:
         self._idle: asyncio.Future[None] | None = None
         self.leases = _RemotePart(self, "leases")
         self.resumes = _RemotePart(self, "resumes")
+        self.kernels = _RemotePart(self, "kernels")
         self.quotas = _RemotePart(self, "quotas")
         self.nodes = _RemotePart(self, "nodes")
         self.queries = _RemoteQueries(self, "queries")

@@ -41,6 +41,8 @@ class NodeOrders:
     node: str
     cursor: str
     orders: list[dict[str, Any]]
+    #: how many remote-kernel orders are due (launch, signal, end: in the heartbeat's answer)
+    remote: int = 0
 
 
 def orders_cursor(issued: list[tuple[dict[str, Any], float | None]]) -> str:
@@ -61,7 +63,7 @@ class OrderPush:
         mine = {g.uuid for g in node.gpus}
         return [x for x in self.core.state.leases.values() if x.gpu_uuid in mine]
 
-    def due(self, node: Node) -> tuple[str, list[dict[str, Any]]]:
+    def due(self, node: Node) -> tuple[str, list[dict[str, Any]], int]:
         """The node's orders now and their cursor: park and resume orders, and its remote
         kernels' (launch, signal, end; in the cursor only: the agent takes them from the
         heartbeat's answer, and the launch's key goes nowhere else)."""
@@ -89,7 +91,7 @@ class OrderPush:
             for kind in ("launch", "kernel_signals", "kernel_ends")
             for o in kernels[kind]
         ]
-        return orders_cursor(marks), orders
+        return orders_cursor(marks), orders, len(marks) - len(orders)
 
     async def wait(self, name: str, after: str | None, timeout: float) -> NodeOrders:
         """The node's orders once their cursor differs from ``after`` (at once when it does
@@ -107,13 +109,13 @@ class OrderPush:
                         f"PUT /api/v1/nodes/{name} first (restart the agent).",
                         node=name,
                     )
-                cursor, orders = self.due(node)
+                cursor, orders, remote = self.due(node)
                 remaining = deadline - loop.time()
                 if cursor != after or remaining <= 0:
                     await self.core.writer.barrier()  # what it says is in the database
                     node = self.core.nodes.get(name, node)
-                    cursor, orders = self.due(node)
-                    return NodeOrders(name, cursor, orders)
+                    cursor, orders, remote = self.due(node)
+                    return NodeOrders(name, cursor, orders, remote)
                 await waiter.pause(remaining)
 
 

@@ -798,7 +798,10 @@ class NodeOrdersHandler(LongPollHandler):
         due = await self.answer_of(self.service.nodes.node_orders(self.ident, node, after, timeout))
         if due is None:
             return
-        self.write_json({"node": due.node, "cursor": due.cursor, "orders": due.orders})
+        body: dict[str, Any] = {"node": due.node, "cursor": due.cursor, "orders": due.orders}
+        if due.remote:
+            body["remote_kernel_orders"] = due.remote
+        self.write_json(body)
 
 
 class QueueHandler(APIHandler):

@@ -737,6 +737,12 @@ _SCHEMAS: dict[str, Any] = {
             },
             # the heartbeat answer's ``orders``, the same entries
             "orders": answer_schema()["orders"],
+            "remote_kernel_orders": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "How many remote-kernel orders (launch, signal, end) are "
+                "due; the heartbeat's answer carries them. Absent: none.",
+            },
         },
     },
     "Node": {
