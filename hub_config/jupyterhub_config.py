@@ -306,6 +306,8 @@ if env("GPU_LEASE_IDLE_RECLAIM_AFTER"):  # seconds idle before a kernel is parke
     )
 if env("GPU_LEASE_AGENT_TOKENS"):  # node agents' tokens ({"agent": true, "node": ...} only)
     broker_cmd += ["--tokens-file", str(Path(env("GPU_LEASE_AGENT_TOKENS")).resolve())]
+if env("GPU_LEASE_BROKER_IP"):  # node agents on other machines reach the broker there
+    broker_cmd += ["--ip", env("GPU_LEASE_BROKER_IP", "")]
 broker_service: dict[str, Any] = {"cwd": str(STATE)}
 if SYSTEM_USERS:
     broker_service = _broker_account(broker_cmd)
@@ -544,6 +546,9 @@ server_env["GPU_LEASE_BROKER_UID"] = str(
 # this directory. Not resolved: the venv's bin is where the console scripts are.
 BIN = str(Path(sys.executable).parent)
 server_env["PATH"] = os.pathsep.join([BIN, *[p for p in env("PATH", "").split(os.pathsep) if p]])
+# remote kernels: GPU kernels start on the node their lease names (docs/admins.md)
+if env("GPU_LEASE_LAUNCHER"):
+    server_env["GPU_LEASE_LAUNCHER"] = env("GPU_LEASE_LAUNCHER")
 # ... and the terminals keep that PATH: started without a terminal (by a spawner), a
 # server's terminals run a *login* shell, and Debian's /etc/profile sets PATH anew, which
 # drops this directory. An interactive non-login bash keeps the server's environment

@@ -95,6 +95,7 @@ def cmd_kernelspec_install(args: argparse.Namespace) -> int:
         python=args.python,
         enforcement=args.enforcement,
         queue_timeout=args.queue_timeout,
+        launcher=args.launcher,
     )
     name = args.name or ks.default_name(args.fraction, args.group)
     _check_fraction_fits(args)
@@ -538,6 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the kernel's Python (default: the server's); another environment needs ipykernel only",
     )
     inst.add_argument("--enforcement", choices=ENFORCEMENTS, help="cooperative (default) or mps")
+    inst.add_argument(
+        "--launcher",
+        choices=("local", "node", "slurm"),
+        help="where the kernel runs: local (default: beside the server), node (on the node "
+        "its lease names, launched by that node's agent), slurm (a Slurm job there)",
+    )
     inst.add_argument(
         "--queue-timeout",
         type=_non_negative(float),

@@ -129,6 +129,13 @@ def student_python(base: Path, user: str) -> str:
         f"import site; site.addsitedir({purelib!r})\n", encoding="utf-8"
     )
     python = venv / "bin" / "python"
+    # Jupyter's configuration and data under sys.prefix (server extensions such as
+    # JupyterLab's, its labextensions, ours): the venv's prefix finds them as this one does
+    for sub in ("etc/jupyter", "share/jupyter"):
+        mine = Path(sys.prefix) / sub
+        if mine.is_dir():
+            (venv / sub).parent.mkdir(parents=True, exist_ok=True)
+            (venv / sub).symlink_to(mine, target_is_directory=True)
     ours = Path(sys.executable).parent
     for script in sorted(ours.iterdir()):
         target = venv / "bin" / script.name

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerBase, LocalProvisioner
-from traitlets import Enum, Float
+from traitlets import Enum, Float, default
 
 from ..client.answers import GrantedLease
 from ..errors import InvalidRequest
@@ -36,6 +36,8 @@ from .remote import (
     remote_environment,
 )
 
+#: the server's environment variable that sets the default launcher (a site setting)
+LAUNCHER_ENV = "GPU_LEASE_LAUNCHER"
 #: what the lease environment sets that means nothing on another node (the node sets it)
 SERVER_ONLY = ("GPU_LEASE_STATE_FILE",)
 
@@ -155,6 +157,13 @@ class RemoteCapable(LocalProvisioner):
         "may then be on any node of the pool), 'slurm' (a Slurm job on the lease's node, "
         "submitted as the student). See docs/admins.md, 'Remote kernels'.",
     ).tag(config=True)
+
+    @default("launcher")
+    def _default_launcher(self) -> str:
+        """``GPU_LEASE_LAUNCHER`` in the server's environment (a site's setting, which a
+        hub passes to every server); else ``local``."""
+        value = os.environ.get(LAUNCHER_ENV, "").strip().lower()
+        return value if value in LAUNCHERS else LOCAL
 
     launch_timeout = Float(
         LAUNCH_TIMEOUT,

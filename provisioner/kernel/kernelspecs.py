@@ -68,6 +68,10 @@ def validate_name(name: str) -> str:
     return name
 
 
+#: the provisioner's ``launcher`` values (``kernel/remote.py`` LAUNCHERS)
+LAUNCHERS = ("local", "node", "slurm")
+
+
 def build_kernelspec(
     fraction: float,
     *,
@@ -77,8 +81,13 @@ def build_kernelspec(
     language: str = "python",
     enforcement: str | None = None,
     queue_timeout: float | None = None,
+    launcher: str | None = None,
 ) -> dict[str, Any]:
     """The kernel.json dict of a GPU kernelspec (as kernelspecs/ ships them; no URL, no secret).
+
+    ``launcher``: where the kernel runs (``local``, the default, beside the server;
+    ``node``: on the node its lease names, launched by that node's agent; ``slurm``: a
+    Slurm job there); the kernel's argv must then be valid on the GPU nodes too.
 
     ``python`` is the kernel's interpreter: "python" means the server's own (jupyter_client
     substitutes ``sys.executable``); a path selects another environment, which needs
@@ -107,6 +116,12 @@ def build_kernelspec(
                 f"The queue timeout must be a number of seconds, 0 or more, not {queue_timeout!r}."
             )
         config["queue_timeout"] = queue_timeout
+    if launcher is not None:
+        if launcher not in LAUNCHERS:
+            raise InvalidRequest(
+                f"Unknown launcher {launcher!r}; use one of: {', '.join(LAUNCHERS)}."
+            )
+        config["launcher"] = launcher
     if not python:
         raise InvalidRequest("The kernel's Python must be a command or a path.")
     return {

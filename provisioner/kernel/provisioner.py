@@ -297,6 +297,8 @@ class GPULeaseProvisioner(RemoteCapable):
                 exc,
             )
             await self.lease_keeper.end("the kernel could not be launched")
+            if isinstance(exc, GPULeaseError):  # a remote node's reason, as JupyterLab shows it
+                raise for_jupyter_server(exc) from exc
             raise
         self._death.launched()
         if remote is None:

@@ -26,10 +26,11 @@ from typing import Any, Protocol
 
 from ..client.answers import GrantedLease
 from ..wire import KERNEL_CHANNELS
+from .kernelspecs import LAUNCHERS
 
 #: the provisioner's ``launcher`` values
-LOCAL, NODE, SLURM = "local", "node", "slurm"
-LAUNCHERS = (LOCAL, NODE, SLURM)
+LOCAL, NODE, SLURM = LAUNCHERS
+assert LOCAL == "local" and NODE == "node" and SLURM == "slurm"
 
 #: where the node's connection file goes in a remote kernel's argv
 CONNECTION_FILE = "{connection_file}"
