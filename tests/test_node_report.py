@@ -127,11 +127,23 @@ def test_the_fields_and_their_documentation_are_the_wire_s() -> None:
         "host_memory_available_mb",
         "parking",
         "refused",
+        # remote kernels (a later part: its fields come after the others)
+        "launches_kernels",
+        "remote_kernels",
     }
     for kind in PARTS:
         assert set(kind.SCHEMA) == set(kind.FIELDS), kind.__name__
     assert set(heartbeat_schema()) == set(FIELDS) - {"usage", "at"}
-    assert set(answer_schema()) == {"kernels", "limits", "leases", "orders"}
+    assert set(answer_schema()) == {
+        "kernels",
+        "limits",
+        "leases",
+        "orders",
+        "launch",
+        "kernel_signals",
+        "kernel_ends",
+        "kernel_expiry",
+    }
 
 
 def test_an_unknown_field_is_refused_by_name_with_the_allowed_ones_as_ever() -> None:
@@ -141,4 +153,6 @@ def test_an_unknown_field_is_refused_by_name_with_the_allowed_ones_as_ever() -> 
     assert "Allowed fields are usage, at, mps, mps_uid, kernels, driver_limits, checkpoint, " in (
         info.value.message
     )
-    assert info.value.message.endswith("parking, refused; remove the others.")
+    assert info.value.message.endswith(
+        "parking, refused, launches_kernels, remote_kernels; remove the others."
+    )
