@@ -1,0 +1,334 @@
+"""The ``slurm`` launcher for real: a kernel that is a Slurm job on its lease's node.
+
+One Slurm cluster for the module (``slurmctld`` and ``slurmd`` node1 and node2 on this
+machine, :mod:`provisioner.devtools.slurmcluster`), a real broker (static tokens) whose pool
+is what the two nodes' agents register (a declared T4 each), and a student's Unix account
+(``useradd``). The test runs as root, as a root server does: ``SlurmKernel`` submits as the
+student with ``sudo -E -u STUDENT sbatch``. A lease is acquired for the student on node2;
+the kernel's job must run there as the student, with the lease's GPU, and answer a
+jupyter_client ``BlockingKernelClient`` on the address and ports the job reported; SIGINT
+interrupts a ``time.sleep(60)`` cell; SIGKILL ends the job and ``poll`` says so; the key is
+in no Slurm record, no job output, no process's argv or environment. A job that cannot
+start says why at once: a bad argv, a kernel that exits before it listens (its stderr is
+quoted), a node that is down (Slurm's pending reason), an unknown node (sbatch's refusal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import psutil
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.connect import KernelConnectionInfo
+
+from provisioner.client import BrokerClient
+from provisioner.client.answers import GrantedLease
+from provisioner.devtools import slurmcluster
+from provisioner.devtools.slurmcluster import SlurmCluster, agent_tokens, start_agent
+from provisioner.devtools.testing import BrokerProcess, stop_process, wait_for
+from provisioner.errors import KernelLaunchFailed
+from provisioner.kernel.env import lease_environment
+from provisioner.kernel.remote import CONNECTION_FILE, Launched, LaunchJob, remote_environment
+from provisioner.kernel.slurm_kernel import SlurmKernel, SlurmSettings
+
+from .accounts import needs_root, passable_dir, student_python, useradd, userdel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@dataclass
+class Site:
+    cluster: SlurmCluster
+    broker: BrokerProcess
+    student: str
+    python: str
+    tmp: Path
+
+    def settings(self, **kw: Any) -> SlurmSettings:
+        return SlurmSettings(
+            python=self.python, bind="127.0.0.1", slurm_env=self.cluster.env(), **kw
+        )
+
+    def slurm(self, *cmd: str) -> str:
+        done = subprocess.run(
+            cmd, env={**os.environ, **self.cluster.env()}, capture_output=True, text=True
+        )
+        return done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[Site]:
+    why = slurmcluster.available()
+    if why:
+        pytest.skip(why)
+    needs_root("sudo")  # a root server submits as the student: sudo -E -u STUDENT sbatch
+    student = f"glk-{secrets.token_hex(3)}"
+    with passable_dir("gpu-lease-slurm-kernel-") as tmp:
+        cluster = SlurmCluster(tmp / "slurm")
+        agents: list[subprocess.Popen[bytes]] = []
+        try:
+            useradd(student)
+            python = student_python(tmp, student)
+            cluster.start()
+            broker = BrokerProcess(
+                tmp,
+                f"sqlite:///{tmp / 'broker.sqlite'}",
+                {student: ([], False), "admin": ([], True)},
+                gpus="agents",
+            )
+            tokens = agent_tokens(tmp / "agents.json", cluster.nodes)
+            data = json.loads(broker.tokens_file.read_text())
+            data.update(json.loads((tmp / "agents.json").read_text()))
+            broker.tokens_file.write_text(json.dumps(data))
+            with broker.running(timeout=60):
+                for node, token in tokens.items():
+                    log = tmp / f"agent-{node}.log"
+                    agents.append(start_agent(broker.url, node, token, "1x16384:T4", log))
+                wait_for(lambda: _nodes_up(broker) == {"node1", "node2"}, 30, "both agents")
+                yield Site(cluster, broker, student, python, tmp)
+        finally:
+            for agent in agents:
+                stop_process(agent)
+            cluster.stop()
+            userdel(student)
+
+
+def _nodes_up(broker: BrokerProcess) -> set[str]:
+    import httpx
+
+    r = httpx.get(
+        f"{broker.url}/api/v1/nodes",
+        headers={"Authorization": f"token {broker.tokens['admin']}"},
+    )
+    return {n["node"] for n in r.json()["nodes"] if n["state"] == "up"}
+
+
+@pytest.fixture
+async def client(site: Site) -> AsyncIterator[BrokerClient]:
+    c = BrokerClient(site.broker.url, site.broker.tokens[site.student])
+    try:
+        yield c
+    finally:
+        await c.aclose()
+
+
+async def lease_on(client: BrokerClient, node: str) -> GrantedLease:
+    lease = await client.leases.acquire(str(uuid.uuid4()), 0.25, node=node)
+    assert lease.gpu.node == node, lease
+    return lease
+
+
+def launch_job(site: Site, lease: GrantedLease, argv: tuple[str, ...] | None = None) -> LaunchJob:
+    home = pwd.getpwnam(site.student).pw_dir
+    return LaunchJob(
+        kernel_id=str(lease.kernel_id),
+        lease=lease,
+        argv=argv or (site.python, "-m", "ipykernel_launcher", "-f", CONNECTION_FILE),
+        env=remote_environment({"LANG": "C.UTF-8"}, {}, lease_environment(lease)),
+        cwd=home,
+        key=str(uuid.uuid4()),
+    )
+
+
+def kernel_client(launched: Launched, job: LaunchJob) -> BlockingKernelClient:
+    kc = BlockingKernelClient()
+    info = launched.connection_info(job.key, job.signature_scheme)
+    kc.load_connection_info(cast(KernelConnectionInfo, info))
+    kc.start_channels()
+    kc.wait_for_ready(timeout=60)
+    return kc
+
+
+def run_cell(kc: BlockingKernelClient, code: str) -> tuple[str, dict[str, Any]]:
+    out: list[str] = []
+
+    def hook(msg: dict[str, Any]) -> None:
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+
+    reply = kc.execute_interactive(code, timeout=30, output_hook=hook)
+    return "".join(out), dict(reply["content"])
+
+
+def job_processes(site: Site, job_id: str) -> list[psutil.Process]:
+    procs = []
+    for node in site.cluster.nodes:
+        for p in site.cluster.jobs_on(node):
+            try:
+                if p.environ().get("SLURM_JOB_ID") == job_id:
+                    procs.append(p)
+            except psutil.Error:
+                continue
+    return procs
+
+
+async def test_the_kernel_is_the_students_job_on_the_leases_node(
+    site: Site, client: BrokerClient
+) -> None:
+    lease = await lease_on(client, "node2")
+    job = launch_job(site, lease)
+    kernel = SlurmKernel(site.settings(), user=site.student)
+    launched = await kernel.launch(job)
+    kc = kernel_client(launched, job)
+    try:
+        assert (launched.node, launched.ip, launched.handle) == (
+            "node2",
+            "127.0.0.1",
+            kernel.job_id,
+        )
+        assert launched.cwd_shared and launched.cwd == job.cwd
+        out, reply = run_cell(
+            kc,
+            "import os; print(os.getuid(), os.environ['SLURM_JOB_ID'], "
+            "os.environ['CUDA_VISIBLE_DEVICES'], os.environ['SLURMD_NODENAME'])",
+        )
+        assert reply["status"] == "ok", reply
+        uid = pwd.getpwnam(site.student).pw_uid
+        assert out.split() == [str(uid), kernel.job_id, str(lease.gpu.uuid), "node2"]
+        queued = site.slurm("squeue", "-h", "-j", kernel.job_id, "-o", "%u %N %T")
+        assert queued.split() == [site.student, "node2", "RUNNING"], queued
+
+        # the key is in no Slurm record, no output of the job, no argv or environment
+        assert not (Path(launched.extra["directory"]) / "kernel.json").exists()
+        record = site.slurm("scontrol", "show", "job", "-dd", kernel.job_id)
+        assert f"JobId={kernel.job_id}" in record and job.key not in record
+        directory = Path(launched.extra["directory"])
+        for name in ("slurm.out", "slurm.err", "job.json", "launched.json"):
+            assert job.key not in (directory / name).read_text(), name
+        procs = job_processes(site, kernel.job_id)
+        assert len(procs) >= 2, procs  # the runner and the kernel
+        for p in procs:
+            assert job.key not in " ".join(p.cmdline())
+            assert all(job.key not in v for v in p.environ().values())
+            assert p.uids().real == uid
+
+        # a restarted server takes the kernel back
+        again = SlurmKernel.from_json(json.loads(json.dumps(kernel.to_json())), site.settings())
+        assert await again.poll() is None
+
+        # SIGINT interrupts a cell
+        msg_id = kc.execute("import time; time.sleep(60)")
+        wait_for(lambda: _busy(kc, msg_id), 20, "the cell to run")
+        t0 = time.monotonic()
+        await kernel.signal(signal.SIGINT)
+        reply_msg = kc.get_shell_msg(timeout=20)
+        took = time.monotonic() - t0
+        assert reply_msg["parent_header"]["msg_id"] == msg_id
+        assert reply_msg["content"]["status"] == "error"
+        assert reply_msg["content"]["ename"] == "KeyboardInterrupt", reply_msg["content"]
+        assert took < 10, took
+        assert await kernel.poll() is None  # an interrupt is not an end
+
+        # SIGKILL ends the job, and poll says so (this kernel and the one taken back)
+        await kernel.signal(signal.SIGKILL)
+        code = await kernel.wait(30)
+        assert code is not None and code != 0, code
+        assert await again.wait(30) == code
+        wait_for(
+            lambda: kernel.job_id not in site.slurm("squeue", "-h", "-o", "%i"), 30, "job gone"
+        )
+        assert job_processes(site, kernel.job_id) == []
+    finally:
+        kc.stop_channels()
+        await kernel.signal(signal.SIGKILL)
+        kernel.cleanup()
+        await client.leases.release(lease.id)
+
+
+def _busy(kc: BlockingKernelClient, msg_id: str) -> bool:
+    """Whether the kernel said it began ``msg_id`` (an ``execute_input`` on iopub)."""
+    try:
+        msg = kc.get_iopub_msg(timeout=0.2)
+    except Exception:
+        return False
+    return msg["msg_type"] == "execute_input" and msg["parent_header"].get("msg_id") == msg_id
+
+
+async def test_a_bad_argv_says_why_at_once(site: Site, client: BrokerClient) -> None:
+    lease = await lease_on(client, "node2")
+    job = launch_job(site, lease, ("/nonexistent/python3", "-f", CONNECTION_FILE))
+    kernel = SlurmKernel(site.settings(), user=site.student)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KernelLaunchFailed) as caught:
+            await kernel.launch(job)
+        assert time.monotonic() - t0 < 30  # not the launch timeout (120 s)
+        said = caught.value.message
+        assert "'/nonexistent/python3' could not be started on node node2" in said, said
+        assert "No such file or directory" in said, said
+        assert caught.value.code == "kernel_launch_failed" and caught.value.status == 502
+        assert not (Path(str(kernel.directory)) / "kernel.json").exists()  # the key is gone
+    finally:
+        kernel.cleanup()
+        await client.leases.release(lease.id)
+
+
+async def test_a_kernel_that_exits_before_it_listens_quotes_its_stderr(
+    site: Site, client: BrokerClient
+) -> None:
+    lease = await lease_on(client, "node1")
+    code = "import sys; sys.stderr.write('cannot import torch here\\n'); sys.exit(3)"
+    job = launch_job(site, lease, (site.python, "-c", code, CONNECTION_FILE))
+    kernel = SlurmKernel(site.settings(), user=site.student)
+    try:
+        with pytest.raises(KernelLaunchFailed) as caught:
+            await kernel.launch(job)
+        said = caught.value.message
+        assert "exited with code 3 on node node1 before it listened" in said, said
+        assert "cannot import torch here" in said, said
+        assert job.key not in said
+    finally:
+        kernel.cleanup()
+        await client.leases.release(lease.id)
+
+
+async def test_a_node_that_is_down_or_unknown_gives_slurms_reason(
+    site: Site, client: BrokerClient
+) -> None:
+    lease = await lease_on(client, "node1")
+    job = launch_job(site, lease)
+    kernel = SlurmKernel(site.settings(), user=site.student)
+    site.slurm("scontrol", "update", "NodeName=node1", "State=DOWN", "Reason=test-maintenance")
+    try:
+        wait_for(lambda: site.cluster.states().get("node1", "").startswith("down"), 20, "down")
+        t0 = time.monotonic()
+        with pytest.raises(KernelLaunchFailed) as caught:
+            await kernel.launch(job)
+        assert time.monotonic() - t0 < 30
+        said = caught.value.message
+        assert "node1" in said and "ReqNodeNotAvail" in said, said
+        assert kernel.job_id not in site.slurm("squeue", "-h", "-o", "%i").split()
+    finally:
+        site.slurm("scontrol", "update", "NodeName=node1", "State=RESUME")
+        kernel.cleanup()
+        await client.leases.release(lease.id)
+    wait_for(lambda: site.cluster.states().get("node1") == "idle", 30, "node1 back")
+    # a node Slurm does not know (a broker node name that is no Slurm node): sbatch refuses
+    lease = await lease_on(client, "node2")
+    ghost = LaunchJob(
+        kernel_id=job.kernel_id,
+        lease=GrantedLease.from_json({**lease.to_json(), "gpu": {"uuid": "G", "node": "node9"}}),
+        argv=job.argv,
+        env=job.env,
+        cwd=job.cwd,
+        key=job.key,
+    )
+    kernel = SlurmKernel(site.settings(), user=site.student)
+    try:
+        with pytest.raises(KernelLaunchFailed) as caught:
+            await kernel.launch(ghost)
+        assert "Slurm refused the kernel's job on node node9" in caught.value.message
+    finally:
+        await client.leases.release(lease.id)
