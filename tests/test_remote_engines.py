@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
+import yaml
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
 
@@ -308,3 +309,26 @@ def test_a_pod_is_refused_as_root_or_without_a_node() -> None:
         k8s_kernel.kernel_pod(job(), image="i", namespace="n", uid=0, gid=0)
     with pytest.raises(InvalidRequest, match="names no node"):
         k8s_kernel.kernel_pod(job(gpu={"uuid": UUID}), image="i", namespace="n", uid=1000, gid=100)
+
+
+def test_the_servers_rights_and_the_kernels_network_policy_validate_and_fit_the_pod() -> None:
+    kubernetes_validate = validator()
+    path = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "kernels.yaml"
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S, strict=True)
+    kinds = {d["kind"]: d for d in docs}
+    assert list(kinds) == ["Namespace", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy"]
+    assert kinds["Namespace"]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == (
+        "restricted"
+    )
+    rights = {r["resources"][0]: set(r["verbs"]) for r in kinds["Role"]["rules"]}
+    assert rights["pods"] >= {"create", "delete", "get"} and "get" not in rights["secrets"]
+    policy = kinds["NetworkPolicy"]["spec"]
+    p = pod()
+    selected = policy["podSelector"]["matchLabels"].items()
+    assert selected <= p["metadata"]["labels"].items()
+    (rule,) = policy["ingress"]
+    (port,) = rule["ports"]
+    declared = [x["containerPort"] for x in p["spec"]["containers"][0]["ports"]]
+    assert [port["port"], port["endPort"]] == [min(declared), max(declared)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import queue
 import secrets
 import signal
 import subprocess
@@ -219,8 +220,8 @@ async def test_the_kernel_is_the_students_job_on_the_leases_node(
         assert await again.poll() is None
 
         # SIGINT interrupts a cell
-        msg_id = kc.execute("import time; time.sleep(60)")
-        wait_for(lambda: _busy(kc, msg_id), 20, "the cell to run")
+        msg_id = kc.execute("import time; print('asleep', flush=True); time.sleep(60)")
+        wait_for(lambda: _asleep(kc, msg_id), 20, "the cell to sleep")
         t0 = time.monotonic()
         await kernel.signal(signal.SIGINT)
         reply_msg = kc.get_shell_msg(timeout=20)
@@ -247,13 +248,14 @@ async def test_the_kernel_is_the_students_job_on_the_leases_node(
         await client.leases.release(lease.id)
 
 
-def _busy(kc: BlockingKernelClient, msg_id: str) -> bool:
-    """Whether the kernel said it began ``msg_id`` (an ``execute_input`` on iopub)."""
+def _asleep(kc: BlockingKernelClient, msg_id: str) -> bool:
+    """Whether the cell ``msg_id`` printed (it then sleeps). Not ``execute_input``: a SIGINT
+    sent between it and the cell's first line reaches ipykernel's loop, not the cell."""
     try:
         msg = kc.get_iopub_msg(timeout=0.2)
-    except Exception:
+    except queue.Empty:
         return False
-    return msg["msg_type"] == "execute_input" and msg["parent_header"].get("msg_id") == msg_id
+    return msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id
 
 
 async def test_a_bad_argv_says_why_at_once(site: Site, client: BrokerClient) -> None:
@@ -309,6 +311,7 @@ async def test_a_node_that_is_down_or_unknown_gives_slurms_reason(
         assert time.monotonic() - t0 < 30
         said = caught.value.message
         assert "node1" in said and "ReqNodeNotAvail" in said, said
+        assert not (Path(str(kernel.directory)) / "kernel.json").exists()  # the job never ran
         assert kernel.job_id not in site.slurm("squeue", "-h", "-o", "%i").split()
     finally:
         site.slurm("scontrol", "update", "NodeName=node1", "State=RESUME")

@@ -188,6 +188,7 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 
 def run(directory: Path) -> int:
     """Start the kernel that ``directory`` describes; its exit code (see the docstring)."""
+    started = time.time()
     job = json.loads((directory / JOB_FILE).read_text(encoding="utf-8"))
     connection = directory / CONNECTION
     for sig in IGNORED:
@@ -252,6 +253,9 @@ def run(directory: Path) -> int:
             "cwd_shared": shared,
             "pid": kernel.pid,
             "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            # when the job began and when the kernel listened (the node's clock)
+            "started_at": started,
+            "listening_at": time.time(),
         },
     )
     while True:

@@ -339,7 +339,15 @@ class SlurmKernel:
                 node=node,
             )
         self.job_id = out.strip().split(";")[0]
-        return await self._until_listening()
+        try:
+            return await self._until_listening()
+        except BaseException as exc:
+            # the key's file goes whatever happened (the runner removes it itself, but a
+            # job that never ran cannot); a launch given up (cancelled) takes its job along
+            (directory / CONNECTION).unlink(missing_ok=True)
+            if not isinstance(exc, KernelLaunchFailed):
+                await asyncio.shield(self._command(["scancel", self.job_id]))
+            raise
 
     async def _until_listening(self) -> Launched:
         deadline = time.monotonic() + self.settings.launch_timeout
@@ -383,7 +391,12 @@ class SlurmKernel:
             cwd=str(answer.get("cwd", "")),
             cwd_shared=bool(answer.get("cwd_shared")),
             handle=self.job_id,
-            extra={"directory": str(self.directory), "pid": answer.get("pid")},
+            extra={
+                "directory": str(self.directory),
+                "pid": answer.get("pid"),
+                "started_at": answer.get("started_at"),
+                "listening_at": answer.get("listening_at"),
+            },
         )
 
     async def _ended_before_listening(self, last: tuple[str, str] | None) -> str:
