@@ -8,13 +8,16 @@ student with ``sudo -E -u STUDENT sbatch``. A lease is acquired for the student 
 the kernel's job must run there as the student, with the lease's GPU, and answer a
 jupyter_client ``BlockingKernelClient`` on the address and ports the job reported; SIGINT
 interrupts a ``time.sleep(60)`` cell; SIGKILL ends the job and ``poll`` says so; the key is
-in no Slurm record, no job output, no process's argv or environment. A job that cannot
+in no Slurm record, no job output, no process's argv or environment. A server that runs as
+the student (``runuser``) submits with plain ``sbatch``; a shutdown request ends the job with
+exit code 0, and the root process takes the kernel back by ``from_json``. A job that cannot
 start says why at once: a bad argv, a kernel that exits before it listens (its stderr is
 quoted), a node that is down (Slurm's pending reason), an unknown node (sbatch's refusal).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
@@ -334,4 +337,73 @@ async def test_a_node_that_is_down_or_unknown_gives_slurms_reason(
             await kernel.launch(ghost)
         assert "Slurm refused the kernel's job on node node9" in caught.value.message
     finally:
+        await client.leases.release(lease.id)
+
+
+#: a server that runs as the student (on a Slurm site, itself a job of theirs): it submits
+#: with plain sbatch; the key comes on stdin, the answer goes to stdout as JSON
+AS_STUDENT = """
+import asyncio, json, sys
+from provisioner.client.answers import GrantedLease
+from provisioner.kernel.remote import LaunchJob
+from provisioner.kernel.slurm_kernel import SlurmKernel, SlurmSettings
+
+spec = json.loads(sys.stdin.read())
+job = LaunchJob(**{**spec["job"], "lease": GrantedLease.from_json(spec["job"]["lease"])})
+kernel = SlurmKernel(SlurmSettings(**spec["settings"]))
+launched = asyncio.run(kernel.launch(job))
+print(json.dumps({"kernel": kernel.to_json(), "ip": launched.ip, "ports": dict(launched.ports)}))
+"""
+
+
+async def test_a_server_running_as_the_student_submits_with_plain_sbatch(
+    site: Site, client: BrokerClient
+) -> None:
+    lease = await lease_on(client, "node1")
+    job = launch_job(site, lease)
+    spec = {
+        "job": {
+            "kernel_id": job.kernel_id,
+            "lease": lease.to_json(),
+            "argv": list(job.argv),
+            "env": dict(job.env),
+            "cwd": job.cwd,
+            "key": job.key,
+        },
+        "settings": {
+            "python": site.python,
+            "bind": "127.0.0.1",
+            "slurm_env": site.cluster.env(),
+        },
+    }
+    proc = await asyncio.create_subprocess_exec(
+        "runuser", "-u", site.student, "--", site.python, "-c", AS_STUDENT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd="/",
+    )  # fmt: skip
+    out_b, err_b = await asyncio.wait_for(proc.communicate(json.dumps(spec).encode()), 120)
+    stdout, stderr = out_b.decode(), err_b.decode()
+    assert proc.returncode == 0, stderr
+    answer = json.loads(stdout)
+    assert job.key not in stdout + stderr
+    # this (root) process takes the kernel back, as a restarted server would
+    kernel = SlurmKernel.from_json(answer["kernel"], site.settings())
+    assert kernel.user is None  # it submitted as itself
+    launched = Launched(ip=answer["ip"], ports=answer["ports"], node="node1")
+    kc = kernel_client(launched, job)
+    try:
+        out, reply = run_cell(kc, "import os; print(os.getuid(), os.environ['SLURMD_NODENAME'])")
+        assert out.split() == [str(pwd.getpwnam(site.student).pw_uid), "node1"], reply
+        queued = site.slurm("squeue", "-h", "-j", kernel.job_id, "-o", "%u %N")
+        assert queued.split() == [site.student, "node1"], queued
+        # a shutdown request ends the kernel, and with it its job: exit code 0
+        kc.shutdown()
+        assert await kernel.wait(30) == 0
+        wait_for(
+            lambda: kernel.job_id not in site.slurm("squeue", "-h", "-o", "%i"), 30, "job gone"
+        )
+    finally:
+        kc.stop_channels()
+        await kernel.signal(signal.SIGKILL)
+        kernel.cleanup()
         await client.leases.release(lease.id)
