@@ -10,7 +10,8 @@ jupyter_client ``BlockingKernelClient`` on the address and ports the job reporte
 interrupts a ``time.sleep(60)`` cell; SIGKILL ends the job and ``poll`` says so; the key is
 in no Slurm record, no job output, no process's argv or environment. A server that runs as
 the student (``runuser``) submits with plain ``sbatch``; a shutdown request ends the job with
-exit code 0, and the root process takes the kernel back by ``from_json``. A job that cannot
+exit code 0, the root process takes the kernel back by ``from_json``, and a restart (the
+same kernel id) is a new job. A job that cannot
 start says why at once: a bad argv, a kernel that exits before it listens (its stderr is
 quoted), a node that is down (Slurm's pending reason), an unknown node (sbatch's refusal).
 """
@@ -402,6 +403,13 @@ async def test_a_server_running_as_the_student_submits_with_plain_sbatch(
         wait_for(
             lambda: kernel.job_id not in site.slurm("squeue", "-h", "-o", "%i"), 30, "job gone"
         )
+        # a restart keeps the kernel id: a new job, whose poll is not the last one's exit
+        again = SlurmKernel(site.settings(), user=site.student)
+        relaunched = await again.launch(job)
+        assert again.job_id != kernel.job_id and await again.poll() is None
+        assert relaunched.extra["directory"] == str(kernel.directory)
+        await again.signal(signal.SIGKILL)
+        assert await again.wait(30) not in (None, 0)
     finally:
         kc.stop_channels()
         await kernel.signal(signal.SIGKILL)

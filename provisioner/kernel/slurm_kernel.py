@@ -295,9 +295,9 @@ class SlurmKernel:
             ) from None
         directory = exchange_directory(self.settings, account, job.kernel_id)
         self.directory = directory
+        # a restart keeps the kernel id: what the ended job left there is not this job's
+        shutil.rmtree(directory, ignore_errors=True)
         _private_dirs(directory, account)
-        for stale in (LAUNCHED, EXITED, STDOUT, STDERR):
-            (directory / stale).unlink(missing_ok=True)
         _write_private(
             directory / JOB_FILE,
             {
