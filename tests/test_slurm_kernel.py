@@ -226,6 +226,11 @@ async def test_the_kernel_is_the_students_job_on_the_leases_node(
         # SIGINT interrupts a cell
         msg_id = kc.execute("import time; print('asleep', flush=True); time.sleep(60)")
         wait_for(lambda: _asleep(kc, msg_id), 20, "the cell to sleep")
+        # why --full: --batch signals the batch step's first process only, the runner,
+        # which outlives it; the cell sleeps on
+        site.slurm("scancel", "--signal=INT", "--batch", kernel.job_id)
+        with pytest.raises(queue.Empty):
+            kc.get_shell_msg(timeout=3)
         t0 = time.monotonic()
         await kernel.signal(signal.SIGINT)
         reply_msg = kc.get_shell_msg(timeout=20)
