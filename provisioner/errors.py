@@ -27,7 +27,6 @@ httpx, NVML, tornado) are translated into these once, at the edge that meets the
     │   ├── LeaseRevoked               410  revoked (idle reclaim or an admin); ``reason`` says why
     │   └── LeaseExpired               410  not renewed within its TTL
     ├── BodyTooLarge                   413  request body above the broker's limit
-    ├── KernelLaunchFailed             502  a remote kernel did not start on its node; the node's reason
     ├── CannotFit                      422  can never be placed (too large, or below the context overhead)
     ├── NoCapacity                     --   (client side) still queued when the caller stopped waiting
     ├── KernelLaunchFailed             --   (client side) a remote kernel did not start; the node's reason
@@ -217,15 +216,6 @@ class BodyTooLarge(GPULeaseError):
 
     code = "body_too_large"
     status = 413
-
-
-class KernelLaunchFailed(GPULeaseError):
-    """502: a remote kernel did not start on its lease's node (a Slurm job that failed or
-    was cancelled, a node that is down, a kernel that exited); the message is the node's
-    reason (the job's state and the tail of its stderr), never a timeout alone."""
-
-    code = "kernel_launch_failed"
-    status = 502
 
 
 class CannotFit(GPULeaseError):
