@@ -11,7 +11,8 @@ interrupts a ``time.sleep(60)`` cell; SIGKILL ends the job and ``poll`` says so;
 in no Slurm record, no job output, no process's argv or environment. A server that runs as
 the student (``runuser``) submits with plain ``sbatch``; a shutdown request ends the job with
 exit code 0, the root process takes the kernel back by ``from_json``, and a restart (the
-same kernel id) is a new job. A job that cannot
+same kernel id) is a new job. And the whole way: jupyter_client's ``AsyncKernelManager`` with
+``GPULeaseProvisioner(launcher='slurm')``. A job that cannot
 start says why at once: a bad argv, a kernel that exits before it listens (its stderr is
 quoted), a node that is down (Slurm's pending reason), an unknown node (sbatch's refusal).
 """
@@ -37,14 +38,17 @@ import psutil
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.manager import AsyncKernelManager
+from traitlets.config import Config
 
 from provisioner.client import BrokerClient
 from provisioner.client.answers import GrantedLease
 from provisioner.devtools import slurmcluster
 from provisioner.devtools.slurmcluster import SlurmCluster, agent_tokens, start_agent
-from provisioner.devtools.testing import BrokerProcess, stop_process, wait_for
+from provisioner.devtools.testing import BrokerProcess, execute, stop_process, wait_for
 from provisioner.errors import KernelLaunchFailed
 from provisioner.kernel.env import lease_environment
+from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 from provisioner.kernel.remote import CONNECTION_FILE, Launched, LaunchJob, remote_environment
 from provisioner.kernel.slurm_kernel import SlurmKernel, SlurmSettings
 
@@ -420,3 +424,78 @@ async def test_a_server_running_as_the_student_submits_with_plain_sbatch(
         await kernel.signal(signal.SIGKILL)
         kernel.cleanup()
         await client.leases.release(lease.id)
+
+
+async def test_jupyter_clients_kernel_manager_runs_a_slurm_kernel_through_the_provisioner(
+    site: Site, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole way: ``AsyncKernelManager`` with ``GPULeaseProvisioner(launcher='slurm')``
+    (a root server: the lease is the student's, so the job is too) acquires, submits, talks
+    to the kernel, interrupts it, restarts it (a new job, the same lease) and shuts it down
+    (the job ends, the lease is released)."""
+    spec = build_kernelspec(0.25)
+    spec["argv"] = [site.python, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec["metadata"]["kernel_provisioner"]["config"].update(
+        {"launcher": "slurm", "node": "node2", "renew_interval": 1.0, "launch_timeout": 60.0}
+    )
+    folder = tmp_path / "jupyter" / "kernels" / "slurm-0.25"
+    folder.mkdir(parents=True)
+    (folder / "kernel.json").write_text(spec_json(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("GPU_LEASE_URL", site.broker.url)
+    monkeypatch.setenv("GPU_LEASE_TOKEN", site.broker.tokens[site.student])
+    config = Config(
+        {
+            "SlurmLauncher": {
+                "python": site.python,
+                "bind": "127.0.0.1",
+                "slurm_conf": site.cluster.env()["SLURM_CONF"],
+            }
+        }
+    )
+    km = AsyncKernelManager(kernel_name="slurm-0.25", config=config)
+    await km.start_kernel(cwd=pwd.getpwnam(site.student).pw_dir)
+    try:
+        lease = km.provisioner.lease_keeper.lease  # type: ignore[union-attr]
+        assert lease is not None and lease.gpu.node == "node2"
+        code = "import os; print(os.getuid(), os.environ['SLURMD_NODENAME'], os.environ['SLURM_JOB_ID'])"
+        out, reply = await execute(km, code)
+        uid, node, job_id = out.split()
+        assert (int(uid), node) == (pwd.getpwnam(site.student).pw_uid, "node2"), (out, reply)
+        queued = site.slurm("squeue", "-h", "-j", job_id, "-o", "%u %N")
+        assert queued.split() == [site.student, "node2"], queued
+
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=30)
+            msg_id = kc.execute("import time; print('asleep', flush=True); time.sleep(60)")
+            while True:
+                msg = await kc.get_iopub_msg(timeout=30)
+                if msg["msg_type"] == "stream" and msg["parent_header"]["msg_id"] == msg_id:
+                    break
+            await km.interrupt_kernel()
+            while True:
+                answer = await kc.get_shell_msg(timeout=20)
+                if answer["parent_header"].get("msg_id") == msg_id:
+                    break
+            assert answer["content"]["ename"] == "KeyboardInterrupt", answer["content"]
+        finally:
+            kc.stop_channels()
+
+        await km.restart_kernel(now=True)
+        assert km.provisioner.lease_keeper.lease.id == lease.id  # type: ignore[union-attr]
+        out, _ = await execute(km, code)
+        assert out.split()[2] != job_id  # a new job
+        await km.shutdown_kernel()
+        wait_for(lambda: not site.slurm("squeue", "-h", "-u", site.student).strip(), 30, "no job")
+        admin = BrokerClient(site.broker.url, site.broker.tokens["admin"])
+        try:
+            released = await admin.leases.get(lease.id)
+        finally:
+            await admin.aclose()
+        assert released.state == "released", released
+    finally:
+        if km.has_kernel:
+            await km.shutdown_kernel(now=True)

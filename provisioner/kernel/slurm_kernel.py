@@ -49,6 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from traitlets import Float, Integer, List, Unicode
+from traitlets.config import Configurable
+
 from ..errors import InvalidRequest, KernelLaunchFailed
 from .remote import Launched, LaunchJob
 from .slurm_job import CONNECTION, EXITED, JOB_FILE, LAUNCHED, PORTS, STDERR, STDOUT
@@ -200,8 +203,74 @@ def _private_dirs(directory: Path, account: pwd.struct_passwd) -> None:
         _own(d, account)
 
 
+class SlurmLauncher(Configurable):
+    """The site's settings of Slurm kernels, as the server's configuration sets them
+    (``c.SlurmLauncher.bind = "ib0"`` in ``jupyter_server_config.py``, or the server's
+    command line): each trait is one :class:`SlurmSettings` field (docs/slurm.md)."""
+
+    python = Unicode(
+        sys.executable,
+        help="The Python that runs the job's runner on the nodes (the server's environment, "
+        "at the same path on every node). Default: this server's.",
+    ).tag(config=True)
+    exchange_dir = Unicode(
+        SlurmSettings.exchange_dir,
+        help="Where each kernel's exchange directory goes, '~' being the student's home, "
+        "which the server's host and the nodes must share; may name {user}.",
+    ).tag(config=True)
+    bind = Unicode(
+        "",
+        help="The node address kernels bind to: an IP, an interface name or pattern (ib0, "
+        "eth*) or an address pattern (10.1.*); empty: the node's host name's address.",
+    ).tag(config=True)
+    partition = Unicode("", help="sbatch --partition (empty: the default).").tag(config=True)
+    shards_per_gpu = Integer(
+        0,
+        min=0,
+        help="The site's shard GRES per GPU: a lease of fraction f asks "
+        "--gres=shard:ceil(f x N). 0 (default): no GRES.",
+    ).tag(config=True)
+    sbatch_args = List(
+        Unicode(), help="More sbatch options (--account, --time, --mem, --cpus-per-task)."
+    ).tag(config=True)
+    path = Unicode("", help="The kernel's PATH on the node (empty: python's bin first).").tag(
+        config=True
+    )
+    ready_timeout = Float(
+        SlurmSettings.ready_timeout,
+        min=1.0,
+        help="Seconds the kernel may take to listen once its job runs.",
+    ).tag(config=True)
+    slurm_conf = Unicode("", help="SLURM_CONF for sbatch, squeue and scancel (empty: theirs).").tag(
+        config=True
+    )
+
+    def settings(self, launch_timeout: float = SlurmSettings.launch_timeout) -> SlurmSettings:
+        return SlurmSettings(
+            python=self.python,
+            exchange_dir=self.exchange_dir,
+            bind=self.bind,
+            partition=self.partition,
+            shards_per_gpu=self.shards_per_gpu,
+            sbatch_args=tuple(self.sbatch_args),
+            path=self.path,
+            launch_timeout=launch_timeout,
+            ready_timeout=self.ready_timeout,
+            slurm_env={"SLURM_CONF": self.slurm_conf} if self.slurm_conf else {},
+        )
+
+
 class SlurmKernel:
     """One kernel as a Slurm job (see the module docstring); a ``RemoteKernel``."""
+
+    @classmethod
+    def for_provisioner(cls, provisioner: Any) -> SlurmKernel:
+        """The provisioner's Slurm kernel: :class:`SlurmLauncher`'s settings from the
+        server's configuration, the provisioner's ``launch_timeout``. It submits as this
+        process's user, or, where this process is root, as the lease's user."""
+        launcher = SlurmLauncher(parent=provisioner)
+        timeout = float(getattr(provisioner, "launch_timeout", SlurmSettings.launch_timeout))
+        return cls(launcher.settings(timeout))
 
     def __init__(self, settings: SlurmSettings, *, user: str | None = None) -> None:
         self.settings = settings
@@ -285,6 +354,8 @@ class SlurmKernel:
                 f"Lease {job.lease.id} names no node; a Slurm kernel runs on its lease's node."
             )
         self.node = node
+        if self.user is None and os.geteuid() == 0 and job.lease.user not in (None, "root"):
+            self.user = job.lease.user  # a root server submits as the lease's student
         name = self.user or pwd.getpwuid(os.getuid()).pw_name
         try:
             account = pwd.getpwnam(name)
@@ -477,6 +548,7 @@ class SlurmKernel:
 
 __all__ = [
     "SlurmKernel",
+    "SlurmLauncher",
     "SlurmSettings",
     "command_env",
     "exchange_directory",
