@@ -499,3 +499,22 @@ async def test_jupyter_clients_kernel_manager_runs_a_slurm_kernel_through_the_pr
     finally:
         if km.has_kernel:
             await km.shutdown_kernel(now=True)
+
+
+async def test_a_controller_that_does_not_answer_is_no_jobs_end(tmp_path: Path) -> None:
+    """squeue failing as it does when slurmctld is too busy to answer leaves the kernel
+    running as far as poll can tell; only Slurm's "Invalid job id" is an end. (A stand-in
+    squeue first on PATH: a real controller that times out takes its MessageTimeout.)"""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"
+    squeue.write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv' >&2\nexit 1\n"
+    )
+    squeue.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    kernel = SlurmKernel(SlurmSettings(slurm_env={"PATH": path}))
+    kernel.job_id, kernel.directory = "12345", tmp_path
+    assert await kernel.poll() is None
+    (tmp_path / "exit.json").write_text('{"returncode": 7}')  # the runner's word
+    assert await kernel.poll() == 7

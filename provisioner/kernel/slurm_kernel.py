@@ -56,9 +56,12 @@ from ..errors import InvalidRequest, KernelLaunchFailed
 from .remote import Launched, LaunchJob
 from .slurm_job import CONNECTION, EXITED, JOB_FILE, LAUNCHED, PORTS, STDERR, STDOUT
 
-#: the job states in which the kernel may still run (squeue's ``%T``)
+#: what :meth:`SlurmKernel._queue_state` says when ``squeue`` could not answer
+UNKNOWN = "UNKNOWN"
+#: the job states in which the kernel may still run (squeue's ``%T``; UNKNOWN: no answer)
 ALIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"}
+    | {UNKNOWN}
 )
 #: pending reasons that will not clear by waiting (``squeue``'s ``%r``): the job is
 #: cancelled and the reason is the answer
@@ -301,8 +304,11 @@ class SlurmKernel:
         return code, out.decode(errors="replace"), err.decode(errors="replace")
 
     async def _queue_state(self) -> tuple[str, str] | None:
-        """The job's (state, reason) while ``squeue`` lists it, else None."""
-        code, out, _ = await self._command(["squeue", "-h", "-j", self.job_id, "-o", "%T|%r"])
+        """The job's (state, reason) while ``squeue`` lists it, else None; ``UNKNOWN``
+        when ``squeue`` itself failed (a controller too busy to answer is no job's end)."""
+        code, out, err = await self._command(["squeue", "-h", "-j", self.job_id, "-o", "%T|%r"])
+        if code != 0 and "Invalid job id" not in err:
+            return UNKNOWN, err.strip()[:200]
         line = out.strip().splitlines()[0] if code == 0 and out.strip() else ""
         if not line:
             return None
