@@ -182,7 +182,7 @@ class RemoteCapable(LocalProvisioner):
             return None
         if self.elsewhere is None:
             if self.launcher == NODE:
-                kernel = AgentKernel(self._clients, self.launch_timeout)
+                kernel: RemoteKernel = AgentKernel(self._clients, self.launch_timeout)
             else:  # slurm
                 from .slurm_kernel import SlurmKernel
 
