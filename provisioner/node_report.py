@@ -889,7 +889,9 @@ class KernelLaunch:
         argv = [_arg(a, "argv", allow_empty=False) for a in json_list(body, "argv", wire.MAX_ARGV)]
         if not argv:
             raise InvalidRequest("'argv' must name the kernel's command.")
-        raw_env = body.get("env") or {}
+        raw_env = body.get("env")
+        if raw_env is None:
+            raw_env = {}
         if not isinstance(raw_env, dict):
             raise InvalidRequest(f"'env' must be an object, not a JSON {json_type(raw_env)}.")
         if len(raw_env) > wire.MAX_ENV:

@@ -265,8 +265,10 @@ class KernelLauncher:
             self._send(entry)
         for lease_id, expires in (answer.get("kernel_expiry") or {}).items():
             held = self.kernels.get(lease_id)
-            if held is not None and isinstance(expires, (int, float)):
+            fresh = isinstance(expires, (int, float)) and held is not None
+            if fresh and held is not None and held.expires_at != float(expires):
                 held.expires_at = float(expires)
+                state_expiry(held)
         for raw in answer.get("launch") or []:
             try:
                 order = LaunchOrder.from_json(raw)
@@ -557,43 +559,60 @@ class KernelLauncher:
             os.replace(path + ".tmp", path)
 
     def _find_again(self) -> None:
-        root = self.settings.kernel_dir
-        for name in sorted(os.listdir(root)):
-            path = os.path.join(root, name, "agent.json")
-            try:
-                with open(path) as f:
-                    raw = json.load(f)
-                kernel = NodeKernel(
-                    raw["lease_id"],
-                    int(raw["generation"]),
-                    raw["user"],
-                    raw["kernel_id"],
-                    os.path.join(root, name),
-                    state="running",
-                    ip=raw["ip"],
-                    ports={k: int(v) for k, v in raw["ports"].items()},
-                    pid=raw["pid"],
-                    start_time=raw["start_time"],
-                    cgroup=raw.get("cgroup"),
-                    cwd=raw.get("cwd") or "",
-                    cwd_shared=bool(raw.get("cwd_shared")),
-                    signaled=int(raw.get("signaled") or 0),
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                continue
-            if kernel.pid and start_time(kernel.pid) == kernel.start_time:
-                self.kernels[kernel.lease_id] = kernel
-                log.info(
-                    "Found kernel of lease %s… (pid %s) again", kernel.lease_id[:6], kernel.pid
-                )
-            else:
-                shutil.rmtree(kernel.directory, ignore_errors=True)
+        self.kernels.update(find_again(self.settings.kernel_dir))
 
     def _forget(self, kernel: NodeKernel) -> None:
         if self.kernels.get(kernel.lease_id) is kernel:
             del self.kernels[kernel.lease_id]
         shutil.rmtree(kernel.directory, ignore_errors=True)
+
+
+def find_again(root: str) -> dict[str, NodeKernel]:
+    """The kernels an earlier agent launched that still run (each kernel's ``agent.json``
+    in its folder under ``root``, the same pid and start time); the others' folders go."""
+    found: dict[str, NodeKernel] = {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name, "agent.json")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+            kernel = NodeKernel(
+                raw["lease_id"],
+                int(raw["generation"]),
+                raw["user"],
+                raw["kernel_id"],
+                os.path.join(root, name),
+                state="running",
+                ip=raw["ip"],
+                ports={k: int(v) for k, v in raw["ports"].items()},
+                pid=raw["pid"],
+                start_time=raw["start_time"],
+                cgroup=raw.get("cgroup"),
+                cwd=raw.get("cwd") or "",
+                cwd_shared=bool(raw.get("cwd_shared")),
+                signaled=int(raw.get("signaled") or 0),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            continue
+        if kernel.pid and start_time(kernel.pid) == kernel.start_time:
+            found[kernel.lease_id] = kernel
+            log.info("Found kernel of lease %s… (pid %s) again", kernel.lease_id[:6], kernel.pid)
+        else:
+            shutil.rmtree(kernel.directory, ignore_errors=True)
+    return found
+
+
+def state_expiry(kernel: NodeKernel) -> None:
+    """The ``%gpu`` state file's ``expires_at``, as the broker renewed the lease."""
+    path = os.path.join(kernel.directory, "gpu-lease.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        data["expires_at"] = kernel.expires_at
+        _write_private(path, json.dumps(data), pwd.getpwnam(kernel.user))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # %gpu is a convenience, the kernel is not
 
 
 def _write_private(path: str, text: str, pw: Any) -> None:
