@@ -601,7 +601,11 @@ class GPULeaseAgent(Application):
             if self.mps
             else None
         )
-        daemons = asyncio.ensure_future(mps.run(stop)) if mps is not None else None
+        # the daemons stop after the agent's last beat, not with the signal: a beat still
+        # under way sets their limits, and a limit set after `quit` would start a daemon
+        # anew (and leave it running)
+        daemons_stop = asyncio.Event()
+        daemons = asyncio.ensure_future(mps.run(daemons_stop)) if mps is not None else None
         parker = _parker(nvml_sampler, gpus, self.park, self.park_host_reserve_mb)
         launcher = self._launcher()
         try:
@@ -626,7 +630,7 @@ class GPULeaseAgent(Application):
             if launcher is not None:  # its kernels run on; the next start finds them
                 await launcher.close()
             if daemons is not None:  # the daemons stop with the agent (``quit``)
-                stop.set()
+                daemons_stop.set()
                 await daemons
             await client.aclose()
             await orders_client.aclose()
