@@ -282,7 +282,15 @@ async def test_a_remote_kernel_runs_as_the_student_on_the_node_and_says_where(
     folder = next(site.kernel_dir.iterdir())
     conn = folder / "kernel.json"
     assert conn.stat().st_uid == student.pw_uid and (conn.stat().st_mode & 0o077) == 0
-    assert (folder.stat().st_mode & 0o077) == 0
+    # ... in a folder of root's that the student passes through but cannot change (no link
+    # of theirs for the root agent to follow there)
+    assert folder.stat().st_uid == 0 and (folder.stat().st_mode & 0o777) == 0o711
+    out, _ = await execute(
+        km,
+        f"import os\ntry:\n    os.symlink('/etc/passwd', {str(folder / 'gpu-lease.json.x')!r})\n"
+        "except OSError as e:\n    print(type(e).__name__)",
+    )
+    assert "PermissionError" in out, out
     # ... and not in the broker's database or logs, nor the agent's log
     key = km.session.key.decode()
     assert key not in site.agent_log().read_text()

@@ -41,9 +41,11 @@ import json
 import logging
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import Callable
@@ -69,6 +71,10 @@ EXPIRY_GRACE = 5.0
 WATCH_EVERY = 0.2
 #: the PATH a kernel gets (the node's, not the server's)
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+#: how the kernel's own process (the student's) makes and enters its working folder
+ENTER = 'mkdir -p -- "$1" && cd -- "$1" && shift && exec "$@"'
+#: what a kernel id may keep in a scratch folder's name
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 #: the lines of a kernel's output a failure reports
 TAIL_LINES = 6
 
@@ -373,11 +379,21 @@ class KernelLauncher:
             self.ready.set()
 
     def _spawn(self, kernel: NodeKernel, order: LaunchOrder) -> None:
+        """Start the kernel as the student (see the module's text).
+
+        The agent is root and the student chooses the launch's folder and argv: nothing
+        root does may follow a path the student controls. The kernel's folder stays
+        root's (0711: the student reaches the files by name, creates nothing there), its
+        files are made with ``O_EXCL|O_NOFOLLOW`` and then given to the student, and the
+        working folder is made and entered by the kernel's own process, as the student
+        (``/bin/sh -c 'mkdir -p … && cd …'``): Python's ``Popen(cwd=)`` would enter it as
+        root, before dropping to the student, and so could leave the kernel inside a
+        folder the student may not enter."""
         s = self.settings
         pw = pwd.getpwnam(order.user)
         launch = order.launch
-        os.makedirs(kernel.directory, mode=0o700, exist_ok=True)
-        os.chown(kernel.directory, pw.pw_uid, pw.pw_gid)
+        shutil.rmtree(kernel.directory, ignore_errors=True)  # a failed earlier attempt's
+        os.mkdir(kernel.directory, 0o711)
         kernel.ip = s.ip
         kernel.ports = dict(zip(KERNEL_CHANNELS, free_ports(s.ip), strict=True))
         connection = os.path.join(kernel.directory, "kernel.json")
@@ -389,12 +405,12 @@ class KernelLauncher:
             "signature_scheme": launch.signature_scheme,
             "kernel_name": "",
         }
-        _write_private(connection, json.dumps(info), pw)
+        _write_new(connection, json.dumps(info), pw)
         env = dict(launch.env)
         state = env.pop("GPU_LEASE_STATE_JSON", None)
         state_file = os.path.join(kernel.directory, "gpu-lease.json")
         if state is not None:
-            _write_private(state_file, state, pw)
+            _write_new(state_file, state, pw)
             env["GPU_LEASE_STATE_FILE"] = state_file
         else:
             env.pop("GPU_LEASE_STATE_FILE", None)
@@ -409,13 +425,18 @@ class KernelLauncher:
             GPU_LEASE_REMOTE_NOTE=self._note(kernel, launch.cwd),
         )
         argv = [connection if a == "{connection_file}" else a for a in launch.argv]
-        output = os.path.join(kernel.directory, "kernel.log")
-        with open(output, "ab") as out:
+        enter = ["/bin/sh", "-c", ENTER, "gpu-lease-kernel", kernel.cwd, *argv]
+        fd = os.open(
+            os.path.join(kernel.directory, "kernel.log"),
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND,
+            0o600,
+        )
+        with os.fdopen(fd, "ab") as out:
             os.fchown(out.fileno(), pw.pw_uid, pw.pw_gid)
             kernel.process = subprocess.Popen(
-                argv,
+                enter,
                 env=env,
-                cwd=kernel.cwd,
+                cwd="/",
                 user=pw.pw_uid,
                 group=pw.pw_gid,
                 extra_groups=os.getgrouplist(order.user, pw.pw_gid),
@@ -441,17 +462,22 @@ class KernelLauncher:
         self._save(kernel)
 
     def _cwd(self, asked: str | None, user: str, kernel_id: str, pw: Any) -> tuple[str, bool]:
+        """The notebook's folder where it lies under a shared folder (the kernel enters it
+        as the student, or fails saying why), else a scratch folder of the student's."""
         shared = self.settings.shared_dirs
-        under = asked and any(asked == d or asked.startswith(d.rstrip("/") + "/") for d in shared)
-        if asked and under and os.path.isdir(asked):
+        if asked and any(asked == d or asked.startswith(d.rstrip("/") + "/") for d in shared):
             return asked, True
-        scratch = os.path.join(self.settings.scratch_dir, user, kernel_id)
-        top = os.path.join(self.settings.scratch_dir, user)
         os.makedirs(self.settings.scratch_dir, mode=0o711, exist_ok=True)
-        for path in (top, scratch):
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            os.chown(path, pw.pw_uid, pw.pw_gid)
-        return scratch, False
+        top = os.path.join(self.settings.scratch_dir, user)
+        try:
+            os.mkdir(top, 0o700)
+            os.chown(top, pw.pw_uid, pw.pw_gid)
+        except FileExistsError:
+            st = os.lstat(top)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != pw.pw_uid:
+                raise OSError(f"{top} is not a folder of {user}'s") from None
+        leaf = _SAFE_NAME.sub("-", kernel_id).lstrip(".") or "kernel"
+        return os.path.join(top, leaf), False  # made by the kernel's process, as the student
 
     def _note(self, kernel: NodeKernel, asked: str | None) -> str:
         where = f"This kernel runs on node {self.settings.node}"
@@ -607,19 +633,34 @@ def state_expiry(kernel: NodeKernel) -> None:
     """The ``%gpu`` state file's ``expires_at``, as the broker renewed the lease."""
     path = os.path.join(kernel.directory, "gpu-lease.json")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), encoding="utf-8") as f:
             data = json.load(f)
         data["expires_at"] = kernel.expires_at
-        _write_private(path, json.dumps(data), pwd.getpwnam(kernel.user))
+        _rewrite(path, json.dumps(data), pwd.getpwnam(kernel.user))
     except (OSError, ValueError, KeyError, TypeError):
         pass  # %gpu is a convenience, the kernel is not
 
 
-def _write_private(path: str, text: str, pw: Any) -> None:
-    """``text`` into ``path``, 0600, owned by the account ``pw`` (the key's file)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _write_new(path: str, text: str, pw: Any) -> None:
+    """A new file ``path`` (never one that exists, never through a link), 0600, given to
+    the account ``pw`` (the key's file, the state file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        os.write(fd, text.encode())
         os.fchown(fd, pw.pw_uid, pw.pw_gid)
+    finally:
+        os.close(fd)
+
+
+def _rewrite(path: str, text: str, pw: Any) -> None:
+    """Replace the content of the student's file ``path`` in a folder of root's: only a
+    plain file of theirs with one link (never a link to, or a hard link of, another file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != pw.pw_uid or st.st_nlink != 1:
+            raise OSError(f"{path} is not the student's own file")
+        os.ftruncate(fd, 0)
         os.write(fd, text.encode())
     finally:
         os.close(fd)
