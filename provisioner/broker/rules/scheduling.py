@@ -960,7 +960,7 @@ def reap(
     )
     freed: list[tuple[Lease, str]] = []
     if state.sessions:  # a class session under way frees its share from non-members
-        chosen = victims(state, now, policy, shares(state, now, policy))
+        chosen = victims(state, now, policy, shares(state, now, policy), idle_since)
         more, parked = _reclaim(
             state, [(v, freed_reason(s)) for v, s in chosen], now, policy, changes, can_park
         )

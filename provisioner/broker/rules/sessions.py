@@ -28,7 +28,7 @@ with ``now`` passed in. The rules, in the order of a session's life:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -351,14 +351,18 @@ def waiting_reason(held: list[Held]) -> str:
 
 
 def victims(
-    state: PoolState, now: float, policy: Policy, sh: Shares
+    state: PoolState,
+    now: float,
+    policy: Policy,
+    sh: Shares,
+    idle_since: Callable[[Lease], float | None],
 ) -> list[tuple[Lease, ClassSession]]:
     """Non-members' leases to free so that the shares of sessions under way (``on``, or
     lent back and asked for again) are free: on each GPU, as much as those shares hold
     back beyond the GPU's capacity; idle kernels first (most idle first), busy ones only
     once ``session_busy_grace`` has passed since the session's start. A lease being
-    parked or resumed is never picked; a ``parking`` one counts as free already."""
-    from .scheduling import idle_for, idle_since  # the one home of the idle rule
+    parked or resumed is never picked; a ``parking`` one counts as free already.
+    ``idle_since``: the core's idle rule (``scheduling.idle_since``, its one home)."""
 
     freeing = [h for h in sh.held if h.phase == "on" or (h.phase == "after" and h.asked)]
     if not freeing:
@@ -389,7 +393,7 @@ def victims(
             for x in on_gpu.get(uuid, [])
             if not courses & set(x.groups) and (idle_since(x) is not None or busy_ok)
         ]
-        cands.sort(key=lambda x: (idle_since(x) is None, -idle_for(x, now), x.id))
+        cands.sort(key=lambda x: (idle_since(x) is None, idle_since(x) or 0.0, x.id))
         for lease in cands:
             if need <= 0:
                 break
