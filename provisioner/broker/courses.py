@@ -369,4 +369,11 @@ def load_courses(path: str) -> Courses:
     return parse_courses(data, f"the courses file {path!r}")
 
 
-__all__ = ["Course", "Courses", "CoursesFileError", "check_sessions", "load_courses", "parse_courses"]
+__all__ = [
+    "Course",
+    "Courses",
+    "CoursesFileError",
+    "check_sessions",
+    "load_courses",
+    "parse_courses",
+]

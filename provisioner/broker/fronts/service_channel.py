@@ -82,6 +82,7 @@ METHODS: dict[str, frozenset[str]] = {
     "nodes": frozenset(
         {"register_node", "drain_node", "node_heartbeat", "node_orders", "list_nodes"}
     ),
+    "sessions": frozenset({"list", "start", "extend", "end"}),
 }
 #: what a front may call besides: the broker's policy, and its metrics rendered
 ROOT_METHODS = frozenset({"policy", "render_metrics"})

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ...model import GPU, ClassSession, Lease, PoolState
@@ -106,6 +106,44 @@ class SessionPlan:
                     )
                 )
         return out
+
+
+@dataclass
+class Timetable:
+    """The broker's timetable: the courses file's plans, the sessions instructors started
+    by hand, and the planned ones they extended or ended early (by their ``key``)."""
+
+    plans: tuple[SessionPlan, ...] = ()
+    #: course -> its instructors (who may start, extend and end its sessions)
+    instructors: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: course -> a seat's default GPU fraction (ppm): its quota's max_lease_fraction
+    seat_ppm: dict[str, int] = field(default_factory=dict)
+    #: course -> the session an instructor started by hand
+    by_hand: dict[str, ClassSession] = field(default_factory=dict)
+    #: a planned session's key -> its end as an instructor moved it (extended, ended)
+    ends: dict[tuple[str, float, str], float] = field(default_factory=dict)
+
+    def near(self, now: float) -> tuple[ClassSession, ...]:
+        """The sessions from now to two days ahead, as the core gets them
+        (``PoolState.sessions``): planned ones with their moved ends, and by-hand ones."""
+        out = []
+        for s in timetable(self.plans, now - 86400.0, now + 2 * 86400.0):
+            end = self.ends.get(s.key, s.end)
+            if end > now:
+                out.append(s if end == s.end else replace(s, end=end))
+        out += [s for s in self.by_hand.values() if s.end > now]
+        return tuple(sorted(out, key=lambda s: (s.start, s.course)))
+
+    def current(self, course: str, now: float, policy: Policy) -> ClassSession | None:
+        """The course's session under way or in its lead time now, if any."""
+        for s in self.near(now):
+            if s.course == course and phase(s, now, policy) is not None:
+                return s
+        return None
+
+    def zone(self, course: str) -> str:
+        """Where a course's times are told: its first plan's zone, else UTC."""
+        return next((p.tz for p in self.plans if p.course == course), "UTC")
 
 
 def zone_of(name: str) -> ZoneInfo:
@@ -517,6 +555,7 @@ __all__ = [
     "SessionPlan",
     "SessionView",
     "Shares",
+    "Timetable",
     "clock_text",
     "effective",
     "freed_reason",

@@ -865,6 +865,41 @@ class HistoryHandler(APIHandler):
         self.write_json(history_json(body))
 
 
+# -- class sessions ---------------------------------------------------------------------
+
+
+class SessionsHandler(APIHandler):
+    """``GET {p}api/v1/sessions[?course=]``: the timetable from now to two days ahead."""
+
+    @api
+    async def get(self) -> None:
+        course = self.query("course") or None
+        views = await self.service.sessions.list(self.ident, course)
+        self.write_json({"sessions": [v.to_json() for v in views], "now": self.service.clock()})
+
+
+class SessionHandler(APIHandler):
+    """``{p}api/v1/sessions/{course}``: POST starts one now, PATCH extends the one under
+    way, DELETE ends it (the course's instructors or an admin)."""
+
+    @api
+    async def post(self, course: str) -> None:
+        ask = validation.parse_session_start(self.json_body())
+        view = await self.service.sessions.start(self.ident, course, **ask)
+        self.write_json(view.to_json(), 201)
+
+    @api
+    async def patch(self, course: str) -> None:
+        until = validation.parse_session_until(self.json_body())
+        view = await self.service.sessions.extend(self.ident, course, until)
+        self.write_json(view.to_json())
+
+    @api
+    async def delete(self, course: str) -> None:
+        view = await self.service.sessions.end(self.ident, course)
+        self.write_json(view.to_json())
+
+
 __all__ = [
     "APIHandler",
     "MAX_BODY_BYTES",
