@@ -173,3 +173,52 @@ def test_without_a_declared_pool_only_pool_fractions_are_summed():
     assert sessions.overbooked([a, b], None, POLICY) == [
         "a (A) and b (B) reserve 120% of the pool at once, 20% too much."
     ]
+
+
+# -- the command line's pure parts ------------------------------------------------------
+
+
+def test_until_takes_a_time_today_or_a_length() -> None:
+    import argparse
+
+    from provisioner.cli import until_arg
+
+    now = dt.datetime(2026, 11, 24, 9, 30, tzinfo=dt.UTC).timestamp()
+    paris = dt.datetime(2026, 11, 24, 11, 45, tzinfo=sessions.zone_of("Europe/Paris"))
+    assert until_arg("11:45", now, "Europe/Paris") == paris.timestamp()
+    assert until_arg("90m", now, "UTC") == now + 5400
+    assert until_arg("2h", now, "UTC") == now + 7200
+    with pytest.raises(argparse.ArgumentTypeError, match="9:00 has passed today"):
+        until_arg("9:00", now, "UTC")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a time such as 11:45"):
+        until_arg("soon", now, "UTC")
+
+
+def test_the_timetable_as_a_table() -> None:
+    from provisioner import tables
+
+    start = dt.datetime(2026, 11, 24, 9, 0, tzinfo=dt.UTC).timestamp()
+    planned = {
+        "course": "ml101",
+        "start": start,
+        "end": start + 5400,
+        "tz": "Europe/Paris",
+        "label": "Tue 10:00-11:30",
+        "source": "timetable",
+        "state": "on",
+        "share": "0.8 GPU",
+        "reserved": 0.8,
+        "used": 0.3,
+        "lent": 0.0,
+    }
+    by_hand = {**planned, "source": "by hand", "state": "lead", "end": start + 7200}
+    moved = {**planned, "end": start + 6300}
+    text = tables.format_sessions([planned, by_hand, moved])
+    assert text.splitlines() == [
+        "Class sessions:",
+        "  COURSE  WHEN                                        STATE  SHARE    RESERVED  USED  LENT",
+        "  ml101   Tue 10:00-11:30 Europe/Paris                on     0.8 GPU  0.8       0.3   0",
+        "  ml101   by hand 10:00-12:00 Europe/Paris            lead   0.8 GPU  0.8       0.3   0",
+        "  ml101   Tue 10:00-11:30 (until 11:45) Europe/Paris  on     0.8 GPU  0.8       0.3   0",
+    ]
+    assert tables.format_sessions([]) == "Class sessions: none in the next two days"

@@ -213,3 +213,43 @@ def test_a_session_start_parks_a_non_members_idle_kernel_where_the_node_parks(
             assert r.status_code in (200, 201), r.text
         assert lease_of(bob, lease)["state"] == "parked"
     assert metric(nb, 'gpu_lease_session_freed_kernels_total{course="ml101"}') == 1.0
+
+
+# -- gpu-lease session ----------------------------------------------------------------------
+
+
+def test_the_cli_runs_a_session_for_its_instructor_and_refuses_anyone_else(
+    sb: Broker, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from .test_cli_admin import run
+
+    def cli(user: str, *argv: str) -> tuple[int, str, str]:
+        return run(sb, user, list(argv), capsys, monkeypatch)
+
+    monkeypatch.setenv("TZ", "UTC")
+    code, out, err = cli("bob", "session", "start", "ml101", "--until", "90m", "--seats", "2")
+    assert (code, out) == (1, "")
+    assert err == (
+        "error: Only the instructors of ml101 (or a GPU lease admin) may start, extend or "
+        "end its class sessions; ask carol.\n"
+    )
+    code, _, err = cli("alice", "session", "end", "ml101")
+    assert code == 1 and "Only the instructors of ml101" in err
+    code, _, err = cli("carol", "session", "start", "ml101", "--until", "90m")
+    assert code == 1 and "Say what to reserve: --seats N" in err
+    code, out, err = cli("carol", "session", "start", "ml101", "--until", "90m", "--seats", "2")
+    assert (code, err) == (0, "")
+    assert out.startswith("Started ml101's class session until ")
+    assert out.rstrip().endswith("(UTC): 0.5 GPU reserved for its members, 0.5 GPU now.")
+    code, out, _ = cli("bob", "session", "list")
+    assert code == 0 and out.splitlines()[0] == "Class sessions:"
+    row = out.splitlines()[2].split()
+    assert row[:2] == ["ml101", "by"] and row[-6:] == ["on", "0.5", "GPU", "0.5", "0", "0"]
+    code, out, _ = cli("admin", "top")
+    assert code == 0 and "Class sessions:" in out and "ml101" in out
+    code, out, _ = cli("carol", "session", "extend", "ml101", "--until", "2h")
+    assert code == 0 and out.startswith("Extended ml101's class session until ")
+    code, out, _ = cli("carol", "session", "end", "ml101")
+    assert (code, out) == (0, "Ended ml101's class session; its GPU share is everyone's again.\n")
+    code, _, err = cli("carol", "session", "end", "ml101")
+    assert code == 1 and "ml101 has no class session now" in err
