@@ -14,6 +14,7 @@ import datetime as dt
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -253,3 +254,26 @@ def test_the_cli_runs_a_session_for_its_instructor_and_refuses_anyone_else(
     assert (code, out) == (0, "Ended ml101's class session; its GPU share is everyone's again.\n")
     code, _, err = cli("carol", "session", "end", "ml101")
     assert code == 1 and "ml101 has no class session now" in err
+
+
+# -- the dashboard ----------------------------------------------------------------------------
+
+
+def test_the_dashboard_shows_the_timetable_and_the_share(
+    chromium: Any, sb: Broker, tmp_path: Path
+) -> None:
+    from .test_dashboard import open_dashboard
+
+    with httpx.Client(base_url=f"{sb.url}/api/v1", headers=sb.headers("carol")) as carol:
+        r = carol.post("/sessions/ml101", json={"until": time.time() + 3600, "seats": 2})
+        assert r.status_code == 201, r.text
+        r = carol.post("/leases", json={"kernel_id": "k1", "fraction": 0.25})
+        assert r.status_code == 201, r.text
+    context, page, problems = open_dashboard(chromium, sb, "admin")
+    page.wait_for_selector("#sessions table")
+    text = page.inner_text("#sessions")
+    assert "ml101" in text and "under way" in text and "by hand" in text
+    assert "0.50 GPU" in text and "0.25 GPU" in text  # reserved; used by members
+    page.screenshot(path=str(tmp_path / "sessions.png"), full_page=True)
+    assert problems == []
+    context.close()
