@@ -774,7 +774,7 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
             for lease in idle_by_gpu.get(g.uuid, []):
                 if need <= 0:
                     break
-                if lease.id in taken:
+                if lease.id in taken or (sh and sh.protects(lease, req.groups)):
                     continue
                 chosen.append(lease)
                 need -= lease.fraction_ppm

@@ -323,6 +323,19 @@ class Shares:
             if lease.gpu_uuid in h.reserved:
                 h.used[lease.gpu_uuid] = h.used.get(lease.gpu_uuid, 0) + lease.fraction_ppm
 
+    def protects(self, lease: Lease, groups: Iterable[str]) -> bool:
+        """Whether ``lease`` is a member's in its course's share held now, which idle
+        reclaim for an asker of ``groups`` (not of that course) must not take: its freed
+        part would be held back from that asker anyway."""
+        g = set(groups)
+        return any(
+            not h.lent
+            and lease.gpu_uuid in h.reserved
+            and h.course in lease.groups
+            and h.course not in g
+            for h in self.held
+        )
+
     def blocking(self, groups: Iterable[str], uuids: Iterable[str]) -> list[Held]:
         """The held sessions of other courses that hold something back on ``uuids``."""
         g = set(groups)
