@@ -98,6 +98,8 @@ async def test_a_session_start_frees_a_non_members_idle_kernel_and_grants_the_me
         assert r.status_code in (200, 201) and r.json()["state"] == "active", r.text
         waited = time.monotonic() - started_at
         assert waited < 5, f"alice was granted {waited:.1f} s after the start"
+        # a member's lease says so (the JupyterLab board and %gpu read it)
+        assert r.json()["session"] == f"GPU reserved for ml101 until {clock(until)}"
         gone = (await bob.get(f"/leases/{bob_lease}")).json()
         assert gone["state"] == "revoked"
         assert gone["reason"] == (
@@ -107,6 +109,7 @@ async def test_a_session_start_frees_a_non_members_idle_kernel_and_grants_the_me
         # a non-member fits beside the share; the next one is told why it waits
         r = await u00.post("/leases", json={"kernel_id": "k1", "fraction": 0.5})
         assert r.status_code == 201, r.text
+        assert r.json()["session"] is None  # not a member
         r = await bob.post("/leases", json={"kernel_id": "k2", "fraction": 0.25})
         assert r.status_code == 202, r.text
         assert r.json()["reason"].startswith(

@@ -392,6 +392,18 @@ def freed_reason(session: ClassSession) -> str:
     )
 
 
+def member_note(
+    sessions: Iterable[ClassSession], groups: Iterable[str], now: float, policy: Policy
+) -> str | None:
+    """What a member's lease says while its course's session is held (lead time or hours):
+    ``GPU reserved for ml101 until 11:30``; None otherwise."""
+    g = set(groups)
+    for s in sessions:
+        if s.course in g and phase(s, now, policy) is not None:
+            return f"GPU reserved for {s.course} until {clock_text(s.end, s.tz)}"
+    return None
+
+
 def waiting_reason(held: list[Held]) -> str:
     """The sentence a non-member waiting behind sessions reads first."""
     parts = [
@@ -572,6 +584,7 @@ __all__ = [
     "clock_text",
     "effective",
     "freed_reason",
+    "member_note",
     "overbooked",
     "phase",
     "reserve",

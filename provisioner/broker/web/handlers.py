@@ -354,6 +354,7 @@ class APIHandler(web.RequestHandler):
             mps=usage.mps,
             mps_server_uid=usage.mps_server_uid,
             kernel_refused=usage.kernel_refused,
+            session=usage.session,
         )
         if usage.resume is not None:  # parked, its resume request waiting
             body["resume"] = usage.resume

@@ -293,6 +293,13 @@ _SCHEMAS: dict[str, Any] = {
                     "or no agent has said.",
                 }
             ),
+            "session": _nullable(
+                {
+                    "type": "string",
+                    "description": "While a class session of one of the user's courses is "
+                    "about to start or under way: 'GPU reserved for ml101 until 11:30'.",
+                }
+            ),
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
             "parked_at": _nullable(
