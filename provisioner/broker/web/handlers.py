@@ -876,7 +876,13 @@ class SessionsHandler(APIHandler):
     async def get(self) -> None:
         course = self.query("course") or None
         views = await self.service.sessions.list(self.ident, course)
-        self.write_json({"sessions": [v.to_json() for v in views], "now": self.service.clock()})
+        mine = self.ident.groups
+        self.write_json(
+            {
+                "sessions": [{**v.to_json(), "member": v.session.course in mine} for v in views],
+                "now": self.service.clock(),
+            }
+        )
 
 
 class SessionHandler(APIHandler):

@@ -758,6 +758,10 @@ _SCHEMAS: dict[str, Any] = {
             "lent": {"type": "number", "minimum": 0, "description": "GPUs lent back now."},
             "gpus": _nullable({"type": "array", "items": {"type": "string"}}),
             "nodes": _nullable({"type": "array", "items": {"type": "string"}}),
+            "member": {
+                "type": "boolean",
+                "description": "In the list: whether the caller belongs to the course.",
+            },
         },
     },
     "SessionList": {
