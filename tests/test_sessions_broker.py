@@ -280,3 +280,36 @@ def test_the_dashboard_shows_the_timetable_and_the_share(
     page.screenshot(path=str(tmp_path / "sessions.png"), full_page=True)
     assert problems == []
     context.close()
+
+
+# -- what a member and a non-member see in JupyterLab (the server extension) -------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_members_and_a_non_members_outlook_name_the_session(sb: Broker, tmp_path: Path) -> None:
+    """``GET .../kernelspecs/{name}/outlook`` (the banner of a notebook opened without
+    starting its GPU kernel) on alice's server (ml101) and bob's, while ml101's session
+    is under way."""
+    from provisioner.devtools.labserver import JupyterServerProcess, install_kernelspecs
+
+    until = time.time() + 1800
+    with httpx.Client(base_url=f"{sb.url}/api/v1", headers=sb.headers("carol")) as carol:
+        r = carol.post("/sessions/ml101", json={"until": until, "seats": 2})
+        assert r.status_code == 201, r.text
+    (spec,) = install_kernelspecs(tmp_path / "prefix", [0.25])
+    said = {}
+    for user in ("alice", "bob"):
+        server = JupyterServerProcess(
+            tmp_path / user, sb.url, sb.tokens[user], kernels_prefix=tmp_path / "prefix"
+        )
+        try:
+            server.start()
+            r = server.http.get(f"/gpu-lease/api/kernelspecs/{spec}/outlook")
+            assert r.status_code == 200, r.text
+            said[user] = r.json()["session"]
+        finally:
+            server.stop()
+    assert said == {
+        "alice": f"GPU reserved for ml101 until {clock(until)}",
+        "bob": f"Part of the GPUs is reserved for ml101's class session until {clock(until)}",
+    }
