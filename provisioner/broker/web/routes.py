@@ -627,7 +627,7 @@ TABLE: tuple[Route, ...] = (
                 ],
                 "responses": {
                     "200": json_response(schema_ref("SessionList"), "The timetable."),
-                    **error_refs("401", "503"),
+                    **error_refs("400", "401", "503"),
                 },
             }
         },
@@ -682,7 +682,7 @@ TABLE: tuple[Route, ...] = (
                     "",
                     "200",
                     "The session as it ended.",
-                    ("401", "403", "404", "409", "503"),
+                    ("400", "401", "403", "404", "409", "503"),
                 ),
             )
         },
