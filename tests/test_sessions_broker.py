@@ -116,6 +116,11 @@ async def test_a_session_start_frees_a_non_members_idle_kernel_and_grants_the_me
             f"Part of the GPUs you may use is reserved for ml101's class session until "
             f"{clock(until)}."
         )
+        (entry,) = (await bob.get("/queue")).json()["queue"]  # what JupyterLab's board reads
+        assert entry["session"] == (
+            f"Part of the GPUs you may use is reserved for ml101's class session until "
+            f"{clock(until)}."
+        )
         listed = (await bob.get("/sessions")).json()["sessions"]
         assert [(s["course"], s["reserved"], s["used"], s["lent"]) for s in listed] == [
             ("ml101", 0.5, 0.25, 0.0)

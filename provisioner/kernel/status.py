@@ -151,6 +151,8 @@ class LeaseBoard:
             waiting=length if length is not None else old.waiting,
             eta_seconds=_seconds(entry.get("eta_seconds")),
             request_id=entry.get("id") if isinstance(entry.get("id"), str) else old.request_id,
+            # a class session's reserved share, named (the queue's entry says it)
+            reason=entry.get("session") if isinstance(entry.get("session"), str) else old.reason,
             updated_at=self.clock(),
         )
 

@@ -49,6 +49,8 @@ class Waiting:
     request: Request
     waiting_s: float
     eta_seconds: float | None
+    #: a class session of another course holds part of its GPUs back: the sentence
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,19 @@ class QueryService:
         """``GET /api/v1/queue``: the waiting requests in queue order; a user sees their own."""
         await self.core.ready()
         now = self.core.clock()
-        return [
-            Waiting(pos, req, now - req.arrived_at, self.core.eta(req.key, now))
-            for pos, req in enumerate(
-                scheduling.queue_order(self.core.state, now, self.core.policy), start=1
-            )
-            if ident.admin or req.user == ident.user
-        ]
+        state = self.core.state
+        held = sessions.shares(state, now, self.core.policy) if state.sessions else None
+        out = []
+        for pos, req in enumerate(scheduling.queue_order(state, now, self.core.policy), start=1):
+            if not (ident.admin or req.user == ident.user):
+                continue
+            note = None
+            if held:
+                gpus = scheduling.candidate_gpus(state, req.node, req.gpu_uuids)
+                blocking = held.blocking(req.groups, [g.uuid for g in gpus])
+                note = sessions.waiting_reason(blocking) if blocking else None
+            out.append(Waiting(pos, req, now - req.arrived_at, self.core.eta(req.key, now), note))
+        return out
 
     def queue_length(self) -> int:
         """How many requests wait in the queue (everyone's, also for a student)."""

@@ -154,6 +154,7 @@ def waiting_json(w: Waiting) -> dict[str, Any]:
         "priority": req.priority,
         "waiting_s": round(w.waiting_s, 3),
         **({} if w.eta_seconds is None else {"eta_seconds": w.eta_seconds}),
+        **({} if w.session is None else {"session": w.session}),
     }
 
 

@@ -470,6 +470,12 @@ _SCHEMAS: dict[str, Any] = {
             },
             "priority": {"type": "integer"},
             "waiting_s": {"type": "number", "minimum": 0},
+            "session": {
+                "type": "string",
+                "description": "Why it waits when a class session of another course holds "
+                "part of its GPUs: 'Part of the GPUs you may use is reserved for ml101's class "
+                "session until 11:30.' Absent otherwise.",
+            },
             "eta_seconds": {
                 "type": "integer",
                 "minimum": 0,
