@@ -10,7 +10,10 @@ hand), and the reaper runs every 0.2 s.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +128,18 @@ async def test_a_session_start_frees_a_non_members_idle_kernel_and_grants_the_me
         assert [(s["course"], s["reserved"], s["used"], s["lent"]) for s in listed] == [
             ("ml101", 0.5, 0.25, 0.0)
         ]
+
+        # the metrics while it runs: reserved, used, lent; promtool's lint where it is
+        text = (await admin.get(f"{sb.url}/metrics")).text
+        assert 'gpu_lease_session_reserved_fraction{course="ml101"} 0.5' in text
+        assert 'gpu_lease_session_used_fraction{course="ml101"} 0.25' in text
+        assert 'gpu_lease_session_lent_fraction{course="ml101"} 0.0' in text
+        if shutil.which("promtool"):
+            lint = ["promtool", "check", "metrics"]
+            done = await asyncio.to_thread(
+                subprocess.run, lint, input=text, capture_output=True, text=True
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
 
         # a second start is refused; extend moves the end; end returns the share
         assert (await carol.post("/sessions/ml101", json=start)).status_code == 409

@@ -176,7 +176,7 @@ class SessionService:
             s for s in self.core.state.sessions if s.start < fresh.end and fresh.start < s.end
         ]
         found = sessions.overbooked([*others, fresh], self.core.pool(), self.core.policy)
-        mine = [p for p in found if fresh.course in p and "by hand" in p]
+        mine = [p for p in found if f"{fresh.course} (by hand)" in p]
         if mine:
             raise Conflict(f"{mine[0]} Ask for fewer seats or a smaller share.")
 
