@@ -90,6 +90,11 @@ async def test_a_session_start_frees_a_non_members_idle_kernel_and_grants_the_me
         r = await carol.post("/sessions/ml101", json={"until": until})
         assert r.status_code == 400 and "'seats'" in r.json()["message"]
 
+        r = await carol.post("/sessions/ml101", json={"until": until, "seats": 5})
+        assert r.status_code == 409 and r.json()["message"] == (
+            "ml101 (by hand) reserves 1.25 GPU at once but its GPUs have 1: 0.25 GPU too much. "
+            "Ask for fewer seats or a smaller share."
+        )
         started_at = time.monotonic()
         r = await carol.post("/sessions/ml101", json=start)
         assert r.status_code == 201, r.text
