@@ -483,11 +483,20 @@ class SessionBroker(Broker):
         ask = Ask(user, kernel, ppm, groups=SESSION_GROUPS[user], node=node)
         quota = admission.effective_quota(self.book, user, SESSION_GROUPS[user])
         try:
-            d, _ = scheduling.acquire(self.state, ask, quota, self.now, self.policy, self.new_id)
+            d, changes = scheduling.acquire(
+                self.state, ask, quota, self.now, self.policy, self.new_id
+            )
         except GPULeaseError:
             return
         if isinstance(d.outcome, Queued) and node is None:
             assert not self._room_for(d.outcome.request), "a member waits beside free share"
+        # nobody is granted into another course's unused share held now
+        sh = sessions.shares(self.state, self.now, self.policy)
+        for grant in changes.granted:
+            uuid = grant.lease.gpu_uuid
+            held_back = sh.extra(grant.lease.groups).get(uuid, 0)
+            if held_back:
+                assert self.state.allocated[uuid] + held_back <= self.policy.capacity_ppm, grant
 
     @rule(
         course=st.sampled_from(["ml101", "lab"]),
