@@ -367,7 +367,7 @@ class _RemoteQueries(_RemotePart):
 class RemoteService:
     """The service's API, as the handlers use it, answered by the broker process.
 
-    ``leases``, ``resumes``, ``quotas``, ``nodes``, ``sessions`` and ``queries`` stand for the broker's
+    ``leases``, ``resumes``, ``quotas``, ``nodes`` and ``queries`` stand for the broker's
     services: every method returns a future (the handlers await what may be remote);
     ``clock`` is this process's ``time.time`` and ``policy`` is asked once at
     :meth:`connect`.
