@@ -13,6 +13,11 @@ Same seed, same files. Each workload is a function of an ``random.Random``:
   arrival rate that grows towards the deadline, and a few research jobs; 2x A100 40 GiB.
 * ``small``      -- a few hours on two GPUs with every feature (crashes, idle
   stretches, large requests); the trace ``make test`` replays.
+* ``labs``       -- a week of a research group beside two courses' labs with a timetable
+  (class sessions): ml101 (40 seats at 0.02: 0.8 GPU) Tue and Thu 10:00-11:30, dl201 (30
+  seats at 0.05: 1.5 GPU) Wed and Fri 14:00-15:30; students open the lab's notebook in its
+  first minutes; ten researchers run training jobs and idle notebooks of 0.25-1.0 for
+  hours, day and night; 2x A100 80 GiB. Its header lists the sessions.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from provisioner.devtools.simulate import PoolSpec, Session, Trace  # noqa: E402
+from provisioner.model import ClassSession  # noqa: E402
+from provisioner.wire import fraction_to_ppm  # noqa: E402
 
 H = 3600.0
 DAY = 86400.0
@@ -187,11 +194,62 @@ def small(rng: random.Random) -> Trace:
     )  # fmt: skip
 
 
+def labs(rng: random.Random) -> Trace:
+    sessions: list[Session] = []
+    timetable: list[ClassSession] = []
+    # (course, seats, fraction, labs as (day, hour), minutes, homework sessions per student)
+    courses = [
+        ("ml101", 40, 0.02, [(1, 10), (3, 10)], 90, 2),
+        ("dl201", 30, 0.05, [(2, 14), (4, 14)], 90, 2),
+    ]
+    for name, seats, frac, slots, minutes, hw in courses:
+        for day, hour in slots:
+            start = day * DAY + hour * H
+            share = fraction_to_ppm(seats * frac)
+            label = f"day {day} {hour:02d}:00"
+            timetable.append(
+                ClassSession(name, start, start + minutes * 60, share_ppm=share, label=label)
+            )
+            for k in range(seats):
+                # most open the lab's notebook in its first 5 minutes, a few come late
+                late = rng.uniform(0, 300) if rng.random() < 0.85 else rng.uniform(300, 1200)
+                d = max(600.0, minutes * 60 - late - rng.uniform(0, 300))
+                user = f"{name}-s{k:02d}"
+                sessions.append(
+                    Session(
+                        f"{user}-L{day}", user, start + late, frac, d, student(rng, d), name,
+                        crashed(rng),
+                    )
+                )  # fmt: skip
+        for k in range(seats):
+            user = f"{name}-s{k:02d}"
+            for j in range(hw):
+                d = rng.uniform(30, 120) * 60
+                t = rng.randrange(7) * DAY + _evening_hour(rng) * H
+                sessions.append(
+                    Session(f"{user}-h{j}", user, t, frac, d, student(rng, d), name, crashed(rng))
+                )
+    for j in range(120):
+        user = f"res{rng.randrange(10):02d}"
+        frac = rng.choices([0.25, 0.5, 1.0], [0.4, 0.35, 0.25])[0]
+        d = min(12 * H, max(1 * H, rng.lognormvariate(math.log(3 * H), 0.6)))
+        t = rng.uniform(0, 7 * DAY - 6 * H)
+        busy = trainer(rng, d) if rng.random() < 0.6 else explorer(rng, d)
+        sessions.append(Session(f"r{j}", user, t, frac, d, busy, "research", crashed(rng)))
+    return Trace(
+        "labs", 7 * DAY, [PoolSpec(2, 81920, "A100-80GB")], sessions,
+        "a week: a research group (0.25-1.0 for hours) beside two courses' labs with a "
+        "timetable (ml101 40x0.02 Tue/Thu 10:00, dl201 30x0.05 Wed/Fri 14:00); 2x A100 80 GiB",
+        class_sessions=timetable,
+    )  # fmt: skip
+
+
 WORKLOADS: dict[str, Callable[[random.Random], Trace]] = {
     "classroom": classroom,
     "department": department,
     "deadline": deadline,
     "small": small,
+    "labs": labs,
 }
 
 

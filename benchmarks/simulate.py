@@ -4,6 +4,7 @@
     python benchmarks/simulate.py --small         # the small test trace only (seconds)
     python benchmarks/simulate.py --traces benchmarks/traces/department.jsonl --json out.json
     python benchmarks/simulate.py --seeds 1 2 3 4 5     # department regenerated per seed: spread
+    python benchmarks/simulate.py --labs [--seeds 1 2 3] # class sessions on the labs trace
 
 Columns: seat/GPU = most kernels holding a lease at once per GPU; wait = queue wait
 (mean, p95; a request still waiting at the end counts its wait so far), "large" =
@@ -16,6 +17,11 @@ leases taken back by idle reclaim. Ratios compare ``ours`` with the baselines.
 The parking table compares ``ours`` (reclaim) with ``park`` and ``park-arrival``: work
 lost = kernels ended with their state (= revoked), busy-h lost = the busy hours those
 kernels had run, first/return = mean wait of first asks and of returns after reclaim/park.
+The class-session table (``--labs``: the ``labs`` trace, a timetable of two courses' labs
+beside a research group) compares ``ours`` and ``park`` (no reservations) with the
+``sessions*`` schemes: members' wait for a kernel asked within 10 min of a lab's start
+(p50, p95, max), the others' (research) wait (mean, p95) and kernels lost (ended with
+their state), members' kernels lost, busy hours lost, kernels parked.
 """
 
 from __future__ import annotations
@@ -26,13 +32,22 @@ import random
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gen_traces import WORKLOADS  # noqa: E402
 
-from provisioner.devtools.simulate import SCHEMES, Metrics, load_trace, simulate  # noqa: E402
+from provisioner.devtools.simulate import (  # noqa: E402
+    SCHEMES,
+    SESSIONS,
+    Metrics,
+    SessionMetrics,
+    load_trace,
+    simulate,
+    simulate_sessions,
+)
 
 TRACES = Path(__file__).parent / "traces"
 FULL = ("classroom", "department", "deadline")
@@ -130,6 +145,56 @@ def spread(workload: str, seeds: list[int], only: list[str] | None) -> str:
     return "\n".join(lines)
 
 
+LAB_SCHEMES = ("ours", "park")
+
+
+def lab_rows(trace: Any) -> list[SessionMetrics]:
+    schemes = [s for s in SCHEMES if s.name in LAB_SCHEMES] + list(SESSIONS)
+    return [simulate_sessions(trace, s) for s in schemes]
+
+
+def labs_table(rows: list[SessionMetrics]) -> str:
+    head = (
+        f"{'scheme':<24} {'start p50':>9} {'p95':>6} {'max':>6} {'others m':>8} {'p95':>6} "
+        f"{'lost':>5} {'members lost':>12} {'busy-h lost':>11} {'parked':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for m in rows:
+        lines.append(
+            f"{m.scheme:<24} {_m(m.member_start_p50):>9} {_m(m.member_start_p95):>6} "
+            f"{_m(m.member_start_max):>6} {_m(m.others_wait_mean):>8} {_m(m.others_wait_p95):>6} "
+            f"{m.others_lost:>5} {m.members_lost:>12} {m.busy_h_lost:>11.1f} {m.parked:>6}"
+        )
+    return "\n".join(lines)
+
+
+def labs_spread(seeds: list[int]) -> str:
+    """Each scheme over several seeds of the labs workload: mean [min..max]."""
+    rows: dict[str, list[SessionMetrics]] = {}
+    for seed in seeds:
+        trace = WORKLOADS["labs"](random.Random(f"{seed}:labs"))
+        for m in lab_rows(trace):
+            rows.setdefault(m.scheme, []).append(m)
+
+    def cell(xs: list[float]) -> str:
+        return f"{statistics.mean(xs):.0f} [{min(xs):.0f}..{max(xs):.0f}]"
+
+    lines = [
+        f"## labs, seeds {' '.join(map(str, seeds))}: mean [min..max] over seeds (minutes, kernels)",
+        f"{'scheme':<24} {'start p50':>13} {'start p95':>13} {'others m':>13} {'lost':>13} "
+        f"{'members lost':>13}",
+    ]
+    for name, ms in rows.items():
+        lines.append(
+            f"{name:<24} {cell([m.member_start_p50 / 60 for m in ms]):>13} "
+            f"{cell([m.member_start_p95 / 60 for m in ms]):>13} "
+            f"{cell([m.others_wait_mean / 60 for m in ms]):>13} "
+            f"{cell([float(m.others_lost) for m in ms]):>13} "
+            f"{cell([float(m.members_lost) for m in ms]):>13}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="only the small test trace")
@@ -140,7 +205,18 @@ def main(argv: list[str] | None = None) -> None:
         "--seeds", nargs="+", type=int, help="summarise these seeds of --workload instead"
     )
     ap.add_argument("--workload", default="department", choices=sorted(WORKLOADS))
+    ap.add_argument(
+        "--labs", action="store_true", help="class sessions on the labs trace (or --seeds)"
+    )
     args = ap.parse_args(argv)
+    if args.labs:
+        if args.seeds:
+            print(labs_spread(args.seeds))
+            return
+        trace = load_trace(TRACES / "labs.jsonl")
+        print(f"\n## {trace.name}: {len(trace.sessions)} sessions, class sessions")
+        print(labs_table(lab_rows(trace)))
+        return
     if args.seeds:
         print(spread(args.workload, args.seeds, args.schemes))
         return

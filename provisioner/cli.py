@@ -7,6 +7,7 @@
     gpu-lease kernelspec install --fraction F    publish a GPU kernelspec
     gpu-lease kernelspec list | remove NAME...
     gpu-lease top [--watch N] | leases | quota ... | usage | revoke ID --reason TEXT
+    gpu-lease session list | start|extend|end COURSE [--until 11:45] [--seats 40]
                                                  talk to the broker (GPU_LEASE_URL, GPU_LEASE_TOKEN)
 
 :func:`main` parses the command line and calls one ``cmd_*`` function with the parsed
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import gc
 import json
 import os
@@ -26,10 +28,11 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from . import __version__, tables
 from .client import BrokerClient, broker_env
-from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound
+from .errors import Forbidden, GPULeaseError, InvalidRequest, LeaseNotFound, NotFound
 from .kernel import kernelspecs as ks
 from .model import QUOTA_FIELDS, validate_fraction
 from .wire import ENFORCEMENTS
@@ -240,7 +243,13 @@ async def _top_text(client: BrokerClient) -> str:
     except Forbidden:  # a student sees the pool and their own leases
         leases = await client.leases.listing()
     queue = await client.leases.queue()
-    return tables.format_top(gpus, [x.to_json() for x in leases], queue, time.time())
+    try:
+        sessions = (await client.sessions.listing())["sessions"]
+    except NotFound:  # a broker older than class sessions
+        sessions = []
+    return tables.format_top(
+        gpus, [x.to_json() for x in leases], queue, time.time(), sessions=sessions
+    )
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -364,6 +373,87 @@ def cmd_quota(args: argparse.Namespace) -> int:
         body.update(changes)
         stored = await client.quotas.put(level, name, body)
         return tables.format_quota(f"Set {_quota_title(level, name)[:-1].lower()}:", stored)
+
+    return _run(work, args)
+
+
+def local_zone() -> str:
+    """This terminal's IANA time zone (``$TZ``, else ``/etc/localtime``'s link), else UTC."""
+    name = os.environ.get("TZ", "").lstrip(":")
+    if not name:
+        try:
+            target = os.path.realpath("/etc/localtime")
+        except OSError:
+            target = ""
+        if "zoneinfo/" in target:
+            name = target.split("zoneinfo/", 1)[1]
+    try:
+        ZoneInfo(name or "UTC")
+    except (ZoneInfoNotFoundError, ValueError):
+        return "UTC"
+    return name or "UTC"
+
+
+def until_arg(text: str, now: float | None = None, zone: str | None = None) -> float:
+    """``--until``: ``11:45`` (today, in this terminal's zone), or a length (``90m``,
+    ``2h``) from now -> POSIX seconds."""
+    now = time.time() if now is None else now
+    tz = ZoneInfo(zone or local_zone())
+    text = text.strip()
+    if ":" in text:
+        try:
+            hour, minute = (int(x) for x in text.split(":"))
+            when = dt.datetime.fromtimestamp(now, tz).replace(
+                hour=hour, minute=minute, second=0, microsecond=0
+            )
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a time such as 11:45 or a length such as 90m"
+            ) from exc
+        if when.timestamp() <= now:
+            raise argparse.ArgumentTypeError(
+                f"{text} has passed today; give a later time (or a length such as 90m)"
+            )
+        return when.timestamp()
+    units = {"m": 60, "h": 3600}
+    try:
+        return now + float(text[:-1]) * units[text[-1]]
+    except (KeyError, ValueError, IndexError) as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time such as 11:45 or a length such as 90m or 2h"
+        ) from exc
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    """``session list [COURSE]``; ``session start|extend|end COURSE`` (its instructors)."""
+    if args.action != "list" and not args.course:
+        raise InvalidRequest(f"Say which course: {PROG} session {args.action} COURSE.")
+    if args.action in ("start", "extend") and args.until is None:
+        raise InvalidRequest(
+            f"Say until when: {PROG} session {args.action} {args.course} --until 11:45."
+        )
+    if args.action == "start" and (args.seats is None) == (args.share is None):
+        raise InvalidRequest(
+            "Say what to reserve: --seats N (each of the course's kernel fraction, or "
+            "--kernel-fraction F) or --share F (a fraction of the pool)."
+        )
+
+    async def work(client: BrokerClient) -> str:
+        calls = client.sessions
+        if args.action == "list":
+            listing = await calls.listing(args.course)
+            if args.json:
+                return json.dumps(listing, indent=2)
+            return tables.format_sessions(listing["sessions"])
+        if args.action == "start":
+            body: dict[str, Any] = {"until": args.until, "tz": local_zone()}
+            for key in ("seats", "kernel_fraction", "share"):
+                if getattr(args, key) is not None:
+                    body[key] = getattr(args, key)
+            return tables.format_session("started", await calls.start(args.course, body))
+        if args.action == "extend":
+            return tables.format_session("extended", await calls.extend(args.course, args.until))
+        return tables.format_session("ended", await calls.end(args.course))
 
     return _run(work, args)
 
@@ -639,6 +729,30 @@ def build_parser() -> argparse.ArgumentParser:
     quota.add_argument("--budget-window", metavar="DURATION", help="budget window, e.g. 7d or 24h")
     quota.add_argument("--priority", type=int, help="queue priority of a group (higher first)")
     quota.set_defaults(func=cmd_quota)
+
+    session = sub.add_parser(
+        "session",
+        parents=[remote],
+        help="class sessions: the timetable; start, extend or end one (its instructors)",
+    )
+    session.add_argument("action", choices=("list", "start", "extend", "end"))
+    session.add_argument("course", nargs="?", help="the course (a group of the courses file)")
+    session.add_argument(
+        "--until",
+        type=until_arg,
+        metavar="TIME",
+        help="when it ends: 11:45 (today, this terminal's time zone) or a length (90m, 2h)",
+    )
+    session.add_argument("--seats", type=int, help="seats to reserve, each of --kernel-fraction")
+    session.add_argument(
+        "--kernel-fraction",
+        type=fraction_arg,
+        metavar="F",
+        help="a seat's GPU fraction (default: the course's max_lease_fraction)",
+    )
+    session.add_argument("--share", type=fraction_arg, metavar="F", help="a fraction of the pool")
+    session.add_argument("--json", action="store_true", help="print the API's JSON (list)")
+    session.set_defaults(func=cmd_session)
 
     usage = sub.add_parser("usage", parents=[remote], help="fraction-hours used")
     usage.add_argument(

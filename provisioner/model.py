@@ -418,6 +418,35 @@ def never_allowed(quota: Quota, ppm: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ClassSession:
+    """One class session as the core sees it: a course's reservation of a GPU share from
+    ``start`` to ``end`` (epoch seconds), planned in the courses file or started by hand.
+
+    The share is ``pool_fraction`` of the capacity of the GPUs it may use (all of the
+    pool, or those of ``gpu_uuids`` / ``nodes``) or ``share_ppm`` GPU-ppm (seats × a
+    kernel's fraction; 1,000,000 = one whole GPU). ``tz`` (an IANA name) is where its
+    times are told to people. The rules are in ``broker/rules/sessions.py``.
+    """
+
+    course: str
+    start: float
+    end: float
+    pool_fraction: float | None = None
+    share_ppm: int | None = None
+    gpu_uuids: tuple[str, ...] | None = None
+    nodes: tuple[str, ...] | None = None
+    tz: str = "UTC"
+    #: how it came: "timetable" (the courses file) or "by hand" (an instructor started it)
+    source: str = "timetable"
+    #: what people read for it: "Tue 10:00-11:30", "2026-12-01 09:00-12:00", "by hand"
+    label: str = ""
+
+    @property
+    def key(self) -> tuple[str, float, str]:
+        return (self.course, self.start, self.source)
+
+
 @dataclass
 class PoolState:
     """The broker's working state in memory: GPUs, active leases and the queue.
@@ -455,6 +484,9 @@ class PoolState:
     mps_proven: dict[str, int] = field(default_factory=dict)
     #: lease id -> parked lease (``park == "parked"``): holds no capacity, see the class doc
     parked: dict[str, Lease] = field(default_factory=dict)
+    #: the class sessions near now (their lead time, the session, ended ones are dropped),
+    #: refreshed by the broker's service from the timetable (``broker/rules/sessions.py``)
+    sessions: tuple[ClassSession, ...] = ()
     _ordered: list[GPU] | None = field(default=None, repr=False, compare=False)
 
     def ordered_gpus(self) -> list[GPU]:
@@ -612,6 +644,7 @@ class PoolState:
             mps_uid=dict(self.mps_uid),
             mps_proven=dict(self.mps_proven),
             parked={k: replace(v) for k, v in self.parked.items()},
+            sessions=self.sessions,
         )
 
 

@@ -9,9 +9,11 @@ dicts shaped like the REST API's answers (docs/developers.md, "REST API").
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from .model import QUOTA_LEVEL_PLURALS
 from .wire import COOPERATIVE, PARK_STATES
@@ -170,8 +172,10 @@ def format_top(
     now: float,
     *,
     width: int = 20,
+    sessions: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """``gpu-lease top``: each GPU with its bar and leases, then the queue. A GPU whose MPS
+    """``gpu-lease top``: each GPU with its bar and leases, then the queue, then the class
+    sessions (timetable, reserved share, its use) if any. A GPU whose MPS
     server serves clients says whose uid (MPS serves one uid per GPU at a time: an
     enforcement=mps kernel of another uid waits for that GPU)."""
     by_gpu: dict[str, list[Mapping[str, Any]]] = {}
@@ -200,7 +204,63 @@ def format_top(
     if not gpus and not by_gpu:
         out += ["No GPUs in the pool.", ""]
     out.append(format_queue(queue))
+    if sessions:
+        out += ["", format_sessions(sessions)]
     return "\n".join(out)
+
+
+SESSION_HEADER = ("COURSE", "WHEN", "STATE", "SHARE", "RESERVED", "USED", "LENT")
+
+
+def clock(when: float, tz: str) -> str:
+    """``11:30`` in zone ``tz`` (UTC when the name is unknown here)."""
+    try:
+        zone: dt.tzinfo = ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError):
+        zone = dt.UTC
+    return f"{dt.datetime.fromtimestamp(when, zone):%H:%M}"
+
+
+def session_when(s: Mapping[str, Any]) -> str:
+    tz = str(s.get("tz") or "UTC")
+    start, end = float(s.get("start", 0)), float(s.get("end", 0))
+    if s.get("source") == "by hand":
+        return f"by hand {clock(start, tz)}-{clock(end, tz)} {tz}"
+    label = str(s.get("label") or "")
+    moved = f" (until {clock(end, tz)})" if label and not label.endswith(clock(end, tz)) else ""
+    return f"{label}{moved} {tz}".strip()
+
+
+def format_sessions(sessions: Sequence[Mapping[str, Any]]) -> str:
+    """``gpu-lease session list`` and ``top``'s timetable: each session, its state, what it
+    reserves, what its members use and what is lent back."""
+    if not sessions:
+        return "Class sessions: none in the next two days"
+    rows = [
+        [
+            str(s.get("course", "?")),
+            session_when(s),
+            str(s.get("state", "?")),
+            str(s.get("share", "-")),
+            fraction(s.get("reserved")),
+            fraction(s.get("used")),
+            fraction(s.get("lent")),
+        ]
+        for s in sessions
+    ]
+    return "Class sessions:\n" + table(SESSION_HEADER, rows, "  ")
+
+
+def format_session(verb: str, s: Mapping[str, Any]) -> str:
+    """What ``session start|extend|end`` prints: one sentence."""
+    tz = str(s.get("tz") or "UTC")
+    until = clock(float(s.get("end", 0)), tz)
+    if verb == "ended":
+        return f"Ended {s.get('course')}'s class session; its GPU share is everyone's again."
+    return (
+        f"{verb.capitalize()} {s.get('course')}'s class session until {until} ({tz}): "
+        f"{s.get('share')} reserved for its members, {fraction(s.get('reserved'))} GPU now."
+    )
 
 
 def format_queue(queue: Sequence[Mapping[str, Any]]) -> str:

@@ -15,6 +15,8 @@ export interface ILease {
   reason?: string | null;
   /** when the broker began parking its GPU memory (s since the epoch), else null */
   parked_at?: number | null;
+  /** while a class session of the user's course is held: "GPU reserved for ml101 until 11:30" */
+  session?: string | null;
 }
 
 /** A lease whose GPU memory the broker parked in host RAM (or is parking, or restoring). */
@@ -132,6 +134,8 @@ export interface IOutlook {
   /** else: the place it would take at the end of the GPU queue */
   position?: number | null;
   queue_length?: number | null;
+  /** a class session held now: "GPU reserved for ml101 until 11:30" (to a member) */
+  session?: string | null;
 }
 
 /** What starting kernelspec `name` would take now, or null when the server cannot say. */

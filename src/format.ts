@@ -77,6 +77,10 @@ export function statusText(k: IKernelLease | null, trans: TranslationBundle): st
           parts.push(trans.__('cap %1 MiB', k.lease.memory_limit_mb));
         }
       }
+      if (k.lease?.session) {
+        // a member's class session (the broker's sentence): "GPU reserved for ml101 until 11:30"
+        parts.push(k.lease.session);
+      }
       return parts.join(' · ');
     }
     case 'waiting':
@@ -215,6 +219,10 @@ export function outlookText(f: number, outlook: IOutlook | null, trans: Translat
     parts.push(trans.__('free now'));
   } else if (outlook?.position) {
     parts.push(trans.__('%1 in queue', ordinal(outlook.position)));
+  }
+  if (outlook?.session) {
+    // a class session held now (the server's sentence names the course and its end)
+    parts.push(outlook.session);
   }
   return parts.join(' · ');
 }

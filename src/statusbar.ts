@@ -74,16 +74,23 @@ export class GPULeaseStatus extends Widget {
             lines.push(trans.__('Near the cap: the next allocation may fail with out of memory.'));
           }
         }
+        if (lease?.session) {
+          lines.push(lease.session);
+        }
         lines.push(trans.__('Run %gpu for details.'));
         return lines.join('\n');
       }
-      case 'waiting':
-        return typeof k.eta_seconds === 'number'
-          ? trans.__(
-              'This kernel waits for a GPU: the number is its place in the queue; the broker estimates %1 from how long leases are held.',
-              aboutWait(k.eta_seconds, trans)
-            )
-          : trans.__('This kernel waits for a GPU: the number is its place in the queue.');
+      case 'waiting': {
+        const place =
+          typeof k.eta_seconds === 'number'
+            ? trans.__(
+                'This kernel waits for a GPU: the number is its place in the queue; the broker estimates %1 from how long leases are held.',
+                aboutWait(k.eta_seconds, trans)
+              )
+            : trans.__('This kernel waits for a GPU: the number is its place in the queue.');
+        // the broker's why (a class session's reserved share names its course and end)
+        return k.reason ? k.reason + '\n' + place : place;
+      }
       case 'parking':
       case 'parked':
       case 'resuming':

@@ -64,8 +64,9 @@ OWNER = (401, 401, 401, 200, 403, 403, 403, 403, 200)
 LEASE_OWNER = (401, 401, 401, 200, 404, 404, 404, 404, 200)
 
 #: (method, path template) -> statuses in the order of CALLERS.
-#: "instructor" is a member of ml101 without admin rights: the broker has no
-#: instructor role (instructors publish kernelspecs; quotas need a GPU lease admin).
+#: "instructor" is a member of ml101 without admin rights: quotas need a GPU lease admin;
+#: the one instructor's right is over the course's class sessions (the courses file names
+#: the course's instructors: :data:`COURSES`).
 EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("GET", "/api/v1/health"): PUBLIC,
     ("GET", "/api/v1/openapi.json"): PUBLIC,
@@ -81,6 +82,12 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     ("POST", "/api/v1/leases/{lease_id}/revoke"): ADMIN_ONLY,
     # resuming a lease that is not parked: 200 at once for its owner (and an admin)
     ("POST", "/api/v1/leases/{lease_id}/resume"): LEASE_OWNER,
+    # remote kernels, on the matrix's lease (on the broker's declared GPU, which no node
+    # agent launches for): its holder learns why (409), an admin may not launch as them
+    # (403), anyone else gets the unknown id's 404; no kernel was launched to read or signal
+    ("PUT", "/api/v1/leases/{lease_id}/kernel"): (401, 401, 401, 409, 404, 404, 404, 404, 403),
+    ("GET", "/api/v1/leases/{lease_id}/kernel"): (401, 401, 401, 404, 404, 404, 404, 404, 404),
+    ("POST", "/api/v1/leases/{lease_id}/kernel/signal"): (401, 401, 401) + (404,) * 6,
     ("GET", "/api/v1/queue"): USERS_200,
     ("GET", "/api/v1/quotas"): ADMIN_ONLY,
     ("GET", "/api/v1/quotas/me"): USERS_200,
@@ -105,7 +112,16 @@ EXPECTED: dict[tuple[str, str], tuple[int, ...]] = {
     # the orders long-poll (no cursor: answered at once)
     ("GET", "/api/v1/nodes/{node}/orders"): ADMIN_ONLY,
     ("DELETE", "/api/v1/nodes/{node}"): tuple(204 if s == 200 else s for s in ADMIN_ONLY),
+    # class sessions: anyone reads the timetable; ml101's instructor (ingrid, in the courses
+    # file) and admins start, extend and end its sessions, its members do not
+    ("GET", "/api/v1/sessions"): USERS_200,
+    ("POST", "/api/v1/sessions/{course}"): (401, 401, 401, 403, 403, 403, 403, 201, 201),
+    ("PATCH", "/api/v1/sessions/{course}"): (401, 401, 401, 403, 403, 403, 403, 200, 200),
+    ("DELETE", "/api/v1/sessions/{course}"): (401, 401, 401, 403, 403, 403, 403, 200, 200),
 }
+#: the courses file of the matrix (ml101's instructor)
+COURSES = Path(__file__).resolve().parent / "authz_courses.toml"
+SESSION = "/api/v1/sessions/ml101"
 
 #: the node the matrix registers (as an admin) before each cell
 NODE = "authz-node"
@@ -119,11 +135,19 @@ BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/api/v1/leases/{lease_id}/renew"): {"execution_state": "idle"},
     ("POST", "/api/v1/leases/{lease_id}/revoke"): {"reason": "authorization test"},
     ("POST", "/api/v1/leases/{lease_id}/resume"): {},
+    ("PUT", "/api/v1/leases/{lease_id}/kernel"): {
+        "kernel_id": "authz-kernel",
+        "argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "key": "k" * 32,
+    },
+    ("POST", "/api/v1/leases/{lease_id}/kernel/signal"): {"signal": "SIGINT"},
     ("PUT", "/api/v1/quotas/default"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/users/{name}"): {"max_leases": 100},
     ("PUT", "/api/v1/quotas/groups/{name}"): {"max_leases": 100},
     ("PUT", "/api/v1/nodes/{node}"): NODE_BODY,
     ("POST", "/api/v1/nodes/{node}/heartbeat"): {"usage": []},
+    ("POST", "/api/v1/sessions/{course}"): "session",
+    ("PATCH", "/api/v1/sessions/{course}"): "later",
 }
 
 
@@ -152,7 +176,7 @@ def test_the_table_covers_every_route() -> None:
             assert statuses == PUBLIC, route
 
 
-@pytest.mark.broker_args("--gpus", "2x32768:V100")
+@pytest.mark.broker_args("--gpus", "2x32768:V100", "--quotas-file", str(COURSES))
 def test_authorization_matrix(broker: Broker) -> None:
     matrix_tokens(broker)
     got: dict[tuple[str, str], tuple[int, ...]] = {}
@@ -174,13 +198,22 @@ def test_authorization_matrix(broker: Broker) -> None:
                     assert as_("admin", "PUT", path, {"max_leases": 100}).status_code == 200
                 node = as_("admin", "PUT", f"/api/v1/nodes/{NODE}", NODE_BODY)
                 assert node.status_code == 200, node.text
-                path = template.format(lease_id=lease.json()["id"], name="_", node=NODE)
+                if template == "/api/v1/sessions/{course}" and method != "POST":
+                    r = as_("admin", "POST", SESSION, _session_body())  # one to extend or end
+                    assert r.status_code == 201, r.text
+                path = template.format(
+                    lease_id=lease.json()["id"], name="_", node=NODE, course="ml101"
+                )
                 path = path.replace("/users/_", "/users/alice").replace(
                     "/groups/_", "/groups/ml101"
                 )
                 body = BODIES.get((method, template))
                 if body == "acquire":
                     body = _acquire_body(0.02, group="ml101")
+                elif body == "session":
+                    body = _session_body()
+                elif body == "later":
+                    body = {"until": time.time() + 7200}
                 r = as_(LABEL[caller], method, path, body)
                 row.append(r.status_code)
                 if r.status_code >= 400:
@@ -189,6 +222,7 @@ def test_authorization_matrix(broker: Broker) -> None:
                 # undo: every lease ends, so each cell starts from the same pool
                 for x in as_("admin", "GET", "/api/v1/leases?all=1").json()["leases"]:
                     as_("admin", "DELETE", f"/api/v1/leases/{x['id']}")
+                assert as_("admin", "DELETE", SESSION).status_code in (200, 409)
             got[(method, template)] = tuple(row)
     assert_capacity(broker)
     mismatches = [
@@ -208,6 +242,10 @@ def test_authorization_matrix(broker: Broker) -> None:
 
 def _acquire_body(fraction: float, **extra: Any) -> dict[str, Any]:
     return {"kernel_id": f"k-{uuid.uuid4()}", "fraction": fraction, **extra}
+
+
+def _session_body() -> dict[str, Any]:
+    return {"until": time.time() + 3600, "seats": 1, "kernel_fraction": 0.02}
 
 
 def _check_error(r: httpx.Response, caller: str) -> None:

@@ -49,6 +49,7 @@ FULL: dict[str, Any] = {
     "mps_uid": 1000,
     "mps_server_uid": 1000,
     "kernel_refused": None,
+    "session": "GPU reserved for ml101 until 11:30",
     "parked_at": 50.0,
     "resume": {"position": 2, "eta_seconds": 40.0},
 }

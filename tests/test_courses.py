@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from provisioner.broker.courses import load_courses, parse_courses
+from provisioner.broker.courses import check_sessions, load_courses, parse_courses
 from provisioner.errors import CoursesFileError
-from provisioner.model import Quota
+from provisioner.model import GPU, Quota
 
 from .conftest import Broker
 
@@ -232,3 +232,94 @@ def test_kernel_manager_pays_the_provisioners_one_time_costs_at_server_start(
     GPULeaseKernelManager(root_dir=str(tmp_path))
     assert "provisioner.kernel.provisioner" in sys.modules
     assert _ssl_context.cache_info().currsize == 1
+
+
+# -- class sessions ------------------------------------------------------------------
+
+
+def _lab(**session: Any) -> dict[str, Any]:
+    base = {"days": ["tue"], "start": "10:00", "end": "11:30", "seats": 40}
+    return {
+        "courses": {
+            "ml101": {"quota": {"max_lease_fraction": 0.02}, "sessions": [{**base, **session}]}
+        }
+    }
+
+
+def test_sessions_are_read_with_their_share() -> None:
+    (plan,) = parse_courses(_lab(tz="Europe/Paris")).session_plans()
+    assert (plan.days, plan.tz, plan.share_ppm, plan.label) == (
+        (1,),
+        "Europe/Paris",
+        800_000,
+        "Tue 10:00-11:30",
+    )
+    exam_table = {
+        "date": "2026-12-15",
+        "start": "09:00",
+        "end": "12:00",
+        "share": 0.5,
+        "nodes": ["gpu-a"],
+    }
+    (exam,) = parse_courses({"courses": {"ml101": {"sessions": [exam_table]}}}).session_plans()
+    assert (exam.pool_fraction, exam.nodes, exam.label) == (
+        0.5,
+        ("gpu-a",),
+        "2026-12-15 09:00-12:00",
+    )
+
+
+@pytest.mark.parametrize(
+    ("session", "says"),
+    [
+        ({"tz": "Mars/Olympus"}, "'Mars/Olympus' is not an IANA time zone"),
+        ({"start": "25:00"}, 'must be a time such as "10:00"'),
+        ({"days": ["someday"]}, "a list of week days"),
+        ({"date": "2026-12-15"}, "needs either 'days'"),
+        ({"share": 0.5}, "needs either 'share'"),
+        ({"seats": 0}, "'seats' of session 1 of [courses.ml101]"),
+        ({"share": 1.5, "seats": None}, "'share'"),
+        ({"room": 12}, "unknown key(s) 'room'"),
+    ],
+)
+def test_bad_sessions_are_refused_with_a_sentence(session: dict[str, Any], says: str) -> None:
+    data = _lab(**session)
+    table = data["courses"]["ml101"]["sessions"][0]
+    for key in [k for k, v in table.items() if v is None]:
+        del table[key]
+    with pytest.raises(CoursesFileError) as caught:
+        parse_courses(data)
+    assert says in caught.value.message
+
+
+def test_seats_without_a_kernel_fraction_name_what_to_add() -> None:
+    data = _lab()
+    del data["courses"]["ml101"]["quota"]
+    with pytest.raises(CoursesFileError, match="add kernel_fraction = 0.02"):
+        parse_courses(data)
+
+
+def test_overbooked_sessions_are_refused_naming_which_and_by_how_much() -> None:
+    data = _lab(tz="Europe/Paris")
+    data["courses"]["ds200"] = {
+        "sessions": [
+            {"days": ["tue"], "start": "11:00", "end": "12:00", "tz": "Europe/Paris", "share": 0.5}
+        ]
+    }
+    courses = parse_courses(data)
+    gpus = [GPU("g0", "a", "V100", 32768, 0)]
+    with pytest.raises(CoursesFileError) as caught:
+        check_sessions(courses, gpus)
+    assert (
+        "ml101 (Tue 10:00-11:30) and ds200 (Tue 11:00-12:00) reserve 1.3 GPU at once but their "
+        "GPUs have 1: 0.3 GPU too much." in caught.value.message
+    )
+    check_sessions(courses, gpus * 1 + [GPU("g1", "a", "V100", 32768, 1)])  # two GPUs: fits
+    # without a declared pool, shares of the pool are summed; seats cannot be checked
+    check_sessions(courses, None)
+
+
+def test_the_shipped_file_plans_no_session_but_shows_how() -> None:
+    text = COURSES.read_text()
+    assert "# [[courses.ml101.sessions]]" in text
+    assert load_courses(str(COURSES)).session_plans() == []

@@ -541,3 +541,14 @@ def test_magic_says_whom_the_gpus_mps_server_serves(
         assert "MPS server:" not in text, text
     else:
         assert f"  MPS server: {words}" in text, text
+
+
+def test_magic_shows_a_members_class_session(magic, monkeypatch, tmp_path):
+    state = tmp_path / "state.json"
+    note = "GPU reserved for ml101 until 11:30"
+    state.write_text(json.dumps({"state": "active", "expires_at": 1090.4, "session": note}))
+    for key, value in lease_environment(LEASE, state_file=str(state)).items():
+        monkeypatch.setenv(key, value)
+    info = magic.lease_info()
+    assert info["session"] == note
+    assert f"class:      {note}" in magic.format_info(info, now=1000.0)

@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from provisioner.broker.rules import admission, node_rules, scheduling
+from provisioner.broker.rules import admission, node_rules, scheduling, sessions
 from provisioner.broker.rules.policy import Ask, Policy
 from provisioner.broker.rules.scheduling import Existing, Grant, Queued
 from provisioner.errors import GPULeaseError
-from provisioner.model import GPU, Changes, PoolState, Quota, QuotaBook
+from provisioner.model import GPU, Changes, ClassSession, PoolState, Quota, QuotaBook
 
 GPUS = [
     GPU("g-v100", "a", "V100", 32768, 0),
@@ -261,7 +261,8 @@ class Broker(RuleBasedStateMachine):
         }[parking]
         before = {i for i, x in self.state.leases.items() if x.park is not None}
         reaped = scheduling.reap(self.state, self.now, self.policy, can_park=can_park)
-        if reaped.revoked or reaped.parking:
+        freed = {x.id for x, _ in reaped.freed}  # a class session's share, freed at its start
+        if [x for x in [*reaped.revoked, *reaped.parking] if x.id not in freed]:
             assert self.state.queue or reaped.changes.granted or reaped.changes.resumed, (
                 "idle leases reclaimed while nobody waited"
             )
@@ -439,3 +440,133 @@ def test_no_starvation_every_waiting_request_is_served_as_leases_end():
         scheduling.end(m.state, [(oldest, "released", None)], m.now, m.policy)
         scheduling.check_invariants(m.state, m.policy)
     assert served == set(waiting)
+
+
+# -- class sessions ------------------------------------------------------------------
+
+#: ml101 (ann, bob) reserves 0.3 GPU (fifteen seats of 0.02) from t=600 to t=2400; a
+#: research course (dee) half of node b from t=1200 to t=3000; cyd belongs to neither
+SESSIONS = (
+    ClassSession("ml101", 600.0, 2400.0, share_ppm=300_000),
+    ClassSession("lab", 1200.0, 3000.0, pool_fraction=0.5, nodes=("b",)),
+)
+SESSION_GROUPS = {**GROUPS, "dee": frozenset({"lab"})}
+
+
+class SessionBroker(Broker):
+    """The machine with class sessions on the timetable (lead time, hours, lending back,
+    their end), and instructors starting and ending sessions by hand. After every step:
+    nothing is reserved beyond the pool (``check_invariants``), a member of a course in
+    session never waits while the share has room for the kernel, and the queue's head
+    (members first in their share, others beside the held shares) cannot be placed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = Policy(
+            ttl=90,
+            idle_reclaim_after=300,
+            queue_poll_grace=30,
+            starvation_after=600,
+            session_lead=300,
+            session_lend_after=900,
+            session_busy_grace=600,
+        )
+        self.state.sessions = SESSIONS
+
+    @rule(
+        user=st.sampled_from(USERS),
+        kernel=st.sampled_from(KERNELS),
+        ppm=st.sampled_from(FRACTIONS),
+        node=st.sampled_from([None, None, "a", "b"]),
+    )
+    def acquire(self, user, kernel, ppm, node, mps=False):
+        ask = Ask(user, kernel, ppm, groups=SESSION_GROUPS[user], node=node)
+        quota = admission.effective_quota(self.book, user, SESSION_GROUPS[user])
+        try:
+            d, changes = scheduling.acquire(
+                self.state, ask, quota, self.now, self.policy, self.new_id
+            )
+        except GPULeaseError:
+            return
+        if isinstance(d.outcome, Queued) and node is None:
+            assert not self._room_for(d.outcome.request), "a member waits beside free share"
+        # nobody is granted into another course's unused share held now
+        sh = sessions.shares(self.state, self.now, self.policy)
+        for grant in changes.granted:
+            uuid = grant.lease.gpu_uuid
+            held_back = sh.extra(grant.lease.groups).get(uuid, 0)
+            if held_back:
+                assert self.state.allocated[uuid] + held_back <= self.policy.capacity_ppm, grant
+
+    @rule(
+        course=st.sampled_from(["ml101", "lab"]),
+        length=st.sampled_from([60.0, 600.0, 3600.0]),
+        share=st.sampled_from([100_000, 1_000_000, 5_000_000]),
+    )
+    def start_by_hand(self, course, length, share):
+        """An instructor starts a session now (a share beyond the pool is cut), or ends
+        every session of the course (a zero-length one); the service drains."""
+        kept = tuple(s for s in self.state.sessions if s.course != course or s.source != "hand")
+        if length == 60.0:
+            self.state.sessions = kept
+        else:
+            fresh = ClassSession(
+                course, self.now, self.now + length, share_ppm=share, source="hand"
+            )
+            self.state.sessions = (*kept, fresh)
+        scheduling.grant_waiting(self.state, self.now, self.policy, Changes(self.now))
+
+    def _room_for(self, req) -> bool:
+        """Whether the share of a course of ``req``'s user held now has room for it."""
+        if req.node is not None or req.gpu_uuids is not None or req.mps_uid is not None:
+            return False
+        sh = sessions.shares(self.state, self.now, self.policy)
+        extra = sh.extra(req.groups)
+        ok = scheduling.usable_gpus(self.state, req.fraction_ppm, self.policy)
+        for h in sh.mine(req.groups):
+            for g in ok:
+                fits = (
+                    self.state.allocated[g.uuid] + extra.get(g.uuid, 0) + req.fraction_ppm
+                    <= self.policy.capacity_ppm
+                )
+                if h.unused(g.uuid) >= req.fraction_ppm and fits:
+                    return True
+        return False
+
+    @invariant()
+    def members_never_wait_beside_free_share(self):
+        for req in self.state.queue.values():
+            assert not self._room_for(req), f"{req.user} waits while its share has room"
+
+    @invariant()
+    def drain_is_complete(self):
+        order = scheduling.queue_order(self.state, self.now, self.policy)
+        if order:
+            head = order[0]
+            ok = scheduling.usable_gpus(
+                self.state, head.fraction_ppm, self.policy, head.node, head.gpu_uuids
+            )
+            sh = sessions.shares(self.state, self.now, self.policy)
+            placed = scheduling.place_for(
+                sh, head.groups, ok, self.state.allocated, head.fraction_ppm, self.policy
+            )
+            assert placed is None
+
+    @invariant()
+    def reserves_within_the_pool(self):
+        sh = sessions.shares(self.state, self.now, self.policy)
+        per_gpu: dict[str, int] = {}
+        for h in sh.held:
+            for uuid, n in h.reserved.items():
+                per_gpu[uuid] = per_gpu.get(uuid, 0) + n
+        assert all(n <= self.policy.capacity_ppm for n in per_gpu.values())
+        assert set(per_gpu) <= set(self.state.gpus)
+
+
+SessionBroker.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSessionInvariants = SessionBroker.TestCase

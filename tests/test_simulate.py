@@ -9,6 +9,7 @@ import pytest
 from provisioner.broker.rules.policy import Policy
 from provisioner.devtools.simulate import (
     SCHEMES,
+    SESSIONS,
     PoolSpec,
     Scheme,
     Session,
@@ -18,6 +19,7 @@ from provisioner.devtools.simulate import (
     load_trace,
     metrics,
     percentile,
+    session_metrics,
 )
 from provisioner.model import PPM
 
@@ -203,3 +205,36 @@ def test_reclaim_loses_the_busy_time_the_kernel_had_run():
     m = metrics(result)
     assert (m.revoked, m.parked) == (1, 0)
     assert m.busy_h_lost == pytest.approx(10.0 / 3600)  # alice's one busy stretch, 0-10 s
+
+
+# -- class sessions ------------------------------------------------------------------------
+
+LABS = SMALL.parent / "labs.jsonl"
+
+
+def test_the_labs_trace_round_trips_its_timetable(tmp_path):
+    trace = load_trace(LABS)
+    assert [(c.course, c.share_ppm) for c in trace.class_sessions] == [
+        ("ml101", 800_000),
+        ("ml101", 800_000),
+        ("dl201", 1_500_000),
+        ("dl201", 1_500_000),
+    ]
+    trace.dump(tmp_path / "again.jsonl")
+    assert load_trace(tmp_path / "again.jsonl").class_sessions == trace.class_sessions
+
+
+def test_a_lab_trace_with_and_without_reservations():
+    """Invariants at every event (nothing reserved beyond the pool among them); members
+    asking at a lab's start wait less with their course's share reserved; parking loses
+    no kernel."""
+    trace = load_trace(LABS)
+    runs = {
+        s.name: session_metrics(Simulator(trace, s, check=True).run())
+        for s in [BY_NAME["ours"], *SESSIONS]
+        if s.name in ("ours", "sessions", "sessions-park")
+    }
+    assert runs["sessions"].member_start_n == runs["ours"].member_start_n > 100
+    assert runs["sessions"].member_start_p50 < runs["ours"].member_start_p50 / 5
+    assert runs["sessions"].member_start_p95 < runs["ours"].member_start_p95
+    assert runs["sessions-park"].others_lost == runs["sessions-park"].members_lost == 0

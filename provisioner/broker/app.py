@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tornado.httpserver import HTTPServer
 from tornado.web import Application as WebApplication
@@ -56,6 +56,9 @@ from .web.auth import AUTHENTICATORS, Authenticator
 from .web.handlers import normalize_base_url
 from .web.metrics import BrokerMetrics
 from .web.routes import make_app
+
+if TYPE_CHECKING:
+    from .courses import Courses
 
 log = logging.getLogger("gpu_lease.broker.app")
 
@@ -190,19 +193,24 @@ class GPULeaseBroker(BrokerOptions, Application):
             base_url=normalize_base_url(self.base_url),
         )
 
-    def quota_entries(self) -> list[tuple[str, str, Any]]:
-        """The ``(level, name, Quota)`` entries of ``quotas_file`` (none without one)."""
+    def load_courses(self, gpus: list[GPU]) -> Courses | None:
+        """The courses file ``quotas_file`` (None without one), its class sessions checked
+        against the declared pool ``gpus`` (``CoursesFileError``)."""
         if not self.quotas_file:
-            return []
-        from .courses import load_courses
+            return None
+        from .courses import check_sessions, load_courses
 
-        return load_courses(self.quotas_file).quota_entries()
+        courses = load_courses(self.quotas_file)
+        check_sessions(courses, gpus or None, self.policy(), source=repr(self.quotas_file))
+        return courses
 
-    def load_state(self, service: BrokerService, quota_entries: list[Any]) -> None:
-        """Rebuild the state from the store, then apply ``quotas_file`` (``GPULeaseError``)."""
+    def load_state(self, service: BrokerService, courses: Courses | None) -> None:
+        """Rebuild the state from the store, then apply ``quotas_file`` (``GPULeaseError``):
+        its quotas and its class sessions' timetable."""
         service.start()
-        if self.quotas_file:
-            service.quotas.apply_quotas(quota_entries, self.quotas_file)
+        if courses is not None:
+            service.quotas.apply_quotas(courses.quota_entries(), self.quotas_file)
+            startup.use_timetable(service, courses)
 
     def web_options(self) -> dict[str, Any]:
         """The options of :func:`routes.make_app` besides the service (also a front's)."""
@@ -256,7 +264,7 @@ class GPULeaseBroker(BrokerOptions, Application):
         try:
             gpus = self.load_inventory()
             authenticator = self.make_authenticator()
-            quota_entries = self.quota_entries()
+            courses = self.load_courses(gpus)
             store = startup.open_store(
                 self.db_url,
                 sqlite_synchronous=self.sqlite_synchronous,
@@ -285,7 +293,7 @@ class GPULeaseBroker(BrokerOptions, Application):
                 return 0 if store.fencing.supported else 2
             service.core.gate = leadership.check
         try:
-            self.load_state(service, quota_entries)
+            self.load_state(service, courses)
         except GPULeaseError as exc:
             self.log.critical("Cannot start: %s", exc.message)
             if leadership is not None:
@@ -320,7 +328,8 @@ class GPULeaseBroker(BrokerOptions, Application):
             service.close()
             return 2
         startup.collect_from_now_on()
-        reaper = startup.start_reaper(service, self.reap_interval, self.log)
+        watch = startup.CoursesWatch(self.quotas_file, service, self.log) if courses else None
+        reaper = startup.start_reaper(service, self.reap_interval, self.log, watch)
         keeper = self.keep_leadership(leadership, service, stop) if leadership else None
         with startup.stop_on_signals(stop):
             self.log_listening(gpus, store, authenticator)

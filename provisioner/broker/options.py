@@ -293,6 +293,34 @@ class BrokerOptions(HasTraits):
         someone waits for a GPU; 0 turns idle reclaim off. Default: {Policy.idle_reclaim_after or 0:g}.""",
     ).tag(config=True)
 
+    session_lead = Float(
+        Policy.session_lead,
+        help=f"""Seconds before a class session's start (courses file, or started by hand)
+        from which no new lease of a non-member is placed in the course's reserved share.
+        Default: {Policy.session_lead:g}.""",
+    ).tag(config=True)
+
+    session_lend_after = Float(
+        Policy.session_lend_after or 0.0,
+        help=f"""Seconds into a class session after which the unused part of its share is
+        lent back to everyone until a member of the course asks for a GPU; 0: never lent.
+        Default: {Policy.session_lend_after or 0:g}.""",
+    ).tag(config=True)
+
+    session_busy_grace = Float(
+        Policy.session_busy_grace or 0.0,
+        help=f"""Seconds after a class session's start after which non-members' BUSY kernels
+        in its share are parked or revoked too (idle ones are at the start); 0: never.
+        Default: {Policy.session_busy_grace or 0:g}.""",
+    ).tag(config=True)
+
+    @validate("session_lead", "session_lend_after", "session_busy_grace")
+    def _check_not_negative(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not value >= 0:
+            raise ValueError(f"{proposal['trait'].name} must be 0 or more seconds.")
+        return value
+
     queue_poll_grace = Float(
         Policy.queue_poll_grace,
         help="Seconds a queued request is kept after its client stopped polling. "
@@ -410,4 +438,7 @@ class BrokerOptions(HasTraits):
             node_grace=self.node_grace,
             overuse_grace=self.overuse_grace,
             overuse_tolerance_mb=self.overuse_tolerance_mb,
+            session_lead=self.session_lead,
+            session_lend_after=self.session_lend_after or None,
+            session_busy_grace=self.session_busy_grace or None,
         )

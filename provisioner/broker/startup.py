@@ -20,14 +20,14 @@ import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Union, cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.netutil import bind_sockets
 from tornado.web import Application as WebApplication
 
-from ..errors import NotActive, StoreError
+from ..errors import GPULeaseError, NotActive, StoreError
 from ..listeners import account, listening_on
 from ..model import GPU
 from .fronts.processes import COOKIE_SECRET_ENV, Fronts
@@ -40,6 +40,9 @@ from .web.auth import Authenticator
 from .web.handlers import DRAIN_LIMIT
 from .web.metrics import BrokerMetrics
 from .web.routes import make_app
+
+if TYPE_CHECKING:
+    from .courses import Courses
 
 #: the logger a step reports to (the Application's)
 Log = Union[logging.Logger, "logging.LoggerAdapter[Any]"]
@@ -252,12 +255,69 @@ async def start_fronts(
 
 
 # -- serving -----------------------------------------------------------------------------
-def start_reaper(service: BrokerService, reap_interval: float, log: Log) -> PeriodicCallback:
-    """Call ``service.reaper.tick()`` every ``reap_interval`` s; a failed pass is logged and
-    retried at the next one (a broker that is not serving skips its passes)."""
+def use_timetable(service: BrokerService, courses: Courses) -> None:
+    """Hand the courses file's class sessions (checked) to the service."""
+    service.sessions.use(
+        tuple(courses.session_plans()),
+        {name: frozenset(c.instructors) for name, c in courses.courses.items()},
+        {
+            name: c.quota.max_lease_fraction_ppm
+            for name, c in courses.courses.items()
+            if c.quota is not None and c.quota.max_lease_fraction_ppm
+        },
+    )
+
+
+class CoursesWatch:
+    """Reloads the courses file's class sessions when the file changes (its mtime), before
+    a reaper pass: a file that is good replaces the timetable; one that cannot be read or
+    is refused (``check_sessions``: more reserved than there is) is logged and the last
+    good one kept. Quotas are still applied at start only."""
+
+    def __init__(self, path: str, service: BrokerService, log: Log) -> None:
+        self.path = path
+        self.service = service
+        self.log = log
+        self.mtime = self._mtime()
+
+    def _mtime(self) -> float | None:
+        try:
+            return os.stat(self.path).st_mtime
+        except OSError:
+            return None
+
+    async def check(self) -> bool:
+        """Reload if the file changed; whether a new timetable is in use."""
+        mtime = self._mtime()
+        if mtime == self.mtime:
+            return False
+        self.mtime = mtime
+        from .courses import check_sessions, load_courses
+
+        core = self.service.core
+        try:
+            courses = load_courses(self.path)
+            check_sessions(courses, core.pool() or None, core.policy, source=repr(self.path))
+        except GPULeaseError as exc:
+            self.log.error("Kept the last good courses file: %s", exc.message)
+            return False
+        use_timetable(self.service, courses)
+        self.log.info("Reloaded the class sessions of %s", self.path)
+        await core.grant_waiting()
+        return True
+
+
+def start_reaper(
+    service: BrokerService, reap_interval: float, log: Log, watch: CoursesWatch | None = None
+) -> PeriodicCallback:
+    """Call ``service.reaper.tick()`` every ``reap_interval`` s (after ``watch``'s look at the
+    courses file); a failed pass is logged and retried at the next one (a broker that is
+    not serving skips its passes)."""
 
     async def reap() -> None:
         try:
+            if watch is not None:
+                await watch.check()
             await service.reaper.tick()
         except (StoreError, NotActive) as exc:
             log.warning("Reaper pass failed, will retry: %s", exc.message)

@@ -32,6 +32,7 @@ from .http import (
 from .leases import LeaseCalls, QueuedCallback, no_capacity_message
 from .nodes import NodeCalls
 from .quotas import QuotaCalls, quota_path
+from .sessions import SessionCalls
 
 __all__ = [
     "API_PREFIX",
@@ -43,6 +44,7 @@ __all__ = [
     "LeaseCalls",
     "LeasedGPU",
     "NodeCalls",
+    "SessionCalls",
     "PARK_STATES",
     "QueuedCallback",
     "QuotaCalls",

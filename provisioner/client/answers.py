@@ -119,6 +119,8 @@ class GrantedLease:
     mps_server_uid: int | None = None
     #: why the node's agent does not act on the kernel the renewals name (None: proven)
     kernel_refused: str | None = None
+    #: while a class session of the user's course is held: "GPU reserved for ml101 until 11:30"
+    session: str | None = None
     #: when the broker began parking it (None unless parked)
     parked_at: float | None = None
     #: a parked lease whose resume request waits: its place in the queue

@@ -81,6 +81,7 @@ from ..wire import ERROR_BY_STATUS
 from .leases import LeaseCalls
 from .nodes import NodeCalls
 from .quotas import QuotaCalls
+from .sessions import SessionCalls
 
 log = logging.getLogger("gpu_lease.client")
 
@@ -331,6 +332,11 @@ class BrokerClient:
     def quotas(self) -> QuotaCalls:
         """Quota and usage calls."""
         return QuotaCalls(self)
+
+    @property
+    def sessions(self) -> SessionCalls:
+        """Class sessions: the timetable; start, extend and end (a course's instructors)."""
+        return SessionCalls(self)
 
     @property
     def nodes(self) -> NodeCalls:

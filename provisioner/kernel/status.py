@@ -124,7 +124,8 @@ class LeaseBoard:
         self._stoppers[kernel_id] = stop
 
     def queued(self, kernel_id: str, answer: dict[str, Any]) -> None:
-        """A ``202`` answer of the broker: place in the queue, its length, the estimated wait."""
+        """A ``202`` answer of the broker: place in the queue, its length, the estimated wait,
+        and why it waits."""
         old = self.live.get(kernel_id)
         if old is None or old.state != "waiting":
             return
@@ -134,6 +135,8 @@ class LeaseBoard:
             waiting=_int(answer.get("queue_length")),
             eta_seconds=_seconds(answer.get("eta_seconds")),
             request_id=answer.get("id") if isinstance(answer.get("id"), str) else old.request_id,
+            # why it waits (a class session's reserved share names its course and end)
+            reason=answer.get("reason") if isinstance(answer.get("reason"), str) else old.reason,
             updated_at=self.clock(),
         )
 
@@ -148,6 +151,8 @@ class LeaseBoard:
             waiting=length if length is not None else old.waiting,
             eta_seconds=_seconds(entry.get("eta_seconds")),
             request_id=entry.get("id") if isinstance(entry.get("id"), str) else old.request_id,
+            # a class session's reserved share, named (the queue's entry says it)
+            reason=entry.get("session") if isinstance(entry.get("session"), str) else old.reason,
             updated_at=self.clock(),
         )
 

@@ -16,10 +16,12 @@ the broker at most one request per server per interval.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import inspect
 import os
 import time
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from traitlets import Float, Unicode, default
 from traitlets.config import LoggingConfigurable
@@ -28,6 +30,21 @@ from ..client import BrokerClient, broker_env
 from ..errors import GPULeaseError
 from ..kernel.kernelspecs import PROVISIONER_NAME
 from ..kernel.status import ENDED, LeaseBoard, board_for
+
+
+def session_text(s: dict[str, Any]) -> str:
+    """A held class session as the launcher's outlook says it: to a member "GPU reserved
+    for ml101 until 11:30", to anyone else "Part of the GPUs is reserved for ml101's class
+    session until 11:30"."""
+    try:
+        zone: dt.tzinfo = ZoneInfo(str(s.get("tz") or "UTC"))
+    except (ZoneInfoNotFoundError, ValueError):
+        zone = dt.UTC
+    until = f"{dt.datetime.fromtimestamp(float(s.get('end') or 0), zone):%H:%M}"
+    course = s.get("course")
+    if s.get("member"):
+        return f"GPU reserved for {course} until {until}"
+    return f"Part of the GPUs is reserved for {course}'s class session until {until}"
 
 
 class GPULeaseLab(LoggingConfigurable):
@@ -61,6 +78,8 @@ class GPULeaseLab(LoggingConfigurable):
         self.broker_requests = 0
         #: the pool and the queue's length as last asked (outlooks), and when
         self._pool: tuple[float, list[dict[str, Any]], int] | None = None
+        #: the class sessions held now (lead time or hours), as the pool was last asked
+        self._sessions: list[dict[str, Any]] = []
 
     # -- what the handlers call ---------------------------------------------------------------
     @property
@@ -190,6 +209,8 @@ class GPULeaseLab(LoggingConfigurable):
         pool = await self._pool_now()
         if pool is None:
             return out  # the broker did not answer: the kernel's size only
+        if self._sessions:  # a class session held now: "GPU reserved for ml101 until 11:30"
+            out["session"] = session_text(self._sessions[0])
         gpus, length = pool
         room = sorted(
             gpus,
@@ -221,6 +242,14 @@ class GPULeaseLab(LoggingConfigurable):
         except GPULeaseError as exc:
             self.log.debug("jupyter-gpu-lease: no outlook this time: %s", exc)
             return None
+        try:
+            self.broker_requests += 1
+            listed = (await client.sessions.listing()).get("sessions") or []
+        except GPULeaseError:  # a broker older than class sessions: none
+            listed = []
+        held = [x for x in listed if isinstance(x, dict) and x.get("state") != "planned"]
+        # the user's own course's session first
+        self._sessions = sorted(held, key=lambda x: not x.get("member"))
         length = answer.get("length")
         self._pool = (now, gpus, length if isinstance(length, int) else 0)
         return gpus, self._pool[2]

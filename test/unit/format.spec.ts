@@ -2,7 +2,7 @@
 // that a notification's text fits JupyterLab's 140 characters.
 import { nullTranslator } from '@jupyterlab/translation';
 
-import { IKernelLease, ILease } from '../../src/api';
+import { IKernelLease, ILease, IOutlook } from '../../src/api';
 import {
   aboutWait,
   endedMessage,
@@ -13,6 +13,7 @@ import {
   memoryUse,
   mib,
   ordinal,
+  outlookText,
   queuePlace,
   statusText,
   TOAST_LIMIT,
@@ -88,6 +89,30 @@ describe('the status bar', () => {
     const unknown = { ...active, lease: { ...lease, used_mb: null } };
     expect(memoryUse(unknown)).toBeNull();
     expect(statusText(unknown, trans)).toBe('GPU 0.02 · V100 · cap 143 MiB');
+  });
+
+  it("shows a member's class session", () => {
+    const member = {
+      ...active,
+      lease: { ...lease, session: 'GPU reserved for ml101 until 11:30' }
+    };
+    expect(statusText(member, trans)).toBe(
+      'GPU 0.02 · V100 · cap 143 MiB · GPU reserved for ml101 until 11:30'
+    );
+  });
+
+  it("says a class session's reserved share where a GPU kernel would start", () => {
+    const outlook: IOutlook = {
+      name: 'ml101-gpu',
+      display_name: 'GPU 0.02',
+      fraction: 0.02,
+      gpu_name: 'V100',
+      free_now: true,
+      session: 'GPU reserved for ml101 until 11:30'
+    };
+    expect(outlookText(0.02, outlook, trans)).toBe(
+      'GPU 0.02 · 2 % of a V100 · free now · GPU reserved for ml101 until 11:30'
+    );
   });
 
   it('shows the queue place', () => {

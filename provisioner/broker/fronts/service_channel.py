@@ -83,6 +83,7 @@ METHODS: dict[str, frozenset[str]] = {
     "nodes": frozenset(
         {"register_node", "drain_node", "node_heartbeat", "node_orders", "list_nodes"}
     ),
+    "sessions": frozenset({"list", "start", "extend", "end"}),
 }
 #: what a front may call besides: the broker's policy, and its metrics rendered
 ROOT_METHODS = frozenset({"policy", "render_metrics"})
@@ -390,6 +391,7 @@ class RemoteService:
         self.kernels = _RemotePart(self, "kernels")
         self.quotas = _RemotePart(self, "quotas")
         self.nodes = _RemotePart(self, "nodes")
+        self.sessions = _RemotePart(self, "sessions")
         self.queries = _RemoteQueries(self, "queries")
 
     async def connect(self, path: str) -> None:

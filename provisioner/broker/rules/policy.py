@@ -33,6 +33,15 @@ class Policy:
     overuse_tolerance_mb: int = 256
     #: seconds a kernel must stay over its lease before an enforcing agent's node revokes it
     overuse_grace: float = 10.0
+    #: seconds before a class session's start from which no non-member's new lease is
+    #: placed in its reserved share (``rules/sessions.py``)
+    session_lead: float = 600.0
+    #: seconds into a class session after which its share's unused part is lent back to
+    #: everyone until a member of the course asks (None: never lent)
+    session_lend_after: float | None = 900.0
+    #: seconds after a class session's start after which non-members' busy kernels in its
+    #: share are freed too (None: never; idle ones are freed at the start)
+    session_busy_grace: float | None = None
 
     @property
     def capacity_ppm(self) -> int:

@@ -42,6 +42,10 @@ Key rules (docs/developers.md, "The core's rules", sums them up for readers):
   kernels idle longer than ``idle_reclaim_after`` on the GPU where the fewest such
   revocations make room are revoked -- or parked, where the service's ``can_park``
   says the node can take the kernel's GPU memory into host RAM.
+* Class sessions (``sessions``): a course's reserved share is left free for its members
+  from ``session_lead`` before the start (non-members are placed only in the rest),
+  members are placed in it first (:func:`place_for`), and from the start the reaper frees
+  it from non-members' kernels as it frees idle ones (:func:`reap`).
 * Parking (``model.Lease.park``): a victim goes ``parking`` (it still holds its
   share), then ``parked`` when its node agent reports the checkpoint done
   (:func:`park_done`: its share is freed, ``PoolState.parked``); its owner's
@@ -75,6 +79,7 @@ from ...wire import ppm_to_fraction
 from .admission import admit, check_course
 from .node_rules import mps_blocked, mps_claim_window, mps_owners, mps_owners_of
 from .policy import Ask, Policy
+from .sessions import Shares, effective, freed_reason, reserve, shares, victims, waiting_reason
 
 # -- decisions -----------------------------------------------------------------
 
@@ -219,6 +224,32 @@ def place(
     return best
 
 
+def place_for(
+    sh: Shares | None,
+    groups: Iterable[str],
+    ok: list[GPU],
+    alloc: dict[str, int],
+    ppm: int,
+    policy: Policy,
+    exclude: frozenset[str] | set[str] = frozenset(),
+    blocked: frozenset[str] | set[str] = frozenset(),
+) -> GPU | None:
+    """:func:`place` with the class sessions held now (``sh``): a member of a course whose
+    share has room for ``ppm`` on a GPU is placed there first (past ``exclude``, the queue
+    head's reservation; never on a ``blocked`` one); anyone else is placed as if the other
+    courses' unused shares were allocated."""
+    if not sh:
+        return place(ok, alloc, ppm, policy, exclude=exclude | blocked if blocked else exclude)
+    extra = sh.extra(groups)
+    eff = effective(alloc, extra)
+    for h in sh.mine(groups):
+        room = [g for g in ok if h.unused(g.uuid) >= ppm and g.uuid not in blocked]
+        gpu = place(room, eff, ppm, policy) if room else None
+        if gpu is not None:
+            return gpu
+    return place(ok, eff, ppm, policy, exclude=exclude | blocked if blocked else exclude)
+
+
 # -- queue ------------------------------------------------------------------
 
 
@@ -295,6 +326,9 @@ def drain(
         extra is not None and extra.mps_uid is not None
     )
     owners = mps_owners(state, now, policy) if mps else {}
+    sh = (
+        shares(state, now, policy, asking=extra.groups if extra else ()) if state.sessions else None
+    )
     while True:
         reserved: set[str] = set()
         granted = len(grants)
@@ -306,12 +340,8 @@ def drain(
                 continue  # its lease ended: grant_waiting drops it
             ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
             blocked = mps_blocked(owners, req.mps_uid) if mps else None
-            gpu = place(
-                ok,
-                alloc,
-                req.fraction_ppm,
-                policy,
-                exclude=reserved | blocked if blocked else reserved,
+            gpu = place_for(
+                sh, req.groups, ok, alloc, req.fraction_ppm, policy, reserved, blocked or set()
             )
             if gpu is not None:
                 alloc[gpu.uuid] = alloc.get(gpu.uuid, 0) + req.fraction_ppm
@@ -335,6 +365,8 @@ def drain(
                     owners.setdefault(gpu.uuid, set()).update(claim.get(gpu.uuid, set()))
                 done.add(req.id)
                 grants.append(Grant(lease, req))
+                if sh:
+                    sh.note(lease)
                 if parked is None:
                     held[req.user] = held.get(req.user, 0) + req.fraction_ppm
             elif policy.backfill and not reserved and ok:
@@ -440,12 +472,22 @@ def decide_acquire(
         touched = replace(waiting, last_polled_at=now, mps_uid=uid)
         ok = usable_gpus(state, waiting.fraction_ppm, policy, waiting.node, waiting.gpu_uuids)
         blocked = mps_blocked(mps_owners(state, now, policy), uid) if uid is not None else set()
+        held = shares(state, now, policy) if state.sessions else None
         return AcquireDecision(
             Queued(
                 touched,
                 position_of(state, waiting.key, now, policy),
                 new=False,
-                reason=why_waiting(state, ok, waiting.fraction_ppm, policy, waiting.node, blocked),
+                reason=why_waiting(
+                    state,
+                    ok,
+                    waiting.fraction_ppm,
+                    policy,
+                    waiting.node,
+                    blocked,
+                    held,
+                    waiting.groups,
+                ),
             )
         )
 
@@ -458,8 +500,11 @@ def decide_acquire(
         else set()
     )
 
+    sh = shares(state, now, policy, asking=ask.groups) if state.sessions else None
     if not state.queue:
-        gpu = place(ok, state.allocated, ask.fraction_ppm, policy, exclude=blocked)
+        gpu = place_for(
+            sh, ask.groups, ok, state.allocated, ask.fraction_ppm, policy, set(), blocked
+        )
         if gpu is not None:
             grant = Grant(new_lease(ask, gpu, now, policy, new_id()))
             return AcquireDecision(grant, [grant])
@@ -488,7 +533,9 @@ def decide_acquire(
             req,
             position,
             new=True,
-            reason=why_waiting(state, ok, req.fraction_ppm, policy, req.node, blocked),
+            reason=why_waiting(
+                state, ok, req.fraction_ppm, policy, req.node, blocked, sh, req.groups
+            ),
         ),
         grants,
     )
@@ -501,8 +548,13 @@ def why_waiting(
     policy: Policy | None = None,
     node: str | None = None,
     mps_serving: set[str] | frozenset[str] = frozenset(),
+    sh: Shares | None = None,
+    groups: Iterable[str] = (),
 ) -> str:
     """Sentences for a student whose request (of ``ppm``) waits: how full its GPUs are.
+
+    With class sessions held now (``sh``) that keep part of its GPUs from this asker (of
+    ``groups``), the first sentence names each course and the end of its session.
 
     GPUs are named as ``gpu-lease top`` names them (``GPU 0 (V100)``, with the node when
     the pool has several), never by UUID. When a smaller kernel could be placed right
@@ -515,6 +567,11 @@ def why_waiting(
     """
     if not ok:
         return "No GPU can take this request right now."
+    if sh:
+        blocking = sh.blocking(groups, [g.uuid for g in ok])
+        if blocking:
+            then = why_waiting(state, ok, ppm, policy, node, mps_serving)
+            return f"{waiting_reason(blocking)} {then}"
     policy = policy or Policy()
     nodes = {g.node for g in state.gpus.values()}
 
@@ -696,8 +753,12 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
     cap = policy.capacity_ppm
     mps = any(r.mps_uid is not None for r in state.queue.values())
     owners = mps_owners(state, now, policy) if mps else {}
+    sh = shares(state, now, policy) if state.sessions else None
     for req in queue_order(state, now, policy):
         ok = usable_gpus(state, req.fraction_ppm, policy, req.node, req.gpu_uuids)
+        if sh:  # a GPU whose free part a class session holds back is no room for it
+            extra = sh.extra(req.groups)
+            ok = [g for g in ok if not extra.get(g.uuid)]
         if req.mps_uid is not None:  # revoking idle leases does not free a GPU's MPS server
             blocked = mps_blocked(owners, req.mps_uid)
             ok = [g for g in ok if g.uuid not in blocked]
@@ -713,7 +774,7 @@ def idle_victims(state: PoolState, now: float, policy: Policy) -> list[Lease]:
             for lease in idle_by_gpu.get(g.uuid, []):
                 if need <= 0:
                     break
-                if lease.id in taken:
+                if lease.id in taken or (sh and sh.protects(lease, req.groups)):
                     continue
                 chosen.append(lease)
                 need -= lease.fraction_ppm
@@ -846,6 +907,9 @@ class Reaped:
     dropped: list[Request] = field(default_factory=list)
     revoked: list[Lease] = field(default_factory=list)
     parking: list[Lease] = field(default_factory=list)
+    #: non-members' leases freed from a class session's share (parked or revoked; also in
+    #: ``parking`` or ``revoked``), with the course
+    freed: list[tuple[Lease, str]] = field(default_factory=list)
 
 
 def idle_reason(policy: Policy) -> str:
@@ -890,11 +954,38 @@ def reap(
     for req in stale:
         state.queue.pop(req.key, None)
         changes.dropped.append((req, "dropped"))
-    victims = idle_victims(state, now, policy)
+    why = idle_reason(policy)
+    revoked, parking = _reclaim(
+        state, [(v, why) for v in idle_victims(state, now, policy)], now, policy, changes, can_park
+    )
+    freed: list[tuple[Lease, str]] = []
+    if state.sessions:  # a class session under way frees its share from non-members
+        chosen = victims(state, now, policy, shares(state, now, policy), idle_since)
+        more, parked = _reclaim(
+            state, [(v, freed_reason(s)) for v, s in chosen], now, policy, changes, can_park
+        )
+        course = {v.id: s.course for v, s in chosen}
+        freed = [(x, course[x.id]) for x in [*parked, *(x for x, _, _ in more)]]
+        revoked += more
+        parking += parked
+    if drain_queue:
+        grant_waiting(state, now, policy, changes)
+    return Reaped(changes, gone, stale, [x for x, _, _ in revoked], parking, freed)
+
+
+def _reclaim(
+    state: PoolState,
+    chosen: list[tuple[Lease, str]],
+    now: float,
+    policy: Policy,
+    changes: Changes,
+    can_park: Callable[[Lease], str | None] | None,
+) -> tuple[list[tuple[Lease, str, str | None]], list[Lease]]:
+    """Park (where ``can_park`` says None) or revoke each ``(lease, why)``, applied into
+    ``changes``; the revoked ``(lease, state, reason)`` and the leases now ``parking``."""
     revoked: list[tuple[Lease, str, str | None]] = []
     parking: list[Lease] = []
-    why = idle_reason(policy)
-    for victim in victims:
+    for victim, why in chosen:
         if can_park is None:
             revoked.append((victim, "revoked", why))
             continue
@@ -911,9 +1002,7 @@ def reap(
             revoked.append((victim, "revoked", said))
     if revoked:
         changes.extend(end(state, revoked, now, policy, drain_queue=False))
-    if drain_queue:
-        grant_waiting(state, now, policy, changes)
-    return Reaped(changes, gone, stale, [x for x, _, _ in revoked], parking)
+    return revoked, parking
 
 
 # -- parking ----------------------------------------------------------------
@@ -1106,6 +1195,14 @@ def check_invariants(state: PoolState, policy: Policy) -> None:
         assert of is not None, f"resume request {req.id} of a lease not parked"
         assert req.key == of.user_kernel and req.gpu_uuids == (of.gpu_uuid,), req
         assert req.fraction_ppm == of.fraction_ppm, req
+    if state.sessions:  # nothing is reserved beyond the pool
+        reserved: dict[str, int] = {}
+        for per_gpu in reserve(state, state.sessions, policy).values():
+            for uuid, n in per_gpu.items():
+                assert uuid in state.gpus, f"a share reserved on {uuid}, not in the pool"
+                reserved[uuid] = reserved.get(uuid, 0) + n
+        for uuid, n in reserved.items():
+            assert 0 < n <= policy.capacity_ppm, f"GPU {uuid} reserved {n} ppm"
     for uuid, total in totals.items():
         assert total <= policy.capacity_ppm, f"GPU {uuid} over-allocated: {total} ppm"
         assert state.allocated.get(uuid, 0) == total, f"allocated map drifted on {uuid}"

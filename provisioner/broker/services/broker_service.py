@@ -10,6 +10,7 @@ call the service that does the job, one call per request:
 - ``service.quotas`` (``quotas.py``): quotas and usage;
 - ``service.nodes`` (``nodes.py``): node agents' registrations, heartbeats and over-use;
 - ``service.queries`` (``queries.py``): reads (leases, queue, GPUs, health, history);
+- ``service.sessions`` (``sessions.py``): class sessions (the timetable, instructors);
 - ``service.reaper`` (``reaper.py``): the reaper's passes, which ``app.py`` runs;
 - ``service.core`` (``core.py``): the state they share, and the one way to change it
   (decide, commit through the writer, answer; reconcile after a refused batch).
@@ -38,6 +39,7 @@ from .quotas import QuotaService, QuotaStanding
 from .reaper import Reaper
 from .resume import ResumeResult, ResumeService
 from .service_core import REAP_INTERVAL, Metrics, ParkSettings, ServiceCore, new_id
+from .sessions import SessionService
 
 log = logging.getLogger("gpu_lease.broker")
 
@@ -74,6 +76,7 @@ class BrokerService:
         self.nodes = NodeService(self.core)
         self.queries = QueryService(self.core)
         self.reaper = Reaper(self.core)
+        self.sessions = SessionService(self.core)
 
     @property
     def state(self) -> PoolState:

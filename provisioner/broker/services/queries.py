@@ -15,7 +15,7 @@ from ..._version import __version__
 from ...errors import Forbidden, InvalidRequest
 from ...model import GPU, Identity, Lease, Request, ppm_to_fraction
 from ...wire import lease_enforcement
-from ..rules import history, node_rules, scheduling
+from ..rules import history, node_rules, scheduling, sessions
 from .service_core import ServiceCore, check_owner
 
 log = logging.getLogger("gpu_lease.broker")
@@ -49,6 +49,8 @@ class Waiting:
     request: Request
     waiting_s: float
     eta_seconds: float | None
+    #: a class session of another course holds part of its GPUs back: the sentence
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class LeaseUsage:
     #: why the node's agent does not act on the kernel the lease's renewals claim (None:
     #: proven, or no agent said)
     kernel_refused: str | None = None
+    #: while a class session of one of the lease's user's courses is held: "GPU reserved
+    #: for ml101 until 11:30" (``rules/sessions.member_note``)
+    session: str | None = None
 
 
 class QueryService:
@@ -124,13 +129,19 @@ class QueryService:
         """``GET /api/v1/queue``: the waiting requests in queue order; a user sees their own."""
         await self.core.ready()
         now = self.core.clock()
-        return [
-            Waiting(pos, req, now - req.arrived_at, self.core.eta(req.key, now))
-            for pos, req in enumerate(
-                scheduling.queue_order(self.core.state, now, self.core.policy), start=1
-            )
-            if ident.admin or req.user == ident.user
-        ]
+        state = self.core.state
+        held = sessions.shares(state, now, self.core.policy) if state.sessions else None
+        out = []
+        for pos, req in enumerate(scheduling.queue_order(state, now, self.core.policy), start=1):
+            if not (ident.admin or req.user == ident.user):
+                continue
+            note = None
+            if held:
+                gpus = scheduling.candidate_gpus(state, req.node, req.gpu_uuids)
+                blocking = held.blocking(req.groups, [g.uuid for g in gpus])
+                note = sessions.waiting_reason(blocking) if blocking else None
+            out.append(Waiting(pos, req, now - req.arrived_at, self.core.eta(req.key, now), note))
+        return out
 
     def queue_length(self) -> int:
         """How many requests wait in the queue (everyone's, also for a student)."""
@@ -167,8 +178,15 @@ class QueryService:
         """What the lease's node reports: see :class:`LeaseUsage`."""
         node = node_rules.node_of(self.core.state, self.core.nodes, lease.gpu_uuid)
         resume = self.resume_place(lease)
+        note = (
+            sessions.member_note(
+                self.core.state.sessions, lease.groups, self.core.clock(), self.core.policy
+            )
+            if self.core.state.sessions
+            else None
+        )
         if node is None:
-            return LeaseUsage(None, lease_enforcement(None), None, resume=resume)
+            return LeaseUsage(None, lease_enforcement(None), None, resume=resume, session=note)
         return LeaseUsage(
             self.core.used_mb.get(lease.id),
             lease_enforcement(
@@ -178,6 +196,7 @@ class QueryService:
             node.mps_uid.get(lease.gpu_uuid),
             resume,
             self.core.kernel_places.refused.get(lease.id),
+            note,
         )
 
     def resume_place(self, lease: Lease) -> dict[str, float | int | None] | None:

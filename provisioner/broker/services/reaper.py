@@ -108,6 +108,7 @@ class Reaper:
         their node can, revoked elsewhere); commit; log and count each park, fallback and
         timeout. Returns the pass and the leases revoked for parking too long."""
         self.core.close_gpus(now)
+        self.core.use_timetable(now)  # class sessions begin and end with the clock
         self.core.refresh_mps_owners()  # the pass's drain sees the proofs made since
         timeout = self.core.park.timeout
         overdue = scheduling.parking_overdue(self.core.state, now, timeout)
@@ -187,6 +188,18 @@ class Reaper:
             )
         if self.core.park.idle:  # parking turned off refuses nothing
             metrics.parked("refused", len(fallbacks))
+        freed: dict[str, int] = {}
+        for lease, course in reaped.freed:
+            freed[course] = freed.get(course, 0) + 1
+            log.info(
+                "Freed lease %s… of %s kernel %s from %s's class session share",
+                lease.id[:6],
+                lease.user,
+                lease.kernel_id,
+                course,
+            )
+        for course, n in freed.items():
+            metrics.session_freed(course, n)
 
     async def _persist_heartbeats(self, now: float) -> None:
         """Write the latest heartbeat of every lease renewed since the last pass, at most

@@ -77,6 +77,7 @@ from ..rules import estimates, node_rules, scheduling
 from ..rules.kernel_places import KernelPlaces
 from ..rules.node_kernels import NodeKernels
 from ..rules.policy import Policy
+from ..rules.sessions import Timetable
 from ..store.commit_thread import Writer
 from ..store.store import Store
 from .long_polls import LongPolls
@@ -103,6 +104,7 @@ class Metrics(Protocol):
     def parked(self, outcome: str, count: int) -> None: ...
     def resumed(self, outcome: str, count: int) -> None: ...
     def observe_resume_wait(self, seconds: float) -> None: ...
+    def session_freed(self, course: str, count: int) -> None: ...
 
 
 class _NoMetrics:
@@ -131,6 +133,9 @@ class _NoMetrics:
         pass
 
     def observe_resume_wait(self, seconds: float) -> None:
+        pass
+
+    def session_freed(self, course: str, count: int) -> None:
         pass
 
 
@@ -272,6 +277,12 @@ class ServiceCore:
         self.node_parking: dict[str, NodeParking] = {}
         #: lease id -> when its owner first asked to resume it (``resume_wait_seconds``)
         self.resume_asked: dict[str, float] = {}
+        #: the class sessions' timetable (``services/sessions.py`` keeps it)
+        self.timetable = Timetable()
+
+    def use_timetable(self, now: float) -> None:
+        """The core sees the sessions near ``now`` (each reaper pass, each change)."""
+        self.state.sessions = self.timetable.near(now)
 
     # -- start-up, serving or not ---------------------------------------------------------
     def drain_before_serving(self, now: float) -> None:
@@ -497,6 +508,7 @@ class ServiceCore:
             if req.id in waiting:
                 req.mps_uid = waiting[req.id].mps_uid
         self.state = PoolState.build(pool, fresh, queue)
+        self.use_timetable(now)
         self.refresh_mps_owners()
         self.etas = None
         self.close_gpus(now)

@@ -375,6 +375,38 @@
       ["Position", "User", "Course", "Kernel", "Fraction", "Waiting"], rows, [0, 4]));
   }
 
+  // the class sessions' timetable: when, its state, what it reserves, uses and lends back
+  function clockIn(t, tz) {
+    try {
+      return new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit", timeZone: tz });
+    } catch (e) {
+      return new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    }
+  }
+
+  const SESSION_STATES = { planned: "planned", lead: "starts soon (kept for members)", on: "under way", after: "under way (unused share lent back)" };
+
+  function drawSessions(all) {
+    const box = $("sessions");
+    const list = (all || []).filter((s) => course === ALL || s.course === course);
+    if (!list.length) {
+      box.replaceChildren(el("p", { class: "empty" }, "No class session in the next two days."));
+      return;
+    }
+    const rows = list.map((s) => [
+      s.course,
+      (s.source === "by hand" ? "by hand " : (s.label ? s.label + ", " : "")) +
+        clockIn(s.start, s.tz) + "–" + clockIn(s.end, s.tz) + " (" + s.tz + ")",
+      SESSION_STATES[s.state] || s.state,
+      s.share,
+      gpusText(s.reserved),
+      gpusText(s.used),
+      gpusText(s.lent),
+    ]);
+    box.replaceChildren(table("The timetable: each session reserves a GPU share for its course's members",
+      ["Course", "When", "State", "Share", "Reserved", "Used by members", "Lent back"], rows, [4, 5, 6]));
+  }
+
   const QUOTA_HEADER = ["Max fraction", "Max leases", "Max lease fraction", "Budget (fraction-hours)", "Budget window", "Priority"];
 
   function quotaCells(q) {
@@ -667,6 +699,7 @@
     drawGpus(data.gpus);
     drawLeases(data.leases, data.gpus, force);
     drawQueue(data.queue);
+    drawSessions(data.sessions);
     drawCourses(data);
     drawMyQuota(data.me);
     $("quotas-section").hidden = !admin;
@@ -678,16 +711,17 @@
     try {
       const me = await get("quotas/me"); // who am I: user, groups, admin
       admin = me.admin === true;
-      const [gpus, leases, queue, book] = await Promise.all([
+      const [gpus, leases, queue, book, sessions] = await Promise.all([
         get("gpus").then((b) => b.gpus),
         get(admin ? "leases?all=1" : "leases").then((b) => b.leases),
         get("queue").then((b) => b.queue),
         admin ? get("quotas") : Promise.resolve(null),
+        get("sessions").then((b) => b.sessions, () => []), // an older broker has none
       ]);
       if (mine < drawn) return; // a newer refresh has drawn already (e.g. after a revoke)
       drawn = mine;
       $("who").textContent = "Signed in as " + me.user + (admin ? " (admin)" : "");
-      last = { me, gpus, leases, queue, book, usage: last ? last.usage : null };
+      last = { me, gpus, leases, queue, book, sessions, usage: last ? last.usage : null };
       draw(last, force === true);
       $("content").hidden = false;
       $("login").hidden = true;

@@ -154,6 +154,7 @@ def waiting_json(w: Waiting) -> dict[str, Any]:
         "priority": req.priority,
         "waiting_s": round(w.waiting_s, 3),
         **({} if w.eta_seconds is None else {"eta_seconds": w.eta_seconds}),
+        **({} if w.session is None else {"session": w.session}),
     }
 
 
@@ -354,6 +355,7 @@ class APIHandler(web.RequestHandler):
             mps=usage.mps,
             mps_server_uid=usage.mps_server_uid,
             kernel_refused=usage.kernel_refused,
+            session=usage.session,
         )
         if usage.resume is not None:  # parked, its resume request waiting
             body["resume"] = usage.resume
@@ -898,6 +900,47 @@ class HistoryHandler(APIHandler):
             self.ident, since, step, group=self.query("group"), user=self.query("user") or None
         )
         self.write_json(history_json(body))
+
+
+# -- class sessions ---------------------------------------------------------------------
+
+
+class SessionsHandler(APIHandler):
+    """``GET {p}api/v1/sessions[?course=]``: the timetable from now to two days ahead."""
+
+    @api
+    async def get(self) -> None:
+        course = self.query("course") or None
+        views = await self.service.sessions.list(self.ident, course)
+        mine = self.ident.groups
+        self.write_json(
+            {
+                "sessions": [{**v.to_json(), "member": v.session.course in mine} for v in views],
+                "now": self.service.clock(),
+            }
+        )
+
+
+class SessionHandler(APIHandler):
+    """``{p}api/v1/sessions/{course}``: POST starts one now, PATCH extends the one under
+    way, DELETE ends it (the course's instructors or an admin)."""
+
+    @api
+    async def post(self, course: str) -> None:
+        ask = validation.parse_session_start(self.json_body())
+        view = await self.service.sessions.start(self.ident, course, **ask)
+        self.write_json(view.to_json(), 201)
+
+    @api
+    async def patch(self, course: str) -> None:
+        until = validation.parse_session_until(self.json_body())
+        view = await self.service.sessions.extend(self.ident, course, until)
+        self.write_json(view.to_json())
+
+    @api
+    async def delete(self, course: str) -> None:
+        view = await self.service.sessions.end(self.ident, course)
+        self.write_json(view.to_json())
 
 
 __all__ = [

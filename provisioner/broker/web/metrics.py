@@ -31,6 +31,12 @@ Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, na
   instead, the node could not park it)
 * ``resumes_total{outcome}`` counter: restores of parked kernels (done | failed)
 * ``resume_wait_seconds`` histogram: a parked lease's first resume request to active again
+* ``session_reserved_fraction{course}``, ``session_used_fraction{course}``,
+  ``session_lent_fraction{course}`` gauges: the GPU (in whole GPUs) a class session under
+  way (or in its lead time) reserves, how much of it its members use, and how much of it
+  is lent back to everyone (``broker/rules/sessions.py``)
+* ``session_freed_kernels_total{course}`` counter: non-members' kernels freed (parked or
+  revoked) from a class session's share
 * ``queue_length``, ``active_leases`` gauges
 * ``user_held_fraction{user}`` gauge (left out with ``per_user=False``)
 * ``info{version}`` gauge, always 1
@@ -38,6 +44,7 @@ Metric names (all prefixed ``gpu_lease_``; per-GPU gauges carry ``uuid, node, na
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -54,6 +61,7 @@ from prometheus_client.registry import Collector
 from ..._version import __version__
 from ...model import PoolState, reserved_mb
 from ...wire import ppm_to_fraction
+from ..rules import sessions
 from ..rules.policy import Policy
 
 #: group-commit batch sizes (mutations per transaction)
@@ -198,6 +206,7 @@ class _PoolCollector(Collector):
                 if lease is not None:
                     by_lease.add_metric([lease_id, lease.user, lease.gpu_uuid], mb * MIB)
             yield by_lease
+        yield from _session_gauges(service, state)
         yield GaugeMetricFamily(
             "gpu_lease_queue_length", "Acquire requests waiting in the queue.", len(state.queue)
         )
@@ -218,6 +227,32 @@ class _PoolCollector(Collector):
             for user, ppm in sorted(dict(state.held_by_user).items()):
                 held.add_metric([user], ppm_to_fraction(ppm))
             yield held
+
+
+def _session_gauges(service: ServiceView, state: PoolState) -> Iterator[Metric]:
+    """The class sessions held now (lead time or hours): reserved, used, lent, per course."""
+    held = sessions.shares(state, state_now(), service.policy).held if state.sessions else []
+    names = {
+        "reserved": "The GPU (in whole GPUs) a class session under way or about to start "
+        "reserves for its course's members.",
+        "used": "The part of a class session's reserved GPU its course's members use.",
+        "lent": "The part of a class session's reserved GPU lent back to everyone (unused "
+        "past session_lend_after, until a member asks).",
+    }
+    for what, doc in names.items():
+        family = GaugeMetricFamily(f"gpu_lease_session_{what}_fraction", doc, labels=["course"])
+        totals: dict[str, int] = {}
+        for h in held:
+            ppm = {"reserved": h.reserved_ppm, "used": h.used_ppm, "lent": h.lent_ppm}[what]
+            totals[h.course] = totals.get(h.course, 0) + ppm
+        for course, ppm in sorted(totals.items()):
+            family.add_metric([course], ppm_to_fraction(ppm))
+        yield family
+
+
+def state_now() -> float:
+    """The scrape's clock (the broker's wall clock)."""
+    return time.time()
 
 
 class BrokerMetrics:
@@ -295,6 +330,12 @@ class BrokerMetrics:
             buckets=BATCH_BUCKETS,
             registry=self.registry,
         )
+        self._freed = Counter(
+            "gpu_lease_session_freed_kernels",
+            "Non-members' kernels freed (parked or revoked) from a class session's share.",
+            ["course"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(service_getter, per_user))
 
     # -- service.Metrics ------------------------------------------------------------
@@ -333,6 +374,11 @@ class BrokerMetrics:
     def observe_resume_wait(self, seconds: float) -> None:
         """Called by the service when a resumed lease is active again."""
         self._resume_wait.observe(max(0.0, seconds))
+
+    def session_freed(self, course: str, count: int) -> None:
+        """Called by the reaper for kernels freed from ``course``'s session share."""
+        if count > 0:
+            self._freed.labels(course=course).inc(count)
 
     def committed(self, changes: int) -> None:
         """Called by the writer's thread after each transaction of ``changes`` mutations."""

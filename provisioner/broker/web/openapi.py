@@ -296,6 +296,13 @@ _SCHEMAS: dict[str, Any] = {
                     "or no agent has said.",
                 }
             ),
+            "session": _nullable(
+                {
+                    "type": "string",
+                    "description": "While a class session of one of the user's courses is "
+                    "about to start or under way: 'GPU reserved for ml101 until 11:30'.",
+                }
+            ),
             "execution_state": _nullable({"type": "string"}),
             "last_activity": _nullable(_TIME),
             "parked_at": _nullable(
@@ -505,6 +512,12 @@ _SCHEMAS: dict[str, Any] = {
             },
             "priority": {"type": "integer"},
             "waiting_s": {"type": "number", "minimum": 0},
+            "session": {
+                "type": "string",
+                "description": "Why it waits when a class session of another course holds "
+                "part of its GPUs: 'Part of the GPUs you may use is reserved for ml101's class "
+                "session until 11:30.' Absent otherwise.",
+            },
             "eta_seconds": {
                 "type": "integer",
                 "minimum": 0,
@@ -768,6 +781,76 @@ _SCHEMAS: dict[str, Any] = {
             "mps_uid": _MPS_UIDS,
         },
     },
+    "ClassSession": {
+        "type": "object",
+        "description": "A class session: a course's reserved GPU share on its timetable "
+        "(the courses file) or started by hand (docs/instructors.md).",
+        "required": ["course", "start", "end", "tz", "state", "share", "reserved", "used", "lent"],
+        "additionalProperties": False,
+        "properties": {
+            "course": {"type": "string"},
+            "start": _TIME,
+            "end": _TIME,
+            "tz": {"type": "string", "description": "The IANA zone its times are told in."},
+            "label": {"type": "string", "description": "Its line of the timetable."},
+            "source": {"type": "string", "enum": ["timetable", "by hand"]},
+            "state": {
+                "type": "string",
+                "enum": ["planned", "lead", "on", "after"],
+                "description": "planned (not yet in its lead time), lead (before the start: "
+                "non-members are kept out of the share), on, after (past session_lend_after: "
+                "an unused share is lent back until a member asks).",
+            },
+            "share": {"type": "string", "description": "What it reserves, in words."},
+            "wanted": {"type": "number", "minimum": 0, "description": "GPUs it asks for."},
+            "reserved": {
+                "type": "number",
+                "minimum": 0,
+                "description": "GPUs reserved now (0 while planned; never beyond the pool).",
+            },
+            "used": {"type": "number", "minimum": 0, "description": "GPUs members use of it."},
+            "lent": {"type": "number", "minimum": 0, "description": "GPUs lent back now."},
+            "gpus": _nullable({"type": "array", "items": {"type": "string"}}),
+            "nodes": _nullable({"type": "array", "items": {"type": "string"}}),
+            "member": {
+                "type": "boolean",
+                "description": "In the list: whether the caller belongs to the course.",
+            },
+        },
+    },
+    "SessionList": {
+        "type": "object",
+        "required": ["sessions", "now"],
+        "properties": {
+            "sessions": {"type": "array", "items": _ref("ClassSession")},
+            "now": _TIME,
+        },
+    },
+    "SessionStart": {
+        "type": "object",
+        "description": "Start a session now until `until`, reserving `seats` × `kernel_fraction` "
+        "(default: the course's max_lease_fraction) or `share` of the pool.",
+        "required": ["until"],
+        "additionalProperties": False,
+        "properties": {
+            "until": _TIME,
+            "seats": {"type": "integer", "minimum": 1, "maximum": 100000},
+            "kernel_fraction": {
+                "type": "number",
+                "minimum": 0,
+                "exclusiveMinimum": True,
+                "maximum": 1,
+            },
+            "share": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
+            "tz": {"type": "string", "description": "IANA zone to tell its times in."},
+        },
+    },
+    "SessionExtend": {
+        "type": "object",
+        "required": ["until"],
+        "additionalProperties": False,
+        "properties": {"until": _TIME},
+    },
     "NodeList": {
         "type": "object",
         "required": ["nodes"],
@@ -801,6 +884,7 @@ def build_document(paths: dict[str, Any], base_url: str = "/") -> dict[str, Any]
             {"name": "quotas"},
             {"name": "usage"},
             {"name": "nodes"},
+            {"name": "sessions"},
         ],
         "paths": paths,
         "components": {

@@ -61,6 +61,8 @@ from .handlers import (
     RenewHandler,
     ResumeHandler,
     RevokeHandler,
+    SessionHandler,
+    SessionsHandler,
     UsageHandler,
     normalize_base_url,
 )
@@ -672,6 +674,86 @@ TABLE: tuple[Route, ...] = (
                     **error_refs("400", "401", "403"),
                 },
             }
+        },
+    ),
+    Route(
+        "/api/v1/sessions",
+        SessionsHandler,
+        operations={
+            "get": {
+                "tags": ["sessions"],
+                "summary": "The class sessions from now to two days ahead: planned, in their "
+                "lead time, under way; what each reserves, what its members use and what is "
+                "lent back (anyone signed in).",
+                "operationId": "list_sessions",
+                "parameters": [
+                    {
+                        "name": "course",
+                        "in": "query",
+                        "schema": {"type": "string"},
+                        "description": "Only this course's sessions.",
+                    }
+                ],
+                "responses": {
+                    "200": json_response(schema_ref("SessionList"), "The timetable."),
+                    **error_refs("400", "401", "503"),
+                },
+            }
+        },
+    ),
+    Route(
+        "/api/v1/sessions/{course}",
+        SessionHandler,
+        operations={
+            method: {
+                "tags": ["sessions"],
+                "summary": summary + " (the course's instructors, or an admin).",
+                "operationId": op,
+                "parameters": [
+                    {
+                        "name": "course",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "The course (a group of the courses file).",
+                    }
+                ],
+                **({"requestBody": _body(body)} if body else {}),
+                "responses": {
+                    status: json_response(schema_ref("ClassSession"), answer),
+                    **error_refs(*errors),
+                },
+            }
+            for method, op, summary, body, status, answer, errors in (
+                (
+                    "post",
+                    "start_session",
+                    "Start a class session now until `until`, reserving seats × a kernel "
+                    "fraction or a share of the pool",
+                    "SessionStart",
+                    "201",
+                    "The session started.",
+                    ("400", "401", "403", "404", "409", "413", "503"),
+                ),
+                (
+                    "patch",
+                    "extend_session",
+                    "Move the end of the course's session under way (planned or by hand)",
+                    "SessionExtend",
+                    "200",
+                    "The session with its new end.",
+                    ("400", "401", "403", "404", "409", "413", "503"),
+                ),
+                (
+                    "delete",
+                    "end_session",
+                    "End the course's session under way now: its share returns to everyone",
+                    "",
+                    "200",
+                    "The session as it ended.",
+                    ("400", "401", "403", "404", "409", "503"),
+                ),
+            )
         },
     ),
     Route(

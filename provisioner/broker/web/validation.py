@@ -65,6 +65,7 @@ from ...wire import (
     PROOF_PATTERN,
     Renewal,
     fraction_to_ppm,
+    ppm_to_fraction,
 )
 from ..rules.policy import Ask
 
@@ -310,6 +311,39 @@ def parse_duration(value: Any, name: str = "budget_window") -> int:
     if not 1 <= seconds <= MAX_WINDOW_S:
         raise InvalidRequest(f"{name!r} must be between 1 second and 10 years.")
     return seconds
+
+
+def parse_session_until(body: dict[str, Any]) -> float:
+    """``PATCH /api/v1/sessions/{course}``: ``{"until": POSIX seconds}``."""
+    check_fields(body, ("until",), "session's extension")
+    until: Any = body.get("until")
+    if not _is_number(until) or not math.isfinite(until) or not 0 < until <= MAX_TIME:
+        raise InvalidRequest(
+            "'until' must be the session's new end in POSIX seconds (a number), "
+            "e.g. gpu-lease session extend ml101 --until 11:45."
+        )
+    return float(until)
+
+
+def parse_session_start(body: dict[str, Any]) -> dict[str, Any]:
+    """``POST /api/v1/sessions/{course}`` -> the keyword arguments of
+    ``SessionService.start``: ``until``, and ``seats`` (+ ``kernel_fraction``) or ``share``."""
+    check_fields(body, ("until", "seats", "kernel_fraction", "share", "tz"), "session's start")
+    out: dict[str, Any] = {"until": parse_session_until({"until": body.get("until")})}
+    seats = body.get("seats")
+    if seats is not None:
+        if not isinstance(seats, int) or isinstance(seats, bool) or not 0 < seats <= 100_000:
+            raise InvalidRequest("'seats' must be a whole number of seats such as 40.")
+        out["seats"] = seats
+    for key in ("kernel_fraction", "share"):
+        if body.get(key) is not None:
+            out[key] = ppm_to_fraction(parse_fraction(body[key], key))
+    tz = body.get("tz")
+    if tz is not None:
+        if not isinstance(tz, str) or len(tz) > 64:
+            raise InvalidRequest("'tz' must be an IANA time zone name such as 'Europe/Paris'.")
+        out["tz"] = tz
+    return out
 
 
 def parse_quota(body: dict[str, Any]) -> Quota:

@@ -37,7 +37,9 @@ better drain prediction could win for this design (a strong reference, not an op
 The modules: :mod:`.traces` (sessions, pools, JSONL), :mod:`.schemes` (the policies
 simulated), :mod:`.allocators` (the core, clairvoyant and fluid allocators),
 :mod:`.simulator` (the event loop and its records), :mod:`.measures` (the metrics of a
-run) and :mod:`.eta` (how good the estimated waits were). Their names are re-exported
+run), :mod:`.eta` (how good the estimated waits were) and :mod:`.labs` (what class
+sessions' reservations change: members' wait at a start, the others' wait and kernels
+lost). Their names are re-exported
 here: ``from provisioner.devtools.simulate import ...``.
 """
 
@@ -45,8 +47,18 @@ from __future__ import annotations
 
 from .allocators import Allocator, ClairvoyantAllocator, CoreAllocator, FluidAllocator, Key
 from .eta import EtaAccuracy, EtaAllocator, eta_accuracy
+from .labs import SessionMetrics, session_metrics, simulate_sessions
 from .measures import IDLE_METRIC_S, LARGE_PPM, Metrics, jain, metrics, percentile, simulate
-from .schemes import BASELINES, CLAIRVOYANT, FLUID_RECLAIM, OURS, PARKING, SCHEMES, Scheme
+from .schemes import (
+    BASELINES,
+    CLAIRVOYANT,
+    FLUID_RECLAIM,
+    OURS,
+    PARKING,
+    SCHEMES,
+    SESSIONS,
+    Scheme,
+)
 from .simulator import LeaseRecord, RequestRecord, Result, Simulator
 from .traces import PoolSpec, Session, Trace, load_trace
 
@@ -59,6 +71,7 @@ __all__ = [
     "OURS",
     "PARKING",
     "SCHEMES",
+    "SESSIONS",
     "Allocator",
     "ClairvoyantAllocator",
     "CoreAllocator",
@@ -73,6 +86,7 @@ __all__ = [
     "Result",
     "Scheme",
     "Session",
+    "SessionMetrics",
     "Simulator",
     "Trace",
     "eta_accuracy",
@@ -80,5 +94,7 @@ __all__ = [
     "load_trace",
     "metrics",
     "percentile",
+    "session_metrics",
     "simulate",
+    "simulate_sessions",
 ]

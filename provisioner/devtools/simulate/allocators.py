@@ -36,7 +36,12 @@ Key = tuple[str, str]
 class Allocator(Protocol):
     def expect(self, key: Key, hold: float) -> None: ...
     def acquire(
-        self, key: Key, ppm: int, now: float, arrived_at: float | None = None
+        self,
+        key: Key,
+        ppm: int,
+        now: float,
+        arrived_at: float | None = None,
+        groups: frozenset[str] = frozenset(),
     ) -> list[Key]: ...
     def release(self, key: Key, now: float) -> list[Key]: ...
     def crash(self, key: Key, expires_at: float) -> None: ...
@@ -95,9 +100,17 @@ class CoreAllocator:
         grant_waiting(self.state, now, self.policy, changes)
         return self._granted(changes.granted)
 
-    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
-        """``arrived_at``: the queue position's arrival, when earlier than ``now`` (a resume)."""
-        ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm)
+    def acquire(
+        self,
+        key: Key,
+        ppm: int,
+        now: float,
+        arrived_at: float | None = None,
+        groups: frozenset[str] = frozenset(),
+    ) -> list[Key]:
+        """``arrived_at``: the queue position's arrival, when earlier than ``now`` (a resume);
+        ``groups``: the user's courses (members of a class session's course)."""
+        ask = Ask(user=key[0], kernel_id=key[1], fraction_ppm=ppm, groups=groups)
         _, changes = core_acquire(self.state, ask, self.quota, now, self.policy, self._new_id)
         if arrived_at is not None and key in self.state.queue:
             self.state.queue[key].arrived_at = arrived_at
@@ -121,7 +134,7 @@ class CoreAllocator:
     def reap(
         self, now: float, activity: Callable[[Key, float], tuple[bool, float]]
     ) -> tuple[list[Key], list[Key]]:
-        if self.policy.idle_reclaim_after is not None:
+        if self.policy.idle_reclaim_after is not None or self.state.sessions:
             for lease in self.state.leases.values():  # what the last heartbeat reported
                 busy, last = activity(lease.user_kernel, now)
                 lease.execution_state = "busy" if busy else "idle"
@@ -162,7 +175,14 @@ class ClairvoyantAllocator(CoreAllocator):
     def expect(self, key: Key, hold: float) -> None:
         self.hold[key] = hold
 
-    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
+    def acquire(
+        self,
+        key: Key,
+        ppm: int,
+        now: float,
+        arrived_at: float | None = None,
+        groups: frozenset[str] = frozenset(),
+    ) -> list[Key]:
         req = Request(
             id=self._new_id(),
             user=key[0],
@@ -268,7 +288,14 @@ class FluidAllocator:
                 granted.append(key)
         return granted
 
-    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
+    def acquire(
+        self,
+        key: Key,
+        ppm: int,
+        now: float,
+        arrived_at: float | None = None,
+        groups: frozenset[str] = frozenset(),
+    ) -> list[Key]:
         """FIFO by call order: the fluid reference has no parking (``arrived_at`` unused)."""
         self.queue[key] = ppm
         return self._drain()

@@ -39,8 +39,15 @@ class EtaAllocator(CoreAllocator):
         for lease in leases:
             self.holds.add(now - lease.created_at)
 
-    def acquire(self, key: Key, ppm: int, now: float, arrived_at: float | None = None) -> list[Key]:
-        granted = super().acquire(key, ppm, now, arrived_at)
+    def acquire(
+        self,
+        key: Key,
+        ppm: int,
+        now: float,
+        arrived_at: float | None = None,
+        groups: frozenset[str] = frozenset(),
+    ) -> list[Key]:
+        granted = super().acquire(key, ppm, now, arrived_at, groups)
         if key in self.state.queue:
             self.predicted[key] = estimate_waits(self.state, now, self.policy, self.holds).get(key)
         return granted

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...broker.rules.policy import Policy
 
@@ -26,6 +26,8 @@ class Scheme:
     park: bool = False
     #: where a parked kernel's resume request queues: "park-time" or "arrival"
     resume_order: str = "park-time"
+    #: the trace's class sessions reserve their shares (``broker/rules/sessions.py``)
+    sessions: bool = False
 
 
 #: baselines: FIFO order, no reservation, never reclaim (as Kubernetes / gpushare schedule)
@@ -101,6 +103,55 @@ CLAIRVOYANT: tuple[Scheme, ...] = (
         Policy(idle_reclaim_after=_RECLAIM),
         clairvoyant=True,
         note="the same with ours' idle reclaim after 15 min (reference)",
+    ),
+)
+#: class sessions' reservations (the trace's timetable) against ``ours`` without them
+_LAB = Policy(idle_reclaim_after=_RECLAIM)
+SESSIONS: tuple[Scheme, ...] = (
+    Scheme(
+        "sessions",
+        _LAB,
+        sessions=True,
+        note="ours with the timetable's reservations: lead 10 min, lent back after 15 min, "
+        "busy kernels never freed (the broker's defaults)",
+    ),
+    Scheme(
+        "sessions-park",
+        _LAB,
+        sessions=True,
+        park=True,
+        note="the same, idle kernels parked (at the start and for waiters) instead of revoked",
+    ),
+    Scheme(
+        "sessions-no-lend",
+        replace(_LAB, session_lend_after=None),
+        sessions=True,
+        note="reservations never lent back",
+    ),
+    Scheme(
+        "sessions-lend-5m",
+        replace(_LAB, session_lend_after=300.0),
+        sessions=True,
+        note="an unused share lent back after 5 min",
+    ),
+    Scheme(
+        "sessions-lead-0",
+        replace(_LAB, session_lead=0.0),
+        sessions=True,
+        note="no lead time: the share is kept from non-members only from the start",
+    ),
+    Scheme(
+        "sessions-busy-10m",
+        replace(_LAB, session_busy_grace=600.0),
+        sessions=True,
+        note="busy kernels in the share freed too, 10 min after the start",
+    ),
+    Scheme(
+        "sessions-park-busy-10m",
+        replace(_LAB, session_busy_grace=600.0),
+        sessions=True,
+        park=True,
+        note="parked, and busy kernels in the share freed (parked) 10 min after the start",
     ),
 )
 SCHEMES: tuple[Scheme, ...] = (*BASELINES, FLUID_RECLAIM, *CLAIRVOYANT, *OURS, *PARKING)

@@ -99,6 +99,8 @@ class Simulator:
         else:
             rng = random.Random(seed) if scheme.random_fit else None
             self.alloc = CoreAllocator(self.gpus, scheme.policy, rng)
+        if scheme.sessions and isinstance(self.alloc, CoreAllocator):
+            self.alloc.state.sessions = tuple(trace.class_sessions)
         sessions = trace.sessions
         self._starts = [[a for a, _ in s.busy] for s in sessions]
         self._ends = [[b for _, b in s.busy] for s in sessions]
@@ -123,6 +125,12 @@ class Simulator:
         seq = itertools.count()
         for i, s in enumerate(sessions):
             heap.append((s.arrival, next(seq), _ARRIVE, i, 0))
+        if self.scheme.sessions:  # the reaper's passes around each class session
+            for c in self.trace.class_sessions:
+                t = c.start - self.policy.session_lead
+                while t <= c.end + self.reap_interval:
+                    heap.append((t, next(seq), _TICK, -2, 0))  # -2: not the waiters' tick
+                    t += self.reap_interval
         heapq.heapify(heap)
         alloc, horizon, ttl = self.alloc, self.trace.horizon, self.policy.ttl
         # the broker's reaper (reclaim, then drain) runs every reap_interval while someone
@@ -202,7 +210,9 @@ class Simulator:
                 if since is not None and self.scheme.resume_order == "arrival":
                     since = None
                 try:
-                    granted(alloc.acquire(key, self._ppm(sessions[i]), t, since), t)
+                    course = sessions[i].group
+                    groups = frozenset({course}) if course else frozenset[str]()
+                    granted(alloc.acquire(key, self._ppm(sessions[i]), t, since, groups), t)
                 except GPULeaseError:
                     rejected += 1
                     del req_of[key]
@@ -223,7 +233,8 @@ class Simulator:
                 ended(gone, t, "expired")
                 granted(new, t)
             else:  # _TICK
-                tick_pending = False
+                if i == -1:  # the waiters' tick (a class session's own ticks are -2)
+                    tick_pending = False
                 gone, new = alloc.reap(t, activity)
                 for key in gone:
                     j = sess_of[key]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...model import GPU
+from ...model import GPU, ClassSession
+from ...wire import fraction_to_ppm, ppm_to_fraction
 
 # -- traces -------------------------------------------------------------------------
 
@@ -55,6 +56,9 @@ class Trace:
     sessions: list[Session]
     description: str = ""
     seed: int | None = None
+    #: the class sessions of its courses' timetable (each reserving seats × a fraction);
+    #: a scheme with ``sessions=True`` gives them to the core
+    class_sessions: list[ClassSession] = field(default_factory=list)
 
     def gpus(self) -> list[GPU]:
         out: list[GPU] = []
@@ -76,6 +80,17 @@ class Trace:
                 {"count": p.count, "memory_mb": p.memory_mb, "name": p.name} for p in self.pool
             ],
         }
+        if self.class_sessions:
+            head["class_sessions"] = [
+                {
+                    "course": c.course,
+                    "start": c.start,
+                    "end": c.end,
+                    "share": ppm_to_fraction(c.share_ppm or 0),
+                    "label": c.label,
+                }
+                for c in self.class_sessions
+            ]
         with open(path, "w") as f:
             f.write(json.dumps(head) + "\n")
             for s in sorted(self.sessions, key=lambda s: (s.arrival, s.id)):
@@ -101,6 +116,16 @@ def load_trace(path: str | Path) -> Trace:
     pool = [
         PoolSpec(int(p["count"]), int(p["memory_mb"]), p.get("name", "GPU")) for p in head["pool"]
     ]
+    labs = [
+        ClassSession(
+            c["course"],
+            float(c["start"]),
+            float(c["end"]),
+            share_ppm=fraction_to_ppm(float(c["share"])),
+            label=c.get("label", ""),
+        )
+        for c in head.get("class_sessions", ())
+    ]
     return Trace(
         head["name"],
         float(head["horizon"]),
@@ -108,4 +133,5 @@ def load_trace(path: str | Path) -> Trace:
         sessions,
         head.get("description", ""),
         head.get("seed"),
+        labs,
     )

@@ -123,6 +123,7 @@ def lease_info():
         "eta_seconds": (state or {}).get("eta_seconds"),
         "expires_at": (state or {}).get("expires_at"),
         "reason": (state or {}).get("reason"),
+        "session": (state or {}).get("session"),
         "state_note": state_note,
         "enforced_by": enforced_by(env.get("GPU_LEASE_ENFORCEMENT", "cooperative"), state),
         "mps_server": mps_server(env.get("GPU_LEASE_ENFORCEMENT", "cooperative"), state),
@@ -214,6 +215,8 @@ def format_info(info, now=None):
         if info.get("reason"):
             state += f" ({info['reason']})"
         lines.append(f"  state:      {state}")
+        if info.get("session"):
+            lines.append(f"  class:      {info['session']}")
     else:
         lines.append(f"  state:      {info.get('state_note') or 'state unknown'}")
     caps = info.get("caps")
