@@ -395,9 +395,19 @@ class GracefulSpawner(LocalProcessSpawner):
     """
 
     async def start(self) -> object:
-        """Start the server on a free port; return once it listens there (see above)."""
+        """Start the server on a free port; return once it listens there (see above).
+
+        Each attempt gets the server's API token again: stopping the exited attempt polls
+        it, and ``LocalProcessSpawner.poll`` clears the spawner's state of a process that
+        is gone, the token included (``Spawner.clear_state``), so the next attempt would
+        start with an empty ``JUPYTERHUB_API_TOKEN``. Its server then could not check any
+        token with the hub: every API call a student's token made to it got 401, and its
+        activity reports 403 (seen: one of ten students starting at once under load,
+        after "exited before it listened")."""
+        token = self.api_token
         for attempt in range(1, SERVER_PORT_ATTEMPTS + 1):
             self.port = _server_port()
+            self.api_token = token
             url = await super().start()
             port = self.port
             while self.proc is not None and self.proc.poll() is None:

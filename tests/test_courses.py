@@ -10,6 +10,7 @@ real ``GPULeaseKernelManager`` and a kernelspec that cannot start.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -323,3 +324,53 @@ def test_the_shipped_file_plans_no_session_but_shows_how() -> None:
     text = COURSES.read_text()
     assert "# [[courses.ml101.sessions]]" in text
     assert load_courses(str(COURSES)).session_plans() == []
+
+
+@pytest.mark.slow  # two tiny processes stand in for the attempts' servers
+async def test_a_retried_server_start_keeps_its_api_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hub_config's spawner starts a server again on another port when the first exits
+    before it listens. Stopping the exited attempt polls it, and JupyterHub's
+    ``LocalProcessSpawner.poll`` clears a gone process's state, the API token included:
+    the retry must start with the token again, else its server answers every student's
+    token 401. JupyterHub's start and stop are stood in for here (no processes): the first
+    start exits at once, and the stop clears the state as that poll does."""
+    from types import SimpleNamespace
+
+    from jupyterhub.spawner import LocalProcessSpawner
+
+    monkeypatch.setenv("GPU_LEASE_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("GPU_LEASE_GPUS", "1x32768:V100")
+    monkeypatch.setenv("GPU_LEASE_RUNTIME_DIR", "/tmp/gpu-lease-rt-test")
+    path = ROOT / "hub_config" / "jupyterhub_config.py"
+    ns: dict[str, Any] = {"get_config": lambda: __import__("traitlets").config.Config()}
+    ns["__file__"] = str(path)
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    seen: list[str] = []
+    procs: list[subprocess.Popen[bytes]] = []
+
+    async def start(self: Any) -> str:
+        seen.append(self.api_token)
+        proc = subprocess.Popen(["true"] if len(seen) == 1 else ["sleep", "60"])  # noqa: ASYNC220
+        if len(seen) == 1:
+            proc.wait()  # the first attempt's server exits before it listens
+        procs.append(proc)
+        self.proc, self.pid = proc, proc.pid
+        return "http://127.0.0.1:1"
+
+    async def stop(self: Any, now: bool = False) -> None:
+        self.clear_state()  # what LocalProcessSpawner.poll does for a process that is gone
+
+    monkeypatch.setattr(LocalProcessSpawner, "start", start)
+    monkeypatch.setattr(LocalProcessSpawner, "stop", stop)
+    ns["_listens_on"] = lambda pid, port: True
+    spawner = ns["GracefulSpawner"](api_token="the-servers-token")
+    spawner.user = SimpleNamespace(name="student17")
+    try:
+        assert await spawner.start() == "http://127.0.0.1:1"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert seen == ["the-servers-token", "the-servers-token"]
