@@ -152,10 +152,11 @@ class RemoteCapable(LocalProvisioner):
     launcher = Enum(
         list(LAUNCHERS),
         default_value=LOCAL,
-        help="Where the kernel runs: 'local' (default: beside this server), 'node' (on the "
+        help="Where the kernel runs: 'local' (beside this server), 'node' (on the "
         "node its lease names, launched by that node's agent: remote kernels; the lease "
         "may then be on any node of the pool), 'slurm' (a Slurm job on the lease's node, "
-        "submitted as the student). See docs/admins.md, 'Remote kernels'.",
+        "submitted as the student). Default: $GPU_LEASE_LAUNCHER, else 'local'. See "
+        "docs/admins.md, 'Remote kernels'.",
     ).tag(config=True)
 
     @default("launcher")
