@@ -369,6 +369,26 @@ async def test_another_students_token_and_an_admin_cannot_launch_or_signal(
     assert (await probe(km))["uid"] == pwd.getpwnam(site.students[0]).pw_uid  # untouched
     log = "\n".join(p.read_text(errors="replace") for p in site.broker.logs())
     assert f"by {site.students[1]}" in log and "Refused a kernel launch" in log
+    # another student names the first one's kernel id (the node's cgroup name): the node
+    # refuses it, and the first kernel is untouched
+    with site.api(site.students[1]) as other:
+        r = other.post(
+            "/leases", json={"kernel_id": f"k-{uuid.uuid4()}", "fraction": 0.1, "node": NODE}
+        )
+        assert r.status_code == 201, r.text
+        theirs = r.json()["id"]
+        same = {**body, "kernel_id": str(km.kernel_id)}
+        assert other.put(f"/leases/{theirs}/kernel", json=same).status_code == 202
+
+        def settled() -> dict[str, Any] | None:
+            answer = other.get(f"/leases/{theirs}/kernel").json()
+            return answer if answer["state"] != "launching" else None
+
+        refused = await wait_for_async(settled, timeout=20)
+        assert refused["state"] == "failed", refused
+        assert "already in use" in refused["reason"], refused
+        assert other.delete(f"/leases/{theirs}").status_code == 204
+    assert (await probe(km))["uid"] == pwd.getpwnam(site.students[0]).pw_uid
     # a lease on a GPU no agent launches kernels for (the broker's own declared GPU): 409
     with site.api(site.students[1]) as other:
         gpus = other.get("/gpus").json()["gpus"]

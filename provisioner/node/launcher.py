@@ -67,6 +67,8 @@ END_GRACE = 3.0
 LISTEN_TIMEOUT = 120.0
 #: seconds past its lease's last known expiry that a kernel cut off from the broker runs
 EXPIRY_GRACE = 5.0
+#: the states of a launched kernel whose process may still run
+LIVE = ("starting", "running")
 #: seconds between two looks at a running kernel's process (has it exited?)
 WATCH_EVERY = 0.2
 #: the PATH a kernel gets (the node's, not the server's)
@@ -339,6 +341,18 @@ class KernelLauncher:
             )
         if pw.pw_uid == 0:
             return "kernels are never launched as root"
+        # the kernel's cgroup is named after its kernel id, which the student chooses: two
+        # leases' kernels must never share one (one lease's enforcement would reach the
+        # other's processes)
+        kernel_id = order.launch.kernel_id
+        if any(
+            k.kernel_id == kernel_id and k.lease_id != order.lease_id and k.state in LIVE
+            for k in self.kernels.values()
+        ):
+            return (
+                f"kernel id {kernel_id!r} is already in use on node {node} by another "
+                "lease's kernel; start the kernel again (it gets a new id)"
+            )
         return None
 
     def _failed(self, kernel: NodeKernel, why: str) -> None:
