@@ -254,6 +254,26 @@ async def probe(km: AsyncKernelManager) -> dict[str, Any]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
+async def interrupt_a_sleeping_cell(km: AsyncKernelManager) -> tuple[dict[str, Any], float]:
+    """Run a ``time.sleep`` loop, interrupt the kernel (JupyterLab's interrupt: through the
+    provisioner), and wait for the cell's reply: its content, and the seconds from the
+    interrupt to the reply."""
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=30)
+        msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)")
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        await km.interrupt_kernel()
+        while True:
+            reply = await kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return dict(reply["content"]), time.monotonic() - t0
+    finally:
+        kc.stop_channels()
+
+
 def lease_of(site: Site, km: AsyncKernelManager) -> str:
     lease = km.provisioner.lease_keeper.lease  # type: ignore[union-attr]
     assert lease is not None
@@ -306,23 +326,9 @@ async def test_interrupt_restart_and_shutdown_go_through_the_node(
     shutdown releases it and the node ends the process."""
     lease_id = lease_of(site, km)
     pid = (await probe(km))["pid"]
-    kc = km.client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=30)
-        msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)")
-        await asyncio.sleep(0.5)
-        t0 = time.monotonic()
-        await km.interrupt_kernel()
-        while True:
-            reply = await kc.get_shell_msg(timeout=30)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        assert reply["content"]["status"] == "error"
-        assert reply["content"]["ename"] == "KeyboardInterrupt"
-        assert time.monotonic() - t0 < 10
-    finally:
-        kc.stop_channels()
+    reply, seconds = await interrupt_a_sleeping_cell(km)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    assert seconds < 10
     await km.restart_kernel(now=True)
     assert lease_of(site, km) == lease_id
     new_pid = (await probe(km))["pid"]

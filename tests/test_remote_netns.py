@@ -14,7 +14,6 @@ agent that reports another node's lease (403).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pwd
 import subprocess
@@ -32,7 +31,15 @@ from jupyter_client.manager import AsyncKernelManager
 from provisioner.devtools.testing import execute, wait_for, wait_for_async
 
 from .netns import Cluster, needs_netns
-from .test_remote_kernels import TTL, Site, accounts, alive, pids_of, probe
+from .test_remote_kernels import (
+    TTL,
+    Site,
+    accounts,
+    alive,
+    interrupt_a_sleeping_cell,
+    pids_of,
+    probe,
+)
 
 __all__ = ["accounts"]  # the module's fixture, shared
 
@@ -107,20 +114,8 @@ async def test_a_kernel_on_another_node_runs_interrupts_restarts_and_ends(
         assert facts["node"] == node and facts["cuda"] == site.gpus[node]
         assert facts["uid"] == pwd.getpwnam(site.students[0]).pw_uid
         lease_id = km.provisioner.lease_keeper.lease.id  # type: ignore[union-attr]
-        kc = km.client()
-        kc.start_channels()
-        try:
-            await kc.wait_for_ready(timeout=30)
-            msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)")
-            await asyncio.sleep(0.3)
-            await km.interrupt_kernel()
-            while True:
-                reply = await kc.get_shell_msg(timeout=30)
-                if reply["parent_header"].get("msg_id") == msg_id:
-                    break
-            assert reply["content"]["ename"] == "KeyboardInterrupt"
-        finally:
-            kc.stop_channels()
+        reply, _ = await interrupt_a_sleeping_cell(km)
+        assert reply["ename"] == "KeyboardInterrupt", reply
         await km.restart_kernel(now=True)
         assert km.provisioner.lease_keeper.lease.id == lease_id  # type: ignore[union-attr]
         pid = (await probe(km))["pid"]
