@@ -169,6 +169,30 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
 
 
+#: what a failed hub test's report adds from the hub's log (servers' lines included)
+HUB_LOG_LINES = 40
+_TELLING = re.compile(r"^\[[WEC] |gpu_lease\.|Traceback|Error|\b([Kk]ernel|lease|GPU)\b")
+#: an HTTP access line (``200 GET /user/...``), the proxy's routes, the demo's banner (it
+#: prints the admin's token): not telling, or not for a report
+_ROUTINE = re.compile(r"\] \d{3} (GET|POST|PUT|PATCH|DELETE) |\[ConfigProxy\]|TOKEN|password")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test that uses a hub (``tests.test_hub.Hub``) reports the hub log's telling
+    lines (warnings, errors, the GPU lease lines of the hub, the broker and the servers):
+    a failure seen once in CI then has its cause in the report, not only a timeout."""
+    report = yield
+    hub = getattr(item, "funcargs", {}).get("hub")
+    log_path = getattr(hub, "log_path", None)
+    if report.failed and isinstance(log_path, Path) and log_path.exists():
+        lines = log_path.read_text(errors="replace").splitlines()
+        telling = [x[:300] for x in lines if _TELLING.search(x) and not _ROUTINE.search(x)]
+        telling = telling[-HUB_LOG_LINES:]
+        report.sections.append((f"the hub's log ({log_path})", "\n".join(telling)))
+    return report
+
+
 @contextlib.contextmanager
 def _process_guard(item: pytest.Item) -> Iterator[None]:
     """While a test not marked ``slow`` runs (its fixtures' setup and teardown included),

@@ -7,8 +7,11 @@ the broker declares one V100 itself, so the pool is that GPU plus the registered
 from __future__ import annotations
 
 import json
+import sqlite3
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +228,36 @@ def test_silent_node_is_lost_then_back_and_a_drained_node_takes_nothing(nb: Node
         # a heartbeat does not undrain; registering again does
         assert a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()["state"] == "drained"
         assert register(a, "gpu-a", gpus_of("gpu-a", 1)).json()["state"] == "up"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker_db_url", ["sqlite"], indirect=True)
+def test_a_node_is_listed_only_once_its_gpus_can_be_placed(nb: NodeBroker) -> None:
+    """A first registration still being stored (here: another connection holds the SQLite
+    database) is not listed yet: a client that waits for the node in ``GET /nodes`` and then
+    asks for a GPU there is placed, never told "No GPU of the pool is on node"."""
+    locker = sqlite3.connect(nb.db_url[len("sqlite:///") :], isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    with (
+        nb.http("agent:gpu-a") as a,
+        nb.http("alice") as u,
+        ThreadPoolExecutor(1) as pool_,
+    ):
+        try:
+            registering = pool_.submit(register, a, "gpu-a", gpus_of("gpu-a", 1))
+            deadline = time.monotonic() + 1.5  # within the store's 5 s busy timeout
+            while time.monotonic() < deadline:
+                assert "gpu-a" not in {n["node"] for n in u.get("/nodes").json()["nodes"]}
+                time.sleep(0.05)
+            assert not registering.done()
+        finally:
+            locker.execute("ROLLBACK")
+            locker.close()
+        assert registering.result(timeout=30).status_code == 200
+        # (the wait may have outlasted this module's short node grace: the agent's beat)
+        assert a.post("/nodes/gpu-a/heartbeat", json={"usage": []}).json()["state"] == "up"
+        r = u.post("/leases", json={"kernel_id": "k1", "fraction": 0.25, "node": "gpu-a"})
+        assert r.status_code == 201, r.text
 
 
 @pytest.mark.slow

@@ -60,6 +60,9 @@ class NodeService:
         self.features = node_features(core, self.parking)
         #: each node's due orders and its agent's long-poll for them (``node_orders.py``)
         self.push = OrderPush(core, self.parking)
+        #: nodes whose first registration is being stored: the pool (and placement) has
+        #: their GPUs only once it is, so ``GET /nodes`` does not list them before
+        self._storing: set[str] = set()
 
     async def register_node(
         self,
@@ -116,6 +119,8 @@ class NodeService:
             self.core.store.sync_gpus(keep, self.core.policy.capacity_ppm)
             self.core.store.put_node(node)
 
+        if old is None:
+            self._storing.add(name)
         try:
             await self.core.writer.call(record)
         except GPULeaseError:
@@ -124,6 +129,8 @@ class NodeService:
             else:
                 self.core.nodes[name] = old
             raise
+        finally:
+            self._storing.discard(name)
         self._apply_pool(pool)
         self.core.close_gpus(now)
         log.info(
@@ -327,6 +334,7 @@ class NodeService:
         return [
             NodeView(node, node_rules.node_state(node, now, self.core.policy))
             for node in sorted(self.core.nodes.values(), key=lambda n: n.name)
+            if node.name not in self._storing  # registered once its GPUs can be placed
         ]
 
     def node_states(self) -> dict[str, int]:
