@@ -212,6 +212,7 @@ def test_ipykernel_leaves_a_file_that_says_its_ports_alone(tmp_path: Path) -> No
         assert (connection.stat().st_mtime_ns, connection.read_bytes()) == before
     finally:
         kc.stop_channels()
+        kc.context.destroy(linger=0)  # not left to the garbage collector (its warning)
         _stop(proc)
 
 

@@ -152,12 +152,25 @@ def launch_job(site: Site, lease: GrantedLease, argv: tuple[str, ...] | None = N
 
 
 def kernel_client(launched: Launched, job: LaunchJob) -> BlockingKernelClient:
+    """A client of the job's kernel, ready; :func:`close_client` it."""
     kc = BlockingKernelClient()
     info = launched.connection_info(job.key, job.signature_scheme)
     kc.load_connection_info(cast(KernelConnectionInfo, info))
     kc.start_channels()
-    kc.wait_for_ready(timeout=60)
+    try:
+        kc.wait_for_ready(timeout=60)
+    except BaseException:
+        close_client(kc)
+        raise
     return kc
+
+
+def close_client(kc: BlockingKernelClient) -> None:
+    """Its channels, then the ZMQ context it made: left to the garbage collector, the
+    context may be collected before the client that would destroy it, and its
+    ResourceWarning then fails whichever later test the collection runs in."""
+    kc.stop_channels()
+    kc.context.destroy(linger=0)
 
 
 def run_cell(kc: BlockingKernelClient, code: str) -> tuple[str, dict[str, Any]]:
@@ -255,7 +268,7 @@ async def test_the_kernel_is_the_students_job_on_the_leases_node(
         )
         assert job_processes(site, kernel.job_id) == []
     finally:
-        kc.stop_channels()
+        close_client(kc)
         await kernel.signal(signal.SIGKILL)
         kernel.cleanup()
         await client.leases.release(lease.id)
@@ -420,7 +433,7 @@ async def test_a_server_running_as_the_student_submits_with_plain_sbatch(
         await again.signal(signal.SIGKILL)
         assert await again.wait(30) not in (None, 0)
     finally:
-        kc.stop_channels()
+        close_client(kc)
         await kernel.signal(signal.SIGKILL)
         kernel.cleanup()
         await client.leases.release(lease.id)
