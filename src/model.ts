@@ -8,6 +8,25 @@ import { fetchKernels, IKernelLease, isParked, stopWaiting } from './api';
 /** How long a kernel may wait, not queued yet, before the status bar says it waits. */
 export const QUIET_MS = 3000;
 
+/**
+ * The GPU kernel started for the notebook at `path` that a page opening it attaches to
+ * instead of starting or holding another: one waiting for its GPU, else one holding its
+ * lease (it may have started while the page loaded, after JupyterLab had listed the
+ * sessions: the page then saw no session and held the notebook, its kernel running
+ * unseen). Null when none.
+ */
+export function kernelToAttach(
+  kernels: ReadonlyArray<IKernelLease>,
+  path: string
+): IKernelLease | null {
+  const mine = kernels.filter(k => k.path === path);
+  return (
+    mine.find(k => k.state === 'waiting') ??
+    mine.find(k => k.state === 'active' || isParked(k.state)) ??
+    null
+  );
+}
+
 /** Polls `GET {base_url}gpu-lease/api/kernels`; `changed` fires after each answer. */
 export class GPULeaseModel {
   /** Polls once `start` is called, every `interval` ms (set from the settings first). */

@@ -3,7 +3,9 @@
 // - a page opened (or reloaded) while the notebook's kernel waits for its GPU re-attaches
 //   to that kernel instead of starting a second one: JupyterLab knows a session only once
 //   its kernel has started, so it found none and started another kernel, which joined the
-//   queue too; cells this tab ran while it waited wait again (src/deferred.ts);
+//   queue too; cells this tab ran while it waited wait again (src/deferred.ts). The same
+//   for a kernel that started while the page loaded (after JupyterLab had listed the
+//   sessions): the page held the notebook ("No Kernel") while its kernel ran unseen;
 // - a notebook saved with a GPU kernel opens without starting it (unless the setting
 //   startGpuKernelsOnOpen says to): a banner says what starting it would take and offers
 //   Start. JupyterLab starts a notebook's kernel whenever it opens it, also when it
@@ -27,7 +29,7 @@ import { attachSession, fetchKernels, gpuFraction, IKernelLease, whyNotKernel } 
 import { EndedBanner, HeldBanner } from './banners';
 import { DeferredCells } from './deferred';
 import { endedMessage } from './format';
-import { GPULeaseModel } from './model';
+import { GPULeaseModel, kernelToAttach } from './model';
 import { clearStarting, showStarting } from './pending';
 
 /** A notebook's GPU kernel not started on opening. */
@@ -95,9 +97,8 @@ export class NotebookGuard {
     } catch {
       return null; // no GPU lease status here: JupyterLab as usual
     }
-    const waiting = kernels.find(k => k.state === 'waiting' && k.path === context.path);
-    if (waiting) {
-      await this._attach(panel, waiting);
+    const started = kernelToAttach(kernels, context.path);
+    if (started && (await this._attach(panel, started))) {
       return null;
     }
     const held = await this._toHold(panel);
@@ -169,8 +170,14 @@ export class NotebookGuard {
     banner.show();
   }
 
-  private async _attach(panel: NotebookPanel, k: IKernelLease): Promise<void> {
+  /**
+   * Make `k`'s session the notebook's (waiting until a waiting kernel has started), and
+   * JupyterLab's list of sessions current, so that its `initialize` connects to it. False
+   * when a started kernel is gone meanwhile: the notebook opens as if it had none.
+   */
+  private async _attach(panel: NotebookPanel, k: IKernelLease): Promise<boolean> {
     const context = panel.sessionContext;
+    const waiting = k.state === 'waiting';
     // Meanwhile the notebook shows the kernel as starting, as the page that started it
     // did (src/pending.ts): without it a cell run now would start a second kernel.
     if (k.kernel_name) {
@@ -184,8 +191,11 @@ export class NotebookGuard {
         type: context.type
       });
     } catch (error) {
-      // its start failed (stopped waiting, shut down, refused): start nothing else now
       clearStarting(context);
+      if (!waiting) {
+        return false; // ended meanwhile: the notebook opens as if it had no kernel
+      }
+      // its start failed (stopped waiting, shut down, refused): start nothing else now
       context.kernelPreference = { ...context.kernelPreference, shouldStart: false };
       void context.ready.then(() => this._deferred.notRun(panel));
       if (!this._withdrawn.delete(panel)) {
@@ -196,7 +206,15 @@ export class NotebookGuard {
           buttons: [Dialog.okButton({ label: this._trans.__('Ok') })]
         });
       }
+      return true;
     }
+    try {
+      // JupyterLab finds the session in its own list of sessions, which may predate it
+      await context.sessionManager.refreshRunning();
+    } catch {
+      // its next poll brings it
+    }
+    return true;
   }
 
   /** The notebook's kernelspec is one this user can never start: say why. */

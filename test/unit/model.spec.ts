@@ -3,7 +3,7 @@
 import type { NotebookPanel } from '@jupyterlab/notebook';
 
 import { IKernelLease } from '../../src/api';
-import { GPULeaseModel, QUIET_MS } from '../../src/model';
+import { GPULeaseModel, kernelToAttach, QUIET_MS } from '../../src/model';
 
 const NB = 'course/a.ipynb';
 
@@ -111,5 +111,26 @@ describe('the kernel a notebook shows', () => {
     model.update([activeK], 0);
     expect(model.forPanel(null)).toBeNull();
     expect(model.forPanel(panel({ kernelId: 'a', disposed: true }))).toBeNull();
+  });
+});
+
+describe('the kernel a page opening a notebook attaches to', () => {
+  const revoked = kernel('r', { state: 'revoked', ended_at: 10 });
+  const other = kernel('o', { state: 'active', path: 'other.ipynb' });
+
+  it("is the notebook's waiting kernel first, else one that started meanwhile", () => {
+    const waiting = kernel('w');
+    const active = kernel('a', { state: 'active' });
+    expect(kernelToAttach([revoked, active, waiting, other], NB)).toBe(waiting);
+    // started while the page loaded: the page attaches rather than holding the notebook
+    expect(kernelToAttach([revoked, active, other], NB)).toBe(active);
+    const parked = kernel('p', { state: 'parked' });
+    expect(kernelToAttach([revoked, parked], NB)).toBe(parked);
+  });
+
+  it("is none for a notebook whose kernels ended or are another notebook's", () => {
+    const released = kernel('x', { state: 'released', ended_at: 20 });
+    expect(kernelToAttach([revoked, released, other], NB)).toBeNull();
+    expect(kernelToAttach([], NB)).toBeNull();
   });
 });
