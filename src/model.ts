@@ -11,9 +11,8 @@ export const QUIET_MS = 3000;
 /**
  * The GPU kernel started for the notebook at `path` that a page opening it attaches to
  * instead of starting or holding another: one waiting for its GPU, else one holding its
- * lease (it may have started while the page loaded, after JupyterLab had listed the
- * sessions: the page then saw no session and held the notebook, its kernel running
- * unseen). Null when none.
+ * lease (the GPU may come while the page loads: attaching only to a waiting kernel, the
+ * page held the notebook while its kernel ran unseen). Null when none.
  */
 export function kernelToAttach(
   kernels: ReadonlyArray<IKernelLease>,

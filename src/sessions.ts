@@ -4,8 +4,8 @@
 //   to that kernel instead of starting a second one: JupyterLab knows a session only once
 //   its kernel has started, so it found none and started another kernel, which joined the
 //   queue too; cells this tab ran while it waited wait again (src/deferred.ts). The same
-//   for a kernel that started while the page loaded (after JupyterLab had listed the
-//   sessions): the page held the notebook ("No Kernel") while its kernel ran unseen;
+//   for a kernel whose GPU came while the page loaded: attaching only to a waiting one,
+//   the page held the notebook ("No Kernel") while its kernel ran unseen;
 // - a notebook saved with a GPU kernel opens without starting it (unless the setting
 //   startGpuKernelsOnOpen says to): a banner says what starting it would take and offers
 //   Start. JupyterLab starts a notebook's kernel whenever it opens it, also when it
