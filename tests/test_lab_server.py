@@ -124,6 +124,29 @@ def test_what_starting_a_gpu_kernelspec_would_take(stack: Any) -> None:
     assert r.status_code == 403
 
 
+def test_a_kernel_whose_page_went_away_is_listed_under_its_notebook(stack: Any) -> None:
+    """JupyterLab starts a notebook's kernel on a temporary ``dir/<uuid>`` session path and
+    moves the session to the notebook once the kernel has started. Reloaded meanwhile, the
+    page never does: the kernel is still listed under its notebook (the name it was
+    started with), so the reloaded page finds it, and its re-attach moves the session."""
+    _, server = stack
+    body = server.session_body(str(uuid.uuid4()), server.spec)
+    body["name"] = "e.ipynb"
+    r = server.http.post("/api/sessions", json=body)  # no PATCH after: the page is gone
+    assert r.status_code == 201, r.text
+    kernel_id = r.json()["kernel"]["id"]
+    assert r.json()["path"] != "e.ipynb"
+    listed = by_path(server)
+    assert listed["e.ipynb"]["kernel_id"] == kernel_id, listed
+    assert listed["e.ipynb"]["state"] == "active"
+    where = {"path": "e.ipynb", "name": "e.ipynb", "type": "notebook"}
+    r = server.http.post(f"/gpu-lease/api/kernels/{kernel_id}/session", json=where)
+    assert r.status_code == 200, r.text
+    assert r.json()["path"] == "e.ipynb" and r.json()["kernel"]["id"] == kernel_id
+    assert server.http.delete(f"/api/kernels/{kernel_id}").status_code == 204
+    wait_for(lambda: "e.ipynb" not in by_path(server), what="the kernel's lease released")
+
+
 def test_waiting_kernel_shows_its_place_which_moves_then_runs(stack: Any) -> None:
     broker, server = stack
     first, second = Start(server, "a.ipynb"), Start(server, "b.ipynb")

@@ -48,8 +48,9 @@ class KernelLease:
     state: str
     fraction: float
     kernel_name: str | None = None
-    #: the session path jupyter_server gave the kernel (``JPY_SESSION_NAME``); while
-    #: JupyterLab starts a notebook's kernel this is a temporary ``dir/<uuid>`` path
+    #: the session path jupyter_server gave the kernel (``JPY_SESSION_NAME``): the
+    #: notebook's file where the start named it (JupyterLab's does), else the session's
+    #: path, a temporary ``dir/<uuid>`` while JupyterLab starts a notebook's kernel
     session_path: str | None = None
     lease: dict[str, Any] | None = None
     position: int | None = None

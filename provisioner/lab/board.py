@@ -19,6 +19,7 @@ import asyncio
 import datetime as dt
 import inspect
 import os
+import re
 import time
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -30,6 +31,10 @@ from ..client import BrokerClient, broker_env
 from ..errors import GPULeaseError
 from ..kernel.kernelspecs import PROVISIONER_NAME
 from ..kernel.status import ENDED, LeaseBoard, board_for
+
+#: the temporary session path JupyterLab starts a notebook's kernel on, ``dir/<uuid4>``
+#: (``SessionContext._changeKernel``), before it moves the session to the notebook
+_TEMPORARY = re.compile(r"(^|/)[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
 def session_text(s: dict[str, Any]) -> str:
@@ -104,7 +109,13 @@ class GPULeaseLab(LoggingConfigurable):
             if record.state not in ENDED and record.kernel_id not in known:
                 continue  # its manager is gone without a word (never seen; defensive)
             item = record.to_json()
-            path = self._paths.get(record.kernel_id) or self._api_path(record.session_path)
+            path = self._paths.get(record.kernel_id)
+            if path is None or _TEMPORARY.search(path):
+                # a session still on JupyterLab's temporary path (the page that started the
+                # kernel moves it to the notebook once started; reloaded meanwhile, it never
+                # does): the notebook's name the kernel was started with, so that the
+                # reloaded page finds its kernel and re-attaches (which moves the session)
+                path = self._api_path(record.session_path) or path
             if path:
                 item["path"] = path
             out.append(item)
