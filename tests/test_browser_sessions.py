@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from provisioner.devtools.testing import wait_for
+
 from .test_browser_hub import KERNEL_MS
 from .test_browser_lab import (
     STATUS,
@@ -70,11 +72,16 @@ def test_a_member_and_a_non_member_see_the_class_session(
         # the broker's why comes with its answer to the request (the status bar may show the
         # place first, from the server's own record of the waiting kernel)
         why = f"Part of the GPUs you may use is reserved for ml101's class session until {clock}."
-        deadline = time.monotonic() + 60
-        title = ""
-        while time.monotonic() < deadline and not title.startswith(why):
-            time.sleep(0.25)
-            title = page.locator(STATUS).get_attribute("title") or ""
-        assert title.startswith(why), title
+
+        def tooltip() -> str:
+            return str(page.locator(STATUS).get_attribute("title") or "")
+
+        wait_for(
+            lambda: tooltip().startswith(why),
+            60,
+            f"the status bar's tooltip to start with {why!r}",
+            0.25,
+            lambda: f"the tooltip: {tooltip()!r}",
+        )
         page.locator(".jp-StatusBar-Widget").screenshot(path=str(tmp_path / "non-member.png"))
         context.close()
