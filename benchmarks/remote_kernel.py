@@ -53,7 +53,11 @@ sys.path.insert(0, str(ROOT))
 
 from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 
-from provisioner.devtools.testing import BrokerProcess, wait_for  # noqa: E402
+from provisioner.devtools.testing import (  # noqa: E402
+    BrokerProcess,
+    interrupt_a_sleeping_cell,
+    wait_for,
+)
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json  # noqa: E402
 from tests.accounts import passable_dir, student_python, useradd, userdel  # noqa: E402
 
@@ -83,16 +87,10 @@ async def one_kernel(kind: str, messages: int) -> dict[str, float]:
     try:
         await kc.wait_for_ready(timeout=120)
         out["start"] = time.perf_counter() - t0
-        msg_id = kc.execute("import time\nfor _ in range(3000): time.sleep(0.01)")
-        await asyncio.sleep(0.3)
-        t0 = time.perf_counter()
-        await km.interrupt_kernel()
-        while True:
-            reply = await kc.get_shell_msg(timeout=60)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                break
-        out["interrupt"] = time.perf_counter() - t0
-        assert reply["content"].get("ename") == "KeyboardInterrupt", reply["content"]
+        content, out["interrupt"] = await interrupt_a_sleeping_cell(
+            km, kc, seconds=30, settle=0.3, timeout=60
+        )
+        assert content.get("ename") == "KeyboardInterrupt", content
         t0 = time.perf_counter()
         ids = {kc.kernel_info() for _ in range(messages)}
         while ids:

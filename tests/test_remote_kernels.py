@@ -10,7 +10,6 @@ What each test breaks on purpose is in its name and its first line. Network name
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -28,6 +27,7 @@ import httpx
 import pytest
 from jupyter_client.manager import AsyncKernelManager
 
+from provisioner.devtools import testing
 from provisioner.devtools.testing import execute, wait_for, wait_for_async
 from provisioner.kernel.kernelspecs import build_kernelspec, spec_json
 
@@ -255,21 +255,13 @@ async def probe(km: AsyncKernelManager) -> dict[str, Any]:
 
 
 async def interrupt_a_sleeping_cell(km: AsyncKernelManager) -> tuple[dict[str, Any], float]:
-    """Run a ``time.sleep`` loop, interrupt the kernel (JupyterLab's interrupt: through the
-    provisioner), and wait for the cell's reply: its content, and the seconds from the
-    interrupt to the reply."""
+    """Interrupt a ``time.sleep`` loop through the provisioner (JupyterLab's interrupt) and
+    wait for the cell's reply: its content, and the seconds from the interrupt to it."""
     kc = km.client()
     kc.start_channels()
     try:
         await kc.wait_for_ready(timeout=30)
-        msg_id = kc.execute("import time\nfor _ in range(600): time.sleep(0.1)")
-        await asyncio.sleep(0.5)
-        t0 = time.monotonic()
-        await km.interrupt_kernel()
-        while True:
-            reply = await kc.get_shell_msg(timeout=30)
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return dict(reply["content"]), time.monotonic() - t0
+        return await testing.interrupt_a_sleeping_cell(km, kc)
     finally:
         kc.stop_channels()
 

@@ -172,6 +172,24 @@ async def execute(
     return "".join(out), dict(reply["content"])
 
 
+async def interrupt_a_sleeping_cell(
+    km: Any, kc: Any, *, seconds: float = 60.0, settle: float = 0.5, timeout: float = 30.0
+) -> tuple[dict[str, Any], float]:
+    """Run a cell that sleeps for ``seconds`` in short steps on ``kc`` (a started client of
+    ``km``'s kernel), interrupt the kernel ``settle`` seconds later as JupyterLab does
+    (``km.interrupt_kernel()``, through the provisioner), and wait for the cell's reply:
+    its content, and the seconds (``time.perf_counter``) from the interrupt to the reply."""
+    steps = max(1, round(seconds / 0.1))
+    msg_id = kc.execute(f"import time\nfor _ in range({steps}): time.sleep(0.1)")
+    await asyncio.sleep(settle)
+    t0 = time.perf_counter()
+    await km.interrupt_kernel()
+    while True:
+        reply = await kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return dict(reply["content"]), time.perf_counter() - t0
+
+
 def load_example(name: str) -> ModuleType:
     """``examples/<name>.py`` as a module (registered as ``name``: dataclasses need it)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
