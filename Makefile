@@ -9,41 +9,42 @@ STAMP  := $(VENV)/.installed-stamp
 CHP    := node_modules/.bin/configurable-http-proxy
 PYTEST_ARGS ?=
 
-.PHONY: install demo demo-install test fast lint typecheck unit unit-js upstream bench clean chromium promtool slurm sudo
+.PHONY: install demo demo-install test fast lint typecheck unit unit-js upstream bench clean debs
 
-install: $(STAMP) $(CHP) chromium promtool slurm sudo
+install: $(STAMP) $(CHP) debs
 
-# Debian's chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright)
-chromium:
-	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
-	fi
+# Debian's packages the tests use, after one `apt-get update` (make test runs this beside
+# pip's and npm's installs, make -j):
+# chromium for the browser tests (Playwright drives it; nothing is downloaded by Playwright);
+# prometheus for promtool (tests/test_metrics.py lints a live broker's /metrics with it);
+# slurm-wlm for the Slurm tests (slurmctld and two slurmd on this machine,
+# provisioner/devtools/slurmcluster.py; no daemon is started here); sudo, with which the
+# Slurm test's root hub submits each student's job as the student (batchspawner's
+# `sudo -E -u USER sbatch`), as an HPC site's hub does
+DEBS := promtool:prometheus slurmctld:slurm-wlm sudo:sudo
 
-# Debian's prometheus for promtool: tests/test_metrics.py lints a live broker's /metrics with it
-promtool:
-	@if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus; \
-	fi
-
-# Debian's slurm-wlm for the Slurm variant's test (tests/test_slurm.py): slurmctld and two
-# slurmd run on this machine (provisioner/devtools/slurmcluster.py); no daemon is started here
-slurm:
-	@if ! command -v slurmctld >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm; \
-	fi
-
-# Debian's sudo: the Slurm test's root hub submits each student's job as the student
-# (batchspawner's `sudo -E -u USER sbatch`), as an HPC site's hub does
-sudo:
-	@if ! command -v sudo >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends sudo; \
+debs:
+	@missing=""; for pair in $(DEBS); do \
+		command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; \
+	done; \
+	if { [ -n "$$missing" ] || [ ! -x /usr/bin/chromium ]; } && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q >/dev/null; \
+		if [ ! -x /usr/bin/chromium ]; then \
+			echo "apt-get install chromium"; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; \
+		fi; \
+		if [ -n "$$missing" ]; then \
+			echo "apt-get install$$missing"; \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing >/dev/null; \
+		fi; \
 	fi
 
 # the package build (hatch-jupyter-builder) runs `npm install` and `npm run build:prod` when
 # src/ is newer than provisioner/labextension; the extension is then copied into the venv
 LAB_SOURCES := package.json tsconfig.json $(wildcard src/*.ts schema/*.json style/*)
 
-$(STAMP): pyproject.toml requirements-test.txt $(LAB_SOURCES)
+# (after npm's install: the package build runs npm in the same folder)
+$(STAMP): pyproject.toml requirements-test.txt $(LAB_SOURCES) | $(CHP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements-test.txt -e .
@@ -89,10 +90,11 @@ unit-js: $(CHP)
 # failover, kernel and hub tests also run with HTTP served by a front process
 # (--http-processes 1): tests/conftest.py's FRONTS_MODULES, the [sqlite-fronts] and [fronts]
 # variants. WORKERS=N runs them on N pytest-xdist workers (tests/conftest.py's scheduler
-# keeps a module's shared fixture, a hub or a Slurm cluster, on one worker): on this
-# project's 2-core machines 3 workers saved only 13 % and loaded the machine enough for two
-# load-sensitive tests to fail (docs/developers.md, Tests), so CI runs one (0: no workers)
-WORKERS ?= 0
+# keeps a module's shared fixture, a hub or a Slurm cluster, on one worker), then the tests
+# marked `alone` (they restart the shared PostgreSQL server) by themselves. Serial, the
+# unit tests keep 2 cores only 41 % busy (they mostly wait for kernels, servers, TTLs):
+# 3 workers fill them (docs/developers.md, Tests). WORKERS=0: one process, no xdist.
+WORKERS ?= 3
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) $(PYTEST_ARGS)
@@ -104,7 +106,20 @@ unit: $(STAMP)
 upstream: $(STAMP)
 	$(BIN)/python tests/upstream/run_upstream.py
 
-test: install lint typecheck unit-js unit upstream
+# what CI runs (.ci/run): the installs at once (pip's, npm's, apt-get's), the checks, then
+# the unit tests with the upstream suites beside them (they wait for kernels, about 20 % of
+# a core): the upstream output follows the unit tests' (.upstream/make-upstream.log), and
+# the run fails if either failed
+test:
+	@$(MAKE) --no-print-directory -j3 install
+	@$(MAKE) --no-print-directory lint typecheck unit-js
+	@mkdir -p .upstream; \
+	$(MAKE) --no-print-directory upstream > .upstream/make-upstream.log 2>&1 & upstream=$$!; \
+	$(MAKE) --no-print-directory unit; unit=$$?; \
+	wait $$upstream; up=$$?; \
+	cat .upstream/make-upstream.log; \
+	echo "make test: unit tests exit $$unit, upstream suites exit $$up"; \
+	[ $$unit = 0 ] && [ $$up = 0 ]
 
 # the fast tier: every test not marked slow; it starts no process (tests/conftest.py fails
 # a test that does), so it runs in well under a minute. `make test` runs it with the rest.
