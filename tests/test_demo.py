@@ -11,11 +11,13 @@ with 60 servers.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from provisioner.devtools.demo import MAX_RUNTIME_DIR, runtime_dir
+from provisioner.devtools.demo import MAX_RUNTIME_DIR, _private_write, runtime_dir
 from provisioner.devtools.demohub import DemoHub
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(480)]
@@ -133,3 +135,40 @@ def test_fastexit_runs_atexit_and_does_not_wait_for_a_thread_that_never_ends(
     assert proc.returncode == (3 if ends.startswith("sys.exit") else 0)
     assert done.read_text() == "yes"  # the module's atexit handler ran
     assert time.monotonic() - started < 30  # did not wait for the thread (it never ends)
+
+
+def test_a_reader_waiting_for_demo_json_never_reads_it_half_written(tmp_path: Path) -> None:
+    """Scripts and tests wait for ``demo.json`` to exist, then read it: the demo writes it
+    whole (beside it, then renamed), so a file that exists parses; it was once read empty,
+    between its creation and its text (a hub fixture's JSONDecodeError in a CI run)."""
+    path = tmp_path / "demo.json"
+    text = json.dumps({"url": "http://127.0.0.1:8000", "pad": "x" * 20000})
+    done = threading.Event()
+
+    def write() -> None:
+        for n in range(600):
+            _private_write(path, text)
+            if n % 2 == 0:
+                path.unlink()  # and created anew (the last write stays)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reads = 0
+    try:
+        while True:
+            finished = done.is_set()
+            try:
+                seen = path.read_text()
+            except FileNotFoundError:
+                continue
+            reads += 1
+            assert json.loads(seen)["url"] == "http://127.0.0.1:8000", seen[:100]
+            if finished:
+                break
+    finally:
+        writer.join()
+    assert reads > 0
+    _private_write(path, text)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["demo.json"]  # no temporary file left

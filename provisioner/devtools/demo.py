@@ -103,11 +103,19 @@ def install_kernelspecs(prefix: str = "") -> list[str]:
 
 
 def _private_write(path: Path, text: str) -> None:
-    """Write ``path`` readable by its owner only (mode 0600 whatever the umask)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        os.fchmod(f.fileno(), 0o600)  # made earlier with a wider mode: no longer
-        f.write(text)
+    """Write ``path`` readable by its owner only (mode 0600 whatever the umask), whole: the
+    text goes to a file beside it that then replaces it, so a reader that waits for the
+    file (a script or test waiting for ``demo.json``) never reads it empty or half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # a file left with a wider mode: no longer
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _secret_file(path: Path, nbytes: int) -> str:
