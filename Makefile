@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 # Python writes its bytecode caches here, even where the environment says not to (this
 # project's machines set PYTHONDONTWRITEBYTECODE=1): every pytest process (three workers,
 # the upstream shards) would otherwise rewrite the test modules' and its plugins' asserts
-# again, about 9 s of CPU each, and every kernel, server and broker compile our modules
+# again, about 9 s of CPU each, and each process the tests start would compile again
+# whatever module has no cache yet
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo demo-install test fast lint typecheck unit unit-js upstream bench clean debs
