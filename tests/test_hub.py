@@ -89,10 +89,10 @@ class Hub:
             )
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the demo exited with {self.proc.returncode}:\n{self.log()}")
+            self.info = json.loads(info_file.read_text())
         except BaseException:
-            self.stop()
+            self.stop()  # whatever failed, no demo is left running
             raise
-        self.info = json.loads(info_file.read_text())
         self.url = self.info["url"]
         self.broker = self.info["broker_url"]
         self.admin = self.info["admin_token"]
