@@ -25,8 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from provisioner.devtools.demo import MAX_RUNTIME_DIR, _private_write, runtime_dir
+from provisioner.devtools.demo import MAX_RUNTIME_DIR, runtime_dir
 from provisioner.devtools.demohub import DemoHub
+from provisioner.devtools.testing import write_private
 
 pytestmark = [pytest.mark.hub, pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -147,7 +148,7 @@ def test_a_reader_waiting_for_demo_json_never_reads_it_half_written(tmp_path: Pa
 
     def write() -> None:
         for n in range(600):
-            _private_write(path, text)
+            write_private(path, text)
             if n % 2 == 0:
                 path.unlink()  # and created anew (the last write stays)
         done.set()
@@ -169,6 +170,6 @@ def test_a_reader_waiting_for_demo_json_never_reads_it_half_written(tmp_path: Pa
     finally:
         writer.join()
     assert reads > 0
-    _private_write(path, text)
+    write_private(path, text)
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["demo.json"]  # no temporary file left

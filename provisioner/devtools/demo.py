@@ -43,6 +43,7 @@ import httpx
 
 from ..errors import GPULeaseError
 from ..kernel import kernelspecs as ks
+from .testing import write_private
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "hub_config" / "jupyterhub_config.py"
@@ -102,25 +103,9 @@ def install_kernelspecs(prefix: str = "") -> list[str]:
     return names
 
 
-def _private_write(path: Path, text: str) -> None:
-    """Write ``path`` readable by its owner only (mode 0600 whatever the umask), whole: the
-    text goes to a file beside it that then replaces it, so a reader that waits for the
-    file (a script or test waiting for ``demo.json``) never reads it empty or half written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            os.fchmod(f.fileno(), 0o600)  # a file left with a wider mode: no longer
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _secret_file(path: Path, nbytes: int) -> str:
     if not path.exists():
-        _private_write(path, os.urandom(nbytes).hex())
+        write_private(path, os.urandom(nbytes).hex())
     return path.read_text(encoding="utf-8").strip()
 
 
@@ -355,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             f"{info['broker_url']}/api/v1/health", hub, args.ready_timeout, "The GPU lease broker"
         )
         # the operator token and the admin password: the demo's owner's alone
-        _private_write(state / "demo.json", json.dumps(info, indent=1))
+        write_private(state / "demo.json", json.dumps(info, indent=1))
         print(banner(info), flush=True)
         while not stop.is_set() and hub.poll() is None:
             stop.wait(0.5)

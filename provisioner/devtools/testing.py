@@ -40,11 +40,20 @@ DEFAULT_GPUS = "1x32768:V100"
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``path`` readable by its owner only (mode 0600 whatever the umask): tokens."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(text)
+    """Write ``path`` readable by its owner only (mode 0600 whatever the umask: tokens),
+    whole: the text goes to a file beside it that then replaces it, so a reader that waits
+    for the file (a script or test waiting for the demo's ``demo.json``) never reads it
+    empty or half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o600)  # a file left with a wider mode: no longer
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def free_port() -> int:
